@@ -1,0 +1,31 @@
+# One entry point: `make test` builds .venv from nothing (Python 3.11) and runs the suite.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test bench clean lock
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# pytest exits 5 when it collects nothing: that is a failure here too.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/storage.py
+
+clean:
+	rm -rf $(VENV) .jax_cache
+
+# Re-resolve and re-pin every package after a change to pyproject.toml's dependencies.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet -e ".[dev]"
+	{ head -2 constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -v '^marinrl'; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .venv-lock
