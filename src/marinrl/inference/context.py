@@ -1,0 +1,57 @@
+"""What environments call: token-in/token-out generation, plus chat-template helpers on top.
+
+Environments depend on this protocol only, never on the engine behind it, so the same environment
+runs against the in-process Levanter engine and (for agent code) the OpenAI-compatible endpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Protocol, Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one turn. `temperature == 0` is greedy."""
+
+    temperature: float = 1.0
+    max_tokens: int = 32
+    """Budget of new tokens for this turn."""
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    """Token-id sequences that end the turn (included in the response); EOS always stops."""
+
+    def __post_init__(self):
+        if not (self.temperature >= 0):
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        for s in self.stop_sequences:
+            if len(s) == 0:
+                raise ValueError("SamplingParams.stop_sequences holds an empty sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One sampled continuation of one prompt."""
+
+    tokens: np.ndarray
+    """int32 new tokens, including the EOS or stop sequence that ended the turn."""
+    logprobs: np.ndarray
+    """float32 log μ(token) of each new token, at the sampling temperature."""
+    finish_reason: Literal["stop", "length"]
+
+
+class InferenceContext(Protocol):
+    """The inference surface an environment sees."""
+
+    @property
+    def tokenizer(self):  # a transformers PreTrainedTokenizerBase
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, seed: int
+    ) -> list[list[Generation]]:
+        """`n` samples for each prompt, all prompts in one engine call; result[i][j] is sample j of prompt i."""
+        ...
