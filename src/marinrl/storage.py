@@ -130,11 +130,21 @@ def decode_batch(data: bytes, path: str = "<bytes>") -> RolloutBatch:
 
     Validation is done once per column over the whole file rather than rollout by rollout; it
     checks what `Rollout.__post_init__` checks, so a decoded batch is as trustworthy as a built one.
+    The bytes are untrusted: whatever pyarrow or our checks raise becomes a RolloutFormatError.
     """
+    try:
+        return _decode(data, path)
+    except RolloutFormatError:
+        raise
+    except Exception as e:
+        raise RolloutFormatError(f"{path}: not a valid rollout file ({type(e).__name__}: {e})") from e
+
+
+def _decode(data: bytes, path: str) -> RolloutBatch:
     try:
         pf = pq.ParquetFile(pa.BufferReader(data))
         file_meta = pf.schema_arrow.metadata or {}
-    except (pa.ArrowException, OSError) as e:
+    except Exception as e:
         _fail(path, f"not a readable Parquet file ({e})")
     version = file_meta.get(VERSION_KEY)
     if version is None:
@@ -151,14 +161,14 @@ def decode_batch(data: bytes, path: str = "<bytes>") -> RolloutBatch:
         _fail(path, f"unknown format version {version_int}")
     try:
         table = pf.read()
-    except (pa.ArrowException, OSError) as e:
+    except Exception as e:
         _fail(path, f"cannot read the Parquet data ({e})")
     missing = [f.name for f in SCHEMA if f.name not in table.column_names]
     if missing:
         _fail(path, f"missing columns {missing}")
     try:
         table = table.select(SCHEMA.names).cast(SCHEMA.with_metadata(None))
-    except (pa.ArrowException, ValueError) as e:
+    except Exception as e:
         _fail(path, f"columns of the wrong type ({e})")
     try:
         batch_meta = json.loads(file_meta[BATCH_KEY])
@@ -485,6 +495,7 @@ class RolloutReader:
     def _quarantine(self, step: int, name: str, path: str) -> None:
         dest = f"{self._root}/{QUARANTINE_DIR}/{step_dir_name(step)}/{name}"
         try:
+            self._fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
             with_retries(lambda: self._fs.mv(path, dest), "quarantining", path)
         except (OSError, RolloutStorageError) as e:
             logger.error("could not move %s to the quarantine (%r); skipping it in place", path, e)

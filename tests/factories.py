@@ -1,0 +1,93 @@
+"""Builders and hypothesis strategies for rollouts, shared by the tests."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+from hypothesis import strategies as st
+
+from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+
+
+def make_rollout(
+    group_id: str = "g0",
+    reward: float = 1.0,
+    prompt_len: int = 4,
+    response_len: int = 3,
+    weight_step: int = 0,
+    worker_id: str = "w0",
+    env_name: str = "env",
+    lesson_id: str = "lesson",
+    rng: np.random.Generator | None = None,
+    **overrides,
+) -> Rollout:
+    rng = rng or np.random.default_rng(0)
+    fields = dict(
+        prompt_tokens=rng.integers(0, 500, prompt_len),
+        response_tokens=rng.integers(0, 500, response_len),
+        response_logprobs=-rng.random(response_len).astype(np.float32),
+        temperature=1.0,
+        loss_mask=np.ones(response_len, dtype=bool),
+        token_rewards=np.where(np.arange(response_len) == response_len - 1, reward, 0.0).astype(np.float32),
+        episode_reward=reward,
+        finish_reason="stop",
+        env_name=env_name,
+        lesson_id=lesson_id,
+        group_id=group_id,
+        metadata=RolloutMetadata(worker_id, weight_step, 1_700_000_000.0),
+    )
+    fields.update(overrides)
+    return Rollout(**fields)
+
+
+def make_batch(n_groups: int = 2, group_size: int = 4, weight_step: int = 0, worker_id: str = "w0",
+               response_len: int = 3, seed: int = 0, env_name: str = "env") -> RolloutBatch:
+    rng = np.random.default_rng(seed)
+    groups = []
+    for _ in range(n_groups):
+        gid = uuid.UUID(int=int(rng.integers(0, 2**62))).hex
+        groups.append(RolloutGroup(tuple(
+            make_rollout(gid, float(rng.integers(0, 2)), response_len=response_len, weight_step=weight_step,
+                         worker_id=worker_id, env_name=env_name, rng=rng)
+            for _ in range(group_size)
+        )))
+    return RolloutBatch(tuple(groups), RolloutMetadata(worker_id, weight_step, 1_700_000_000.0))
+
+
+_names = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FFF, blacklist_categories=("Cs",)),
+                 min_size=1, max_size=12)
+_finite32 = st.floats(-2.0**127, 2.0**127, allow_nan=False, allow_infinity=False, width=32)
+
+
+@st.composite
+def rollouts(draw, group_id: str, weight_step: int, worker_id: str) -> Rollout:
+    n = draw(st.integers(1, 40))
+    ints = lambda size: st.lists(st.integers(0, 2**31 - 1), min_size=size, max_size=size)  # noqa: E731
+    return Rollout(
+        prompt_tokens=np.array(draw(st.lists(st.integers(0, 2**31 - 1), max_size=40)), dtype=np.int64),
+        response_tokens=np.array(draw(ints(n))),
+        response_logprobs=np.array(draw(st.lists(st.floats(-(2.0**127), 0, width=32), min_size=n, max_size=n)),
+                                   dtype=np.float32),
+        temperature=draw(st.floats(0, 10)),
+        loss_mask=np.array(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool),
+        token_rewards=np.array(draw(st.lists(_finite32, min_size=n, max_size=n)), dtype=np.float32),
+        episode_reward=draw(st.floats(-1e300, 1e300)),
+        finish_reason=draw(st.sampled_from(["stop", "length"])),
+        env_name=draw(_names),
+        lesson_id=draw(_names),
+        group_id=group_id,
+        metadata=RolloutMetadata(worker_id, weight_step, draw(st.floats(0, 4e9))),
+        agent_name=draw(_names),
+        policy_name=draw(_names),
+    )
+
+
+@st.composite
+def batches(draw) -> RolloutBatch:
+    weight_step = draw(st.integers(0, 10**8 - 1))
+    worker = draw(_names)
+    gids = draw(st.lists(_names, min_size=1, max_size=4, unique=True))
+    groups = [RolloutGroup(tuple(draw(st.lists(rollouts(g, weight_step, worker), min_size=1, max_size=3))))
+              for g in gids]
+    return RolloutBatch(tuple(groups), RolloutMetadata(worker, weight_step, draw(st.floats(0, 4e9))))

@@ -1,0 +1,279 @@
+import io
+import json
+import multiprocessing as mp
+import re
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from factories import batches, make_batch
+from marinrl import storage
+from marinrl.storage import (
+    RolloutFormatError,
+    RolloutReader,
+    RolloutStorageError,
+    RolloutWriter,
+    UnsupportedFormatVersion,
+    decode_batch,
+    encode_batch,
+)
+
+fixture_settings = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_encode_decode_round_trips_every_field(batch):
+    back = decode_batch(encode_batch(batch))
+    assert back.metadata == batch.metadata
+    assert [g.group_id for g in back.groups] == [g.group_id for g in batch.groups]
+    assert back.rollouts == batch.rollouts
+
+
+@fixture_settings
+@given(batch=batches())
+def test_writer_reader_round_trip_on_every_filesystem(fsspec_root, batch):
+    url, opts = fsspec_root
+    writer, reader = RolloutWriter(url, storage_options=opts), RolloutReader(url, storage_options=opts)
+    reader.load_state_dict(test_writer_reader_round_trip_on_every_filesystem.cursors.get(url, reader.state_dict()))
+    path = writer.write(batch)
+    assert re.search(rf"/step={batch.weight_step:08d}/[^/]+-\d{{6}}-[0-9a-f]{{12}}\.parquet$", path)
+    (back,) = reader.read_new()
+    assert back.rollouts == batch.rollouts and back.metadata == batch.metadata
+    test_writer_reader_round_trip_on_every_filesystem.cursors[url] = reader.state_dict()
+
+
+test_writer_reader_round_trip_on_every_filesystem.cursors = {}
+
+
+def test_files_are_readable_by_plain_pyarrow_and_pandas(tmp_path):
+    batch = make_batch(n_groups=2, group_size=3, weight_step=7)
+    path = RolloutWriter(str(tmp_path)).write(batch)
+    table = pq.read_table(path)
+    assert table.schema.metadata[b"marinrl.format_version"] == b"1"
+    df = table.to_pandas()
+    assert len(df) == 6 and set(df.weight_step) == {7}
+    assert list(df.response_tokens[0]) == batch.rollouts[0].response_tokens.tolist()
+
+
+def test_reader_is_incremental_and_filters_by_step(fsspec_root):
+    url, opts = fsspec_root
+    writer, reader = RolloutWriter(url, storage_options=opts), RolloutReader(url, storage_options=opts)
+    assert reader.read_new() == []  # the root does not exist yet
+    for step in (0, 1, 2):
+        writer.write(make_batch(weight_step=step, seed=step))
+    assert [b.weight_step for b in reader.read_new(min_step=1)] == [1, 2]
+    assert reader.read_new() == []
+    writer.write(make_batch(weight_step=0, seed=9))  # below the floor: never returned
+    writer.write(make_batch(weight_step=3, seed=3))
+    assert [b.weight_step for b in reader.read_new()] == [3]
+    assert reader.metrics["files_read"] == 3 and reader.metrics["rollouts_read"] == 24
+
+
+def test_max_files_leaves_the_rest_for_the_next_call():
+    url = "memory://max-files"
+    writer, reader = RolloutWriter(url), RolloutReader(url)
+    for i in range(5):
+        writer.write(make_batch(weight_step=i % 2, seed=i))
+    first = reader.read_new(max_files=3)
+    rest = reader.read_new(max_files=3)
+    assert len(first) == 3 and len(rest) == 2 and reader.read_new() == []
+
+
+def test_cursor_restore_is_exactly_once(fsspec_root):
+    url, opts = fsspec_root
+    writer = RolloutWriter(url, storage_options=opts)
+    for i in range(4):
+        writer.write(make_batch(weight_step=i // 2, seed=i))
+    reader = RolloutReader(url, storage_options=opts)
+    seen = reader.read_new(max_files=3)
+    saved = json.loads(json.dumps(reader.state_dict()))  # what a checkpoint holds
+    after_save = reader.read_new()  # consumed after the checkpoint: lost with the crash
+    for i in range(4, 6):
+        writer.write(make_batch(weight_step=2, seed=i))
+    resumed = RolloutReader(url, storage_options=opts)
+    resumed.load_state_dict(saved)
+    again = resumed.read_new()
+    ids = lambda bs: [g.group_id for b in bs for g in b.groups]  # noqa: E731
+    assert ids(again) == ids(after_save) + ids(again)[len(ids(after_save)):]
+    assert len(again) == 3
+    assert sorted(ids(seen) + ids(again)) == sorted(ids(seen) + ids(after_save) + ids(again[1:]))
+    assert not set(ids(seen)) & set(ids(again))
+
+
+def test_malformed_cursor_is_a_clear_error():
+    with pytest.raises(ValueError, match="RolloutReader state is malformed"):
+        RolloutReader("memory://x").load_state_dict({"floor": "a"})
+
+
+def _write_many(url: str, worker: str, n: int):
+    writer = RolloutWriter(url)
+    for i in range(n):
+        writer.write(make_batch(n_groups=1, group_size=2, weight_step=i % 3, worker_id=worker, seed=hash(worker) % 1000 + i))
+
+
+def test_concurrent_writers_and_a_restarting_reader(tmp_path):
+    url = f"file://{tmp_path}/root"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_write_many, args=(url, f"w{k}", 15)) for k in range(3)]
+    for p in procs:
+        p.start()
+    reader = RolloutReader(url)
+    got: list[str] = []
+    restarted = False
+    while any(p.is_alive() for p in procs) or not restarted:
+        got += [g.group_id for b in reader.read_new() for g in b.groups]
+        if not restarted and len(got) >= 10:
+            state = reader.state_dict()
+            reader = RolloutReader(url)
+            reader.load_state_dict(state)
+            restarted = True
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    got += [g.group_id for b in reader.read_new() for g in b.groups]
+    assert len(got) == 45 and len(set(got)) == 45
+    assert reader.metrics["quarantined_files"] == 0
+    assert not list((tmp_path / "root").rglob(".tmp-*"))
+
+
+def test_reader_ignores_temporary_files(tmp_path):
+    (tmp_path / "step=00000001").mkdir()
+    (tmp_path / "step=00000001" / ".tmp-w-000000-abc.parquet").write_bytes(b"half a file")
+    assert RolloutReader(str(tmp_path)).read_new() == []
+
+
+def _future_version_file(batch) -> bytes:
+    table = pq.read_table(pa.BufferReader(encode_batch(batch)))
+    meta = dict(table.schema.metadata)
+    meta[b"marinrl.format_version"] = b"99"
+    sink = io.BytesIO()
+    pq.write_table(table.replace_schema_metadata(meta), sink)
+    return sink.getvalue()
+
+
+def test_unparseable_files_are_quarantined_and_counted(fsspec_root):
+    url, opts = fsspec_root
+    writer, reader = RolloutWriter(url, storage_options=opts), RolloutReader(url, storage_options=opts)
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    good = writer.write(make_batch(weight_step=1))
+    fs.pipe_file(f"{root}/step=00000001/a-garbage.parquet", b"PAR1 this is not parquet")
+    not_ours = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, 2]}), not_ours)
+    fs.pipe_file(f"{root}/step=00000001/b-foreign.parquet", not_ours.getvalue())
+    batches_read = reader.read_new()
+    assert len(batches_read) == 1
+    assert reader.metrics["quarantined_files"] == 2 and reader.metrics["files_read"] == 1
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/quarantine")) == ["a-garbage.parquet", "b-foreign.parquet"]
+    assert fs.exists(fs._strip_protocol(good))
+    summary = storage.summarize(url, storage_options=opts)
+    assert summary["totals"]["quarantined"] == 2 and summary["totals"]["files"] == 1
+
+
+def test_a_future_format_version_is_refused_not_quarantined():
+    url = "memory://future"
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.pipe_file(f"{root}/step=00000000/w-000000-future.parquet", _future_version_file(make_batch()))
+    with pytest.raises(UnsupportedFormatVersion, match="format version 99 is newer"):
+        RolloutReader(url).read_new()
+    assert fs.exists(f"{root}/step=00000000/w-000000-future.parquet")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_corrupted_bytes_raise_format_errors_only(data):
+    raw = bytearray(encode_batch(make_batch(n_groups=1, group_size=2)))
+    for _ in range(data.draw(st.integers(1, 8))):
+        raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    try:
+        decode_batch(bytes(raw[:cut]) if data.draw(st.booleans()) else bytes(raw), "f")
+    except RolloutFormatError as e:
+        assert str(e).startswith("f:")
+
+
+class FlakyFileSystem(MemoryFileSystem):
+    """A real in-memory fsspec filesystem whose reads fail while `failures_left` > 0."""
+
+    protocol = "flakymem"
+    failures_left = 0
+    fail_paths: tuple[str, ...] = ()
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        if FlakyFileSystem.failures_left > 0 and any(p in path for p in FlakyFileSystem.fail_paths):
+            FlakyFileSystem.failures_left -= 1
+            raise ConnectionError(f"injected fault reading {path}")
+        return super().cat_file(path, start, end, **kwargs)
+
+
+@pytest.fixture
+def flaky(monkeypatch):
+    fsspec.register_implementation("flakymem", FlakyFileSystem, clobber=True)
+    monkeypatch.setattr(storage.time, "sleep", lambda s: None)  # backoff without waiting
+    FlakyFileSystem.failures_left = 0
+    yield FlakyFileSystem
+    FlakyFileSystem.failures_left = 0
+
+
+def test_transient_faults_are_retried(flaky):
+    url = "flakymem://retry"
+    RolloutWriter(url).write(make_batch(weight_step=0))
+    flaky.fail_paths, flaky.failures_left = ("step=",), 3
+    reader = RolloutReader(url)
+    assert len(reader.read_new()) == 1 and flaky.failures_left == 0
+
+
+def test_persistent_faults_surface_with_the_path_and_lose_nothing(flaky):
+    url = "flakymem://persistent"
+    writer = RolloutWriter(url)
+    first = writer.write(make_batch(weight_step=0, seed=1))
+    second = writer.write(make_batch(weight_step=1, seed=2))
+    reader = RolloutReader(url)
+    flaky.fail_paths, flaky.failures_left = (second.rsplit("/", 1)[-1],), 10**6
+    assert [b.weight_step for b in reader.read_new()] == [0]  # what was readable comes back
+    with pytest.raises(RolloutStorageError, match=re.escape(second.split("://", 1)[-1])):
+        reader.read_new()
+    assert reader.metrics["read_errors"] == 2 and reader.metrics["quarantined_files"] == 0
+    flaky.failures_left = 0
+    assert [b.weight_step for b in reader.read_new()] == [1]
+    assert first != second
+
+
+def test_retention_deletes_old_steps_but_keeps_the_quarantine(tmp_path):
+    url = str(tmp_path)
+    writer = RolloutWriter(url, retain_steps=2)
+    (tmp_path / "quarantine" / "step=00000000").mkdir(parents=True)
+    (tmp_path / "quarantine" / "step=00000000" / "x.parquet").write_bytes(b"x")
+    for step in range(6):
+        writer.write(make_batch(weight_step=step, seed=step))
+    assert sorted(p.name for p in tmp_path.glob("step=*")) == [f"step={s:08d}" for s in (3, 4, 5)]
+    assert (tmp_path / "quarantine" / "step=00000000" / "x.parquet").exists()
+    assert writer.metrics["steps_deleted"] == 3
+    assert storage.delete_steps_before(url, 5) == [3, 4]
+
+
+def test_writer_rejects_negative_retention():
+    with pytest.raises(ValueError, match="retain_steps"):
+        RolloutWriter("memory://r", retain_steps=-1)
+
+
+def test_summarize_reports_steps_envs_and_finish_reasons():
+    url = "memory://summary"
+    writer = RolloutWriter(url)
+    writer.write(make_batch(n_groups=2, group_size=4, weight_step=0, env_name="a"))
+    writer.write(make_batch(n_groups=1, group_size=4, weight_step=1, env_name="b", seed=3))
+    s = storage.summarize(url)
+    assert s["steps"]["0"]["rollouts"] == 8 and s["steps"]["0"]["groups"] == 2 and s["steps"]["1"]["files"] == 1
+    assert s["envs"]["a"]["finish_reasons"] == {"stop": 8} and s["envs"]["b"]["response_length"]["mean"] == 3
+    assert s["totals"] == {"files": 2, "rollouts": 12, "groups": 3, "unreadable": 0, "quarantined": 0}
+    rewards = [r.episode_reward for r in make_batch(n_groups=2, group_size=4, env_name="a").rollouts]
+    assert s["envs"]["a"]["reward"]["mean"] == pytest.approx(np.mean(rewards))
