@@ -1,4 +1,5 @@
-"""Group-relative advantages: pure NumPy functions, computed once when a group enters the replay buffer.
+"""Group-relative advantages and reward shaping: pure NumPy functions, applied once when a group enters
+the replay buffer (first `overlong_shaping`, then `group_advantages` on the shaped rewards).
 
 Notation (DESIGN.md §3): a group of G responses to one prompt with rewards R_1..R_G.
 """
@@ -10,13 +11,14 @@ from typing import Literal
 import numpy as np
 
 AdvantageKind = Literal["group_std", "group_mean", "rloo"]
+OverlongMode = Literal["none", "mask", "penalty"]
 
 
 def group_advantages(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps: float = 1e-6) -> np.ndarray:
     """Per-response advantages of one group.
 
     - `group_std` (GRPO):    A_i = (R_i − mean_j R_j) / (std_j R_j + eps)
-    - `group_mean` (Dr. GRPO, DAPO):  A_i = R_i − mean_j R_j
+    - `group_mean` (Dr. GRPO):  A_i = R_i − mean_j R_j
     - `rloo`:                A_i = R_i − mean_{j≠i} R_j  (0 for a group of one)
 
     Every kind sums to zero over the group, and a group whose rewards are all equal gets all zeros.
@@ -35,3 +37,52 @@ def group_advantages(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps
         g = r.size
         return centered * (g / (g - 1)) if g > 1 else np.zeros_like(r)
     raise ValueError(f"unknown advantage kind {kind!r}; expected one of group_std, group_mean, rloo")
+
+
+def overlong_shaping(
+    rewards: np.ndarray,
+    response_lengths: np.ndarray,
+    truncated: np.ndarray,
+    *,
+    mode: OverlongMode,
+    max_response_tokens: int | None = None,
+    cache_tokens: int = 0,
+    penalty: float = 1.0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """DAPO's overlong reward shaping, per response; returns (shaped rewards, trainable).
+
+    With L_max = `max_response_tokens`, L_cache = `cache_tokens`, |o_i| = `response_lengths[i]`:
+
+    - `none`:    R_i unchanged; all trainable.
+    - `mask`:    R_i unchanged; trainable_i = not truncated_i (finish_reason "length"). A truncated
+                 response stays in its group's baseline but none of its tokens is trained.
+    - `penalty`: R_i += R_len(|o_i|); all trainable, with
+                   R_len(L) = 0                                          if L ≤ L_max − L_cache
+                   R_len(L) = −penalty · (L − (L_max − L_cache)) / L_cache   if L_max − L_cache < L ≤ L_max
+                   R_len(L) = −penalty                                   if L > L_max
+
+    Apply it to a whole group before `group_advantages`, so the penalty moves the group baseline too.
+    """
+    r = np.asarray(rewards, dtype=np.float64)
+    lengths = np.asarray(response_lengths)
+    trunc = np.asarray(truncated, dtype=bool)
+    if r.ndim != 1 or lengths.shape != r.shape or trunc.shape != r.shape:
+        raise ValueError(
+            f"rewards, response_lengths and truncated must be 1-D of one length, got shapes "
+            f"{r.shape}, {lengths.shape}, {trunc.shape}"
+        )
+    if lengths.size and (lengths.dtype.kind not in "iu" or lengths.min() < 0):
+        raise ValueError(f"response_lengths must be non-negative integers, got {lengths}")
+    if mode == "none":
+        return r.copy(), np.ones(r.shape, dtype=bool)
+    if mode == "mask":
+        return r.copy(), ~trunc
+    if mode == "penalty":
+        if max_response_tokens is None or max_response_tokens <= 0:
+            raise ValueError(f"overlong penalty needs max_response_tokens > 0, got {max_response_tokens}")
+        if not 0 < cache_tokens <= max_response_tokens:
+            raise ValueError(f"overlong penalty needs 0 < cache_tokens <= {max_response_tokens}, got {cache_tokens}")
+        start = max_response_tokens - cache_tokens
+        over = np.clip((lengths - start) / cache_tokens, 0.0, 1.0)
+        return r - penalty * over, np.ones(r.shape, dtype=bool)
+    raise ValueError(f"unknown overlong mode {mode!r}; expected one of none, mask, penalty")
