@@ -1,0 +1,297 @@
+"""Weight transfer through a filesystem: gs://, a local path (file://) or memory://.
+
+Layout under ROOT:
+
+    ROOT/step-000000042-e<epoch>/weights.bin      one version, packed format (transfer/packed.py), or
+    ROOT/step-000000042-e<epoch>/<leaf>/<path>/   one version, a Levanter tensorstore checkpoint
+    ROOT/latest.json                              the pointer: the newest committed version
+
+A version folder is written once and never changed (its name holds the server's epoch, so a
+restarted trainer never overwrites the folder of a version a client may be reading). The pointer
+is written last, as a single atomic object (an atomic put on object stores, a rename on local
+disks), so a reader that follows it never sees a half-written version. After each commit the
+server deletes the versions older than the newest that are not among the `keep_last` it
+committed itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from collections import deque
+
+import equinox as eqx
+import fsspec
+import jax
+import numpy as np
+from jax.experimental.array_serialization.serialization import GlobalAsyncCheckpointManager
+from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
+
+from marinrl.storage import _ATOMIC_PUT_PROTOCOLS, _list_names, _open_root, with_retries
+from marinrl.transfer.base import (
+    VersionId,
+    WeightFormatError,
+    WeightPublishError,
+    WeightTransferClient,
+    WeightTransferConfig,
+    WeightTransferServer,
+    host_leaves,
+    is_fully_addressable,
+    new_epoch,
+)
+from marinrl.transfer.packed import read_packed, write_packed
+
+logger = logging.getLogger(__name__)
+
+POINTER_NAME = "latest.json"
+PACKED_NAME = "weights.bin"
+POINTER_FORMAT_VERSION = 1
+FORMATS = ("auto", "packed", "tensorstore")
+_VERSION_DIR = re.compile(r"^step-(\d+)-e(\d+)$")
+_LOCAL_PROTOCOLS = {"file", "local"}
+_TENSORSTORE_PROTOCOLS = _LOCAL_PROTOCOLS | {"gs", "gcs"}
+
+
+def version_dir_name(version: VersionId) -> str:
+    return f"step-{version.weight_step:09d}-e{version.epoch}"
+
+
+def parse_version_dir(name: str) -> VersionId | None:
+    m = _VERSION_DIR.match(name)
+    return VersionId(int(m.group(2)), int(m.group(1))) if m else None
+
+
+@WeightTransferConfig.register_subclass("filesystem")
+@dataclasses.dataclass(frozen=True)
+class FilesystemTransferConfig(WeightTransferConfig):
+    root: str
+    """Where versions go: gs://bucket/prefix, file:///path (or a bare path) or memory://name."""
+    keep_last: int = 2
+    """Versions the server keeps after each commit (the newest and the ones before it, for slow readers)."""
+    format: str = "auto"
+    """packed: one object, NumPy views (fastest for models one host can hold); tensorstore: a Levanter
+    checkpoint, each host writing its own shards (needed for models sharded over several hosts;
+    gs:// or local only); auto: packed unless the model is not fully addressable from one process."""
+    storage_options: dict = dataclasses.field(default_factory=dict)
+    """fsspec options (e.g. {"token": "anon"}). tensorstore takes its credentials from the environment."""
+
+    def __post_init__(self):
+        if not self.root:
+            raise ValueError("FilesystemTransferConfig.root must be set")
+        if self.keep_last < 1:
+            raise ValueError(f"FilesystemTransferConfig.keep_last must be >= 1, got {self.keep_last}")
+        if self.format not in FORMATS:
+            raise ValueError(f"FilesystemTransferConfig.format must be one of {FORMATS}, got {self.format!r}")
+        if self.format == "tensorstore" and fsspec.utils.get_protocol(self.root) not in _TENSORSTORE_PROTOCOLS:
+            raise ValueError(f"format='tensorstore' needs a gs:// or local root, got {self.root!r}")
+
+    def build_server(self) -> "FilesystemWeightServer":
+        return FilesystemWeightServer(self)
+
+    def build_client(self, skeleton) -> "FilesystemWeightClient":
+        return FilesystemWeightClient(self, skeleton)
+
+
+class _Root:
+    """The filesystem and root path both sides share, with the pointer's read and write."""
+
+    def __init__(self, config: FilesystemTransferConfig):
+        self.url = config.root
+        self.fs, self.path = _open_root(config.root, config.storage_options, None)
+        self.protocols = set(np.atleast_1d(self.fs.protocol))
+        self.pointer_path = f"{self.path}/{POINTER_NAME}"
+
+    def display(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def tensorstore_url(self, path: str) -> str:
+        if self.protocols & _LOCAL_PROTOCOLS:
+            return path
+        if self.protocols & {"gs", "gcs"}:
+            return f"gs://{path}"
+        raise WeightFormatError(f"{self.url}: tensorstore reads and writes gs:// or local paths only")
+
+    def read_pointer(self) -> dict | None:
+        """The pointer's content, None if nothing was published; WeightFormatError if it is unreadable."""
+        try:
+            data = with_retries(lambda: self.fs.cat_file(self.pointer_path), "reading", self.pointer_path)
+        except FileNotFoundError:
+            return None
+        where = self.display(self.pointer_path)
+        try:
+            pointer = json.loads(data)
+            version = VersionId(int(pointer["epoch"]), int(pointer["weight_step"]))
+            if pointer["version"] != version_dir_name(version) or pointer["format"] not in ("packed", "tensorstore"):
+                raise ValueError(f"version {pointer['version']!r} or format {pointer['format']!r}")
+            int(pointer["bytes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightFormatError(f"{where}: unreadable pointer ({e!r})") from e
+        if int(pointer.get("format_version", 0)) > POINTER_FORMAT_VERSION:
+            raise WeightFormatError(f"{where}: pointer format {pointer['format_version']} is newer than this reader's")
+        return pointer
+
+    def write_pointer(self, pointer: dict) -> None:
+        data = json.dumps(pointer, indent=1).encode()
+        if self.protocols & _ATOMIC_PUT_PROTOCOLS:
+            with_retries(lambda: self.fs.pipe_file(self.pointer_path, data), "writing", self.pointer_path)
+            return
+        tmp = f"{self.path}/.{POINTER_NAME}.{uuid.uuid4().hex[:12]}.tmp"
+        with_retries(lambda: self.fs.makedirs(self.path, exist_ok=True), "creating", self.path)
+        with_retries(lambda: self.fs.pipe_file(tmp, data), "writing", tmp)
+        with_retries(lambda: self.fs.mv(tmp, self.pointer_path), "renaming", tmp)
+
+
+def _attempt(what: str, where: str, fn):
+    """Runs one step of a publish; any failure becomes a WeightPublishError naming `where`."""
+    try:
+        return fn()
+    except WeightPublishError:
+        raise
+    except Exception as e:
+        raise WeightPublishError(f"{what} {where} failed: {e!r}") from e
+
+
+class FilesystemWeightServer(WeightTransferServer):
+    """Writes each version to its own folder, then the pointer, then deletes old versions."""
+
+    def __init__(self, config: FilesystemTransferConfig):
+        super().__init__()
+        self.config = config
+        self._root = _Root(config)
+        self.location = config.root
+        try:
+            current = self._root.read_pointer()
+        except Exception as e:  # noqa: BLE001 - a broken pointer is overwritten by the first publish
+            logger.warning("ignoring the existing pointer at %s: %s", self._root.url, e)
+            current = None
+        self.epoch = new_epoch(after=current and int(current["epoch"]))
+        self._committed: deque[str] = deque(maxlen=config.keep_last)
+        self.versions_deleted = 0
+
+    def _publish(self, version: VersionId, model) -> tuple[str, int]:
+        fmt = self.config.format
+        if fmt == "auto":
+            fmt = "packed" if is_fully_addressable(model) else "tensorstore"
+        name = version_dir_name(version)
+        folder = f"{self._root.path}/{name}"
+        crc = None
+        if fmt == "packed":
+            nbytes, crc = self._write_packed(folder, model)
+        else:
+            nbytes = self._write_tensorstore(folder, model)
+        if jax.process_index() == 0:
+            pointer_where = self._root.display(self._root.pointer_path)
+            try:
+                current = _attempt("reading", pointer_where, self._root.read_pointer)
+            except WeightPublishError as e:
+                if not isinstance(e.__cause__, WeightFormatError):
+                    raise
+                logger.warning("overwriting an unreadable pointer: %s", e.__cause__)
+                current = None
+            if current is not None and int(current["epoch"]) > self.epoch:
+                raise WeightPublishError(
+                    f"{pointer_where} points to weight step {current['weight_step']} of a newer server "
+                    f"(epoch {current['epoch']} > this server's {self.epoch}): this trainer was superseded"
+                )
+            pointer = {"format_version": POINTER_FORMAT_VERSION, "weight_step": version.weight_step,
+                       "epoch": version.epoch, "version": name, "format": fmt, "bytes": nbytes,
+                       "crc32": crc, "written_at": time.time()}
+            _attempt("writing", pointer_where, lambda: self._root.write_pointer(pointer))
+            self._committed.append(name)
+            self._collect_garbage(version)
+        return self._root.display(folder), nbytes
+
+    def _write_packed(self, folder: str, model) -> tuple[int, int]:
+        path = f"{folder}/{PACKED_NAME}"
+        where = self._root.display(path)
+        names, arrays = _attempt("gathering the weights for", where, lambda: host_leaves(model))
+        if jax.process_index() != 0:
+            return sum(a.nbytes for a in arrays), 0
+        fs = self._root.fs
+
+        def write():
+            fs.makedirs(folder, exist_ok=True)
+            with fs.open(path, "wb") as f:
+                return write_packed(f, names, arrays)
+
+        return _attempt("writing", where, lambda: with_retries(write, "writing", path))
+
+    def _write_tensorstore(self, folder: str, model) -> int:
+        arrays = eqx.filter(model, eqx.is_array)
+        url = self._root.tensorstore_url(folder)
+        _attempt("writing the tensorstore checkpoint", self._root.display(folder),
+                 lambda: tree_serialize_leaves_tensorstore(url, arrays))
+        return sum(int(x.nbytes) for x in jax.tree.leaves(arrays))
+
+    def _collect_garbage(self, newest: VersionId) -> None:
+        """Deletes versions older than `newest` except the last `keep_last` this server committed.
+
+        Housekeeping: a failure is logged, never raised. Versions newer than `newest` (being
+        written by a newer server) are never touched.
+        """
+        fs, root = self._root.fs, self._root.path
+        fs.invalidate_cache(root)
+        try:
+            names = _list_names(fs, root)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not list %s to delete old versions: %s", self._root.url, e)
+            return
+        for name in names:
+            version = parse_version_dir(name)
+            if version is None or name in self._committed or not version < newest:
+                continue
+            path = f"{root}/{name}"
+            try:
+                with_retries(lambda: fs.rm(path, recursive=True), "deleting", path)
+                self.versions_deleted += 1
+            except FileNotFoundError:
+                pass
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not delete old version %s: %s", self._root.display(path), e)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics, "versions_deleted": self.versions_deleted}
+
+
+class FilesystemWeightClient(WeightTransferClient):
+    """Reads the pointer on each poll and loads the version it names when it is newer."""
+
+    def __init__(self, config: FilesystemTransferConfig, skeleton):
+        super().__init__(skeleton)
+        self.config = config
+        self._root = _Root(config)
+        self.location = config.root
+
+    def _latest(self) -> tuple[VersionId, dict] | None:
+        pointer = self._root.read_pointer()
+        if pointer is None:
+            return None
+        return VersionId(int(pointer["epoch"]), int(pointer["weight_step"])), pointer
+
+    def _fetch(self, version: VersionId, pointer: dict):
+        folder = f"{self._root.path}/{pointer['version']}"
+        if pointer["format"] == "packed":
+            path = f"{folder}/{PACKED_NAME}"
+            where = self._root.display(path)
+            data = with_retries(lambda: self._root.fs.cat_file(path), "reading", path)
+            crc = pointer.get("crc32")
+            names, arrays = read_packed(data, where, expected_bytes=int(pointer["bytes"]),
+                                        expected_crc=None if crc is None else int(crc))
+            return self.skeleton.build(names, arrays, where), len(data)
+        return self._read_tensorstore(folder), self.skeleton.nbytes
+
+    def _read_tensorstore(self, folder: str):
+        url = self._root.tensorstore_url(folder)
+        skeleton = self.skeleton
+        # The leaf paths of a Levanter tensorstore checkpoint: one folder per dotted leaf name.
+        paths = [os.path.join(url, *name.split(".")) for name in skeleton.names]
+        default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = [s if s is not None else default for s in skeleton.shardings]
+        arrays = GlobalAsyncCheckpointManager().deserialize_with_paths(shardings=shardings, paths=paths)
+        return skeleton.build(skeleton.names, arrays, self._root.display(folder))
