@@ -66,13 +66,15 @@ class LossConfig:
     """
 
     objective: Objective = "ppo"
-    """`ppo`: w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A). `cispo`: w · sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ."""
+    """`ppo`: w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A).
+    `cispo`: w · sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ."""
     ratio_level: RatioLevel = "token"
     """`token`: r_{i,t} = π_θ(o_{i,t}) / anchor(o_{i,t}). `sequence` (GSPO): s_i = exp(mean_t log r_{i,t}), used by
     every token of the row."""
     normalization: Normalization = "sequence"
     """How per-token terms become one number. `token`: Σ ℓ / N (one token-level mean over the batch).
-    `sequence`: mean over non-empty rows of (Σ_t ℓ_{i,t} / |o_i|). `constant`: Σ ℓ / (B · max_response_tokens)."""
+    `sequence`: mean over non-empty rows of (Σ_t ℓ_{i,t} / |o_i|).
+    `constant`: Σ ℓ / (B · max_response_tokens)."""
     clip_eps_low: float = 0.2
     """Lower clip bound 1 − ε_low on the ratio (1.0 means no lower bound)."""
     clip_eps_high: float = 0.2
@@ -84,7 +86,8 @@ class LossConfig:
     """Importance weight w = π_old / μ under the `recomputed` anchor. `tis`: min(w, tis_cap).
     `mis`: w · 1[mis_low ≤ w ≤ mis_high]. `none`: w = 1."""
     correction_level: CorrectionLevel = "token"
-    """`token`: w per token. `sequence`: one w_i = Π_t π_old(o_{i,t}) / μ(o_{i,t}) per row, applied to all its tokens."""
+    """`token`: w per token. `sequence`: one w_i = Π_t π_old(o_{i,t}) / μ(o_{i,t}) per row, applied to all
+    its tokens."""
     tis_cap: float = 2.0
     """C of truncated importance sampling, min(w, C)."""
     mis_low: float = 0.5
@@ -94,7 +97,7 @@ class LossConfig:
     kl_beta: float = 0.0
     """β of the KL term added to the loss. 0 means no KL and no reference model is built."""
     kl_estimator: KLEstimator = "k3"
-    """Per-token estimator of KL(π_θ ‖ π_ref) with δ = log π_ref − log π_θ: k1 = −δ, k2 = δ²/2, k3 = e^δ − δ − 1."""
+    """Per-token estimator of KL(π_θ ‖ π_ref), δ = log π_ref − log π_θ: k1 = −δ, k2 = δ²/2, k3 = e^δ − δ − 1."""
     max_response_tokens: int | None = None
     """The generation budget L_max (response tokens). Needed by `constant` normalization and `penalty` overlong
     shaping; ignored otherwise."""
@@ -107,7 +110,7 @@ class LossConfig:
     """DAPO overlong shaping at ingestion (advantages.overlong_shaping): `none`, `mask` (truncated responses are
     not trained) or `penalty` (linear penalty over the last `overlong_cache_tokens` of the budget)."""
     overlong_cache_tokens: int = 0
-    """L_cache of the overlong penalty: the penalty ramps from 0 at L_max − L_cache to −overlong_penalty at L_max."""
+    """L_cache of the overlong penalty: it ramps from 0 at L_max − L_cache to −overlong_penalty at L_max."""
     overlong_penalty: float = 1.0
     """Size of the overlong penalty at the budget."""
 
@@ -138,7 +141,9 @@ class LossConfig:
         if not self.tis_cap > 0:
             raise ValueError(f"LossConfig.tis_cap: must be > 0, got {self.tis_cap}")
         if not 0.0 <= self.mis_low < self.mis_high:
-            raise ValueError(f"LossConfig.mis_low/mis_high: need 0 <= mis_low < mis_high, got {self.mis_low}, {self.mis_high}")
+            raise ValueError(
+                f"LossConfig.mis_low/mis_high: need 0 <= mis_low < mis_high, got {self.mis_low}, {self.mis_high}"
+            )
         if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
             raise ValueError(f"LossConfig.kl_beta: must be finite and >= 0, got {self.kl_beta}")
         if self.max_response_tokens is not None and self.max_response_tokens <= 0:
@@ -153,7 +158,8 @@ class LossConfig:
                 raise ValueError("LossConfig.max_response_tokens: overlong='penalty' needs the generation budget")
             if not 0 < self.overlong_cache_tokens <= self.max_response_tokens:
                 raise ValueError(
-                    f"LossConfig.overlong_cache_tokens: must be in (0, max_response_tokens={self.max_response_tokens}], "
+                    "LossConfig.overlong_cache_tokens: must be in "
+                    f"(0, max_response_tokens={self.max_response_tokens}], "
                     f"got {self.overlong_cache_tokens}"
                 )
         if not self.overlong_penalty >= 0:
