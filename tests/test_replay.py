@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -11,6 +12,8 @@ import pytest
 
 from marinrl.storage import RolloutReader, RolloutStorageError, RolloutWriter
 from marinrl.train.advantages import group_advantages
+from marinrl.train.batching import BatchingConfig
+from marinrl.train.losses import LOSS_PRESETS, LossConfig
 from marinrl.train.replay import (
     BufferedGroup,
     OffPolicyConfig,
@@ -23,6 +26,7 @@ from marinrl.train.replay import (
     RewardStdQuantileFilter,
     TrimOutliersFilter,
     ZeroVarianceFilter,
+    overlong_reward_fn,
 )
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
@@ -223,7 +227,7 @@ def test_off_policy_uses_each_group_once():
 def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
     strategy = ReplaySamplingConfig(staleness=3, uses=1, recency_decay=0.5)
     candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32),
-                                rewards=np.array([0.0, 1.0]), env_name="math", weight_step=w, created_at=1000.0,
+                                rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool), env_name="math", weight_step=w, created_at=1000.0,
                                 seq=seq, source=None)
                   for seq, (gid, w) in enumerate([("new", 3), ("old", 0)])]
     rng = np.random.default_rng(0)
@@ -342,6 +346,49 @@ def test_reward_fn_reshapes_rewards_before_filters_and_advantages():
     s = buf.sample(0, 1, timeout_s=0)
     assert ids(s) == ["same-reward"]
     np.testing.assert_allclose(s.advantages, group_advantages(np.array([0.8, 0.4])), rtol=1e-6)
+
+
+def test_reward_fn_can_keep_a_rollout_in_the_baseline_without_training_it():
+    def mask_long(group):
+        return group.rewards, np.array([r.response_tokens.size < 5 for r in group.rollouts])
+
+    buf = ReplayConfig().build(clock=Clock(), reward_fn=mask_long)
+    buf.ingest([make_batch([make_group("g", [0, 1, 1], lengths=[3, 3, 6])])])
+    s = buf.sample(0, 1, timeout_s=0)
+    assert s.trainable.tolist() == [True, True, False]
+    np.testing.assert_allclose(s.advantages, group_advantages(np.array([0.0, 1, 1])), rtol=1e-6)
+    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=16, min_bucket=8))
+    assert np.asarray(batch.loss_mask.array).sum(axis=1).tolist() == [3, 3, 0, 0]
+    assert np.asarray(batch.weight_step.array).tolist() == [0, 0, 0, -1]
+
+
+def truncated_group(gid, rewards, lengths):
+    group = make_group(gid, rewards, lengths=lengths)
+    return RolloutGroup(tuple(dataclasses.replace(r, finish_reason="length" if n >= 8 else "stop")
+                              for r, n in zip(group.rollouts, lengths)))
+
+
+def test_a_loss_preset_sets_advantages_dynamic_sampling_and_overlong_masking():
+    dapo = LossConfig(**LOSS_PRESETS["dapo"])
+    config = ReplayConfig(filters=[RewardMeanFilter(high=0.9)]).for_loss(dapo)
+    assert config.advantage == dapo.advantage and isinstance(config.filters[0], ZeroVarianceFilter)
+    assert config.for_loss(dapo).filters == config.filters  # idempotent
+    buf = config.build(clock=Clock(), reward_fn=overlong_reward_fn(dapo))
+    buf.ingest([make_batch([make_group("flat", [0, 0]), truncated_group("g", [0, 1, 1], [3, 3, 8])])])
+    assert drops(buf) == {"zero_variance": 1}
+    s = buf.sample(0, 1, timeout_s=0)
+    assert s.trainable.tolist() == [True, True, False]  # the truncated response is not trained
+
+
+def test_overlong_penalty_reshapes_rewards_before_advantages():
+    loss = LossConfig(overlong="penalty", max_response_tokens=8, overlong_cache_tokens=4, overlong_penalty=1.0)
+    assert overlong_reward_fn(LossConfig()) is None
+    buf = ReplayConfig(advantage="group_mean").build(clock=Clock(), reward_fn=overlong_reward_fn(loss))
+    buf.ingest([make_batch([truncated_group("g", [1, 1, 1], [4, 6, 8])])])
+    s = buf.sample(0, 1, timeout_s=0)
+    # Penalty ramps from 0 at 8 - 4 = 4 tokens to -1 at 8: shaped rewards 1, 0.5, 0.
+    np.testing.assert_allclose(s.advantages, [0.5, 0.0, -0.5], atol=1e-6)
+    assert s.trainable.all()
 
 
 def test_invalid_and_too_long_groups_are_dropped_and_counted():

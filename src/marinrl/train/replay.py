@@ -31,7 +31,8 @@ import draccus
 import numpy as np
 
 from marinrl.storage import RolloutStorageError, step_dir_name
-from marinrl.train.advantages import AdvantageKind, group_advantages
+from marinrl.train.advantages import AdvantageKind, group_advantages, overlong_shaping
+from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,11 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 _READER_STATE_VERSION = 1  # the RolloutReader cursor format this module knows how to edit
 
-RewardFn = Callable[[RolloutGroup], np.ndarray]
-"""Maps a group to the rewards its advantages and filters use, one per rollout (e.g. overlong
-shaping from response lengths and finish reasons). Must be a pure function of the group."""
+RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
+"""Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
+trainable)` where `trainable[i] = False` keeps rollout i in its group's baseline but trains none of its
+tokens (DAPO's overlong masking). Must be a pure function of the group: it runs again when a file is
+re-read after a restart. `overlong_reward_fn` builds one from a loss config."""
 
 
 class ReplayTimeoutError(TimeoutError):
@@ -62,6 +65,7 @@ class BufferedGroup:
     group: RolloutGroup
     advantages: np.ndarray  # float32 [len(group)]
     rewards: np.ndarray  # float64 [len(group)]: after reward_fn, what advantages and filters saw
+    trainable: np.ndarray  # bool [len(group)]: False for rollouts whose tokens are not trained
     env_name: str
     weight_step: int
     created_at: float  # earliest created_at of its rollouts
@@ -80,6 +84,7 @@ class SampledGroup:
 
     group: RolloutGroup
     advantages: np.ndarray  # float32 [len(group)]
+    trainable: np.ndarray  # bool [len(group)]
     env_name: str
     weight_step: int
     staleness: int
@@ -101,6 +106,16 @@ class ReplaySample:
     @property
     def advantages(self) -> np.ndarray:
         return np.concatenate([g.advantages for g in self.groups]).astype(np.float32)
+
+    @property
+    def trainable(self) -> np.ndarray:
+        return np.concatenate([g.trainable for g in self.groups])
+
+    def training_batch(self, *, batch_size: int, config: BatchingConfig) -> TrainingBatch:
+        """This step's `TrainingBatch`: `batch_size` rows (n_groups × n_generations; trimmed groups leave
+        padding rows), rows in group order."""
+        return make_training_batch(self.rollouts, self.advantages, batch_size=batch_size, config=config,
+                                   trainable=self.trainable)
 
     def metrics(self) -> dict[str, float]:
         """Per-step numbers for the tracker: staleness, uses, rewards and the env mix of this batch."""
@@ -244,14 +259,16 @@ class ReplaySamplingConfig(SamplingConfig):
 
 @dataclasses.dataclass(frozen=True)
 class ScoredGroup:
-    """A group with the rewards filters and advantages use (after `reward_fn`)."""
+    """A group with the rewards filters and advantages use (after `reward_fn`), and which rollouts train."""
 
     group: RolloutGroup
     rewards: np.ndarray
+    trainable: np.ndarray
 
     def subset(self, keep: np.ndarray) -> ScoredGroup:
         idx = np.flatnonzero(keep)
-        return ScoredGroup(RolloutGroup(tuple(self.group.rollouts[i] for i in idx)), self.rewards[idx])
+        return ScoredGroup(RolloutGroup(tuple(self.group.rollouts[i] for i in idx)), self.rewards[idx],
+                           self.trainable[idx])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,10 +418,42 @@ class ReplayConfig:
         if self.max_files_per_poll < 1:
             raise ValueError(f"ReplayConfig.max_files_per_poll must be >= 1, got {self.max_files_per_poll}")
 
+    def for_loss(self, loss) -> ReplayConfig:
+        """This config with what a loss preset decides at ingestion (`losses.LossConfig`): its `advantage`,
+        and a `zero_variance` filter first when it sets `drop_zero_variance_groups`. Pair it with
+        `overlong_reward_fn(loss)` for its overlong shaping."""
+        filters = list(self.filters)
+        if loss.drop_zero_variance_groups and not any(isinstance(f, ZeroVarianceFilter) for f in filters):
+            filters.insert(0, ZeroVarianceFilter())
+        return dataclasses.replace(self, advantage=loss.advantage, filters=filters)
+
     def build(self, reader=None, *, reward_fn: RewardFn | None = None, max_tokens: int | None = None,
               clock: Callable[[], float] = time.time, start_step: int = 0) -> ReplayBuffer:
         return ReplayBuffer(self, reader, reward_fn=reward_fn, max_tokens=max_tokens, clock=clock,
                             start_step=start_step)
+
+
+def overlong_reward_fn(loss) -> RewardFn | None:
+    """The `reward_fn` of a loss config's overlong shaping (`advantages.overlong_shaping`), None for `none`.
+
+    A response is truncated when its `finish_reason` is `length`; its length is its number of response
+    tokens (environment tokens of multi-turn episodes included: they count against the same budget).
+    """
+    if loss.overlong == "none":
+        return None
+
+    def shape(group: RolloutGroup):
+        return overlong_shaping(
+            group.rewards,
+            np.array([r.response_tokens.size for r in group.rollouts], dtype=np.int64),
+            np.array([r.finish_reason == "length" for r in group.rollouts]),
+            mode=loss.overlong,
+            max_response_tokens=loss.max_response_tokens,
+            cache_tokens=loss.overlong_cache_tokens,
+            penalty=loss.overlong_penalty,
+        )
+
+    return shape
 
 
 # ----------------------------------------------------------------------------- the buffer
@@ -548,11 +597,7 @@ class ReplayBuffer:
             if self._max_tokens is not None and max(r.num_tokens for r in g.rollouts) > self._max_tokens:
                 drop(g, "too_long")
                 continue
-            rewards = g.rewards if self._reward_fn is None else np.asarray(self._reward_fn(g), dtype=np.float64)
-            if rewards.shape != (len(g),) or not np.all(np.isfinite(rewards)):
-                raise ValueError(f"reward_fn returned {rewards!r} for group {g.group_id!r} of {len(g)} rollouts; "
-                                 f"expected {len(g)} finite rewards")
-            scored.append(ScoredGroup(g, rewards))
+            scored.append(self._score(g))
         for f in self.config.filters:
             before = {s.group.group_id: len(s.group) for s in scored}
             scored = f.apply(scored)
@@ -565,6 +610,18 @@ class ReplayBuffer:
                     dropped_rollouts[f.name] += n - after[gid]
         return scored, dropped, dropped_rollouts
 
+    def _score(self, g: RolloutGroup) -> ScoredGroup:
+        out = g.rewards if self._reward_fn is None else self._reward_fn(g)
+        rewards, trainable = out if isinstance(out, tuple) else (out, np.ones(len(g), dtype=bool))
+        rewards, trainable = np.asarray(rewards, dtype=np.float64), np.asarray(trainable)
+        if rewards.shape != (len(g),) or not np.all(np.isfinite(rewards)):
+            raise ValueError(f"reward_fn returned rewards {rewards!r} for group {g.group_id!r} of {len(g)} rollouts; "
+                             f"expected {len(g)} finite numbers")
+        if trainable.shape != (len(g),) or trainable.dtype != np.bool_:
+            raise ValueError(f"reward_fn returned trainable {trainable!r} for group {g.group_id!r}; expected {len(g)} "
+                             f"booleans")
+        return ScoredGroup(g, rewards, trainable)
+
     def _insert(self, scored: ScoredGroup, weight_step: int, source: str | None, uses: int, now: float) -> int:
         """Adds one group (lock held); returns 1 if it stayed."""
         group = scored.group
@@ -572,6 +629,7 @@ class ReplayBuffer:
             group=group,
             advantages=group_advantages(scored.rewards, self.config.advantage).astype(np.float32),
             rewards=scored.rewards,
+            trainable=scored.trainable,
             env_name=group.rollouts[0].env_name,
             weight_step=weight_step,
             created_at=min(r.metadata.created_at for r in group.rollouts),
@@ -769,7 +827,8 @@ class ReplayBuffer:
             g.uses += 1
             staleness = step - g.weight_step
             self._trained_staleness[staleness] += 1
-            out.append(SampledGroup(g.group, g.advantages, g.env_name, g.weight_step, staleness, g.uses, g.source))
+            out.append(SampledGroup(g.group, g.advantages, g.trainable, g.env_name, g.weight_step, staleness, g.uses,
+                                    g.source))
             if g.uses >= self._strategy.max_uses:
                 self._retire(g, "used_up")
         if quotas is not None:
