@@ -580,6 +580,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     expected = {**expected, "future": 3, "zero_variance": expected["zero_variance"] + 1}
     assert drops(second) == expected
     assert second.metrics()["replay/sampled_groups"] == reference.metrics()["replay/sampled_groups"]
+    assert second.metrics()["replay/ingested_groups"] == reference.metrics()["replay/ingested_groups"] + 3
     assert second.metrics()["replay/restore_files_pending"] == 0
 
 

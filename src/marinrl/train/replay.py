@@ -550,7 +550,7 @@ class ReplayBuffer:
     def _ingest_one(self, batch: RolloutBatch, source: str | None, now: float) -> int:
         key = _file_key(source, batch) if source is not None else None
         with self._lock:
-            restore = self._restore.pop(key, None) if key is not None else None
+            restore = self._restore.get(key) if key is not None else None
         # Filters run on the whole file even when it is re-read after a restart, so that a filter that
         # looks at all of a file's groups (quantiles) decides exactly as it did the first time.
         kept, dropped, dropped_rollouts = self._prepare(batch)
@@ -561,10 +561,13 @@ class ReplayBuffer:
             uses = [restore[s.group.group_id] for s in kept]
         added = 0
         with self._cond:
-            if restore is None:  # drops of a re-read file were counted before the checkpoint
+            if restore is None:  # a re-read file was counted before the checkpoint
                 self._dropped.update(dropped)
                 self._dropped_rollouts.update(dropped_rollouts)
                 self._lags.append(now - batch.metadata.created_at)
+                self._ingested_groups += len(kept)
+            else:
+                del self._restore[key]
             self._ingested_files += 1
             for scored, n_uses in zip(kept, uses):
                 added += self._insert(scored, batch.weight_step, key, n_uses, now)
@@ -638,7 +641,6 @@ class ReplayBuffer:
             uses=uses,
         )
         self._seq += 1
-        self._ingested_groups += 1
         reason = self._unusable_reason(entry, self._step, now)
         if reason is None and entry.weight_step > self._step and entry.created_at < self._timeline_start:
             # Made by weights this run has not trained yet, before this run started: a previous run's
