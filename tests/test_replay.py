@@ -227,8 +227,8 @@ def test_off_policy_uses_each_group_once():
 def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
     strategy = ReplaySamplingConfig(staleness=3, uses=1, recency_decay=0.5)
     candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32),
-                                rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool), env_name="math", weight_step=w, created_at=1000.0,
-                                seq=seq, source=None)
+                                rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool), env_name="math",
+                                weight_step=w, created_at=1000.0, seq=seq, source=None)
                   for seq, (gid, w) in enumerate([("new", 3), ("old", 0)])]
     rng = np.random.default_rng(0)
     trials = 20000
@@ -532,8 +532,8 @@ def schedule(prefix=""):
                                    w=s, created_at=t)
 
 
-@pytest.mark.parametrize("sampling,n", [(OffPolicyConfig(staleness=1), 2), (ReplaySamplingConfig(staleness=2, uses=2), 3)],
-                         ids=["off_policy", "replay"])
+@pytest.mark.parametrize("sampling,n", [(OffPolicyConfig(staleness=1), 2),
+                                        (ReplaySamplingConfig(staleness=2, uses=2), 3)], ids=["off_policy", "replay"])
 def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sampling, n):
     """Three groups appear per step; off-policy trains two (a backlog builds up and expires), replay
     trains three of the up to six usable (partly used groups are drawn again)."""

@@ -869,7 +869,7 @@ class ReplayBuffer:
             since = ("never read" if self._last_read_at is None
                      else f"last read {self._clock() - self._last_read_at:.1f} s ago")
             lines.append(f"ingestion: thread {thread}, {self._ingested_files} files ingested, {since}, "
-                         f"{self._read_errors} read errors; reader {self.reader.url}")
+                         f"{self._read_errors} read errors; reader {getattr(self.reader, 'url', self.reader)!s}")
         if self._restore:
             lines.append(f"{len(self._restore)} files from the checkpoint are not re-read yet")
         return "\n".join(lines)
