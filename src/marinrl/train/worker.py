@@ -1,0 +1,271 @@
+"""TrainWorker: streams rollout files through the replay buffer into GRPO-family updates.
+
+Levanter's `Trainer` owns the mesh, the sharded optimizer step and the checkpoint format; this
+class owns the RL loop around it — sample a batch of whole groups for the current weight step,
+take one update, publish the new weights every `sync_interval` steps, and checkpoint everything a
+resumed run needs (model, optimizer, step, the replay buffer's reader cursor and pending groups, the
+curriculum's state) so that no rollout file is trained twice or skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import equinox as eqx
+import fsspec
+import haliax as hax
+import jax
+import levanter
+import levanter.tracker
+from levanter.checkpoint import discover_latest_checkpoint
+from levanter.optim import AdamConfig, OptimizerConfig
+from levanter.tracker.json_logger import JsonLoggerConfig
+from levanter.trainer import Trainer, TrainerConfig
+
+from marinrl.models import ModelConfig, build_model
+from marinrl.storage import RolloutReader
+from marinrl.train.batching import BatchingConfig, TrainingBatch
+from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
+from marinrl.train.replay import ReplayConfig, overlong_reward_fn
+from marinrl.transfer.base import WeightTransferConfig
+from marinrl.transfer.checkpoint import FilesystemTransferConfig
+
+logger = logging.getLogger(__name__)
+
+SIDECAR = "marinrl.json"
+"""Our part of a trainer checkpoint, written into Levanter's `step-N/` folder before its
+`metadata.json` (Levanter's commit marker), so an interrupted save is never discovered."""
+
+
+def cpu_trainer_config(**overrides) -> TrainerConfig:
+    """A `TrainerConfig` that works on a laptop CPU: no accelerator required, no Ray of its own,
+    offline JSON tracking, no second compile for watch hooks."""
+    from levanter.distributed import RayConfig
+    from levanter.callbacks.watch import WatchConfig
+    import pathlib
+
+    defaults: dict[str, Any] = dict(
+        require_accelerator=False,
+        ray=RayConfig(auto_start_cluster=False),
+        tracker=JsonLoggerConfig(),
+        watch=WatchConfig(watch_targets=[]),
+        log_dir=pathlib.Path("logs"),
+        log_jaxprs=False,
+        log_xla_hlo=False,
+        num_train_steps=100,
+        train_batch_size=64,
+    )
+    defaults.update(overrides)
+    return TrainerConfig(**defaults)
+
+
+def _default_optimizer() -> OptimizerConfig:
+    # BENCHMARK.md's reference: AdamW, lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0.
+    return AdamConfig(learning_rate=1e-4, weight_decay=0.0, beta1=0.9, beta2=0.999, max_grad_norm=1.0,
+                      warmup=0.0, lr_schedule="constant")
+
+
+@dataclasses.dataclass
+class TrainWorkerConfig:
+    rollout_root: str = "runs/default/rollouts"
+    """fsspec URL the rollout workers write to and the trainer reads from."""
+    weights: WeightTransferConfig = dataclasses.field(
+        default_factory=lambda: FilesystemTransferConfig(root="runs/default/weights"))
+    """How new weights reach the rollout workers."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=cpu_trainer_config)
+    """Levanter's trainer: mesh, batch size (`train_batch_size` rows = groups_per_step × samples
+    per prompt), `num_train_steps`, microbatching (`per_device_parallelism`), checkpointer, tracker."""
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=_default_optimizer)
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    batching: BatchingConfig = dataclasses.field(default_factory=BatchingConfig)
+    groups_per_step: int = 8
+    """Prompts (whole groups) per optimizer step."""
+    sync_interval: int = 1
+    """Publish weights every this many optimizer steps (and always after the last one)."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every this many steps; 0 saves only at the end (and on `stop()`)."""
+    storage_options: dict = dataclasses.field(default_factory=dict)
+    """fsspec options for `rollout_root` (e.g. {"token": "anon"} for the GCS emulator)."""
+
+    def __post_init__(self):
+        if self.groups_per_step < 1:
+            raise ValueError(f"TrainWorkerConfig.groups_per_step must be >= 1, got {self.groups_per_step}")
+        if self.sync_interval < 1:
+            raise ValueError(f"TrainWorkerConfig.sync_interval must be >= 1, got {self.sync_interval}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"TrainWorkerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.replay.sampling.max_staleness > 0 and self.sync_interval > 1 + self.replay.sampling.max_staleness:
+            raise ValueError(
+                f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "
+                f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")
+
+
+class CurriculumHandle(Protocol):
+    """What the trainer needs of the curriculum: its clock and its checkpointed state."""
+
+    def set_step(self, step: int) -> None: ...
+
+    def save(self, path: str) -> None: ...
+
+    def load(self, path: str) -> None: ...
+
+
+class StepInput(eqx.Module):
+    """What one Levanter train step consumes: the batch, plus the frozen reference's logprobs when
+    the loss has a KL term (computed outside the differentiated function, once per step)."""
+
+    batch: TrainingBatch
+    reference_logprobs: Optional[hax.NamedArray] = None
+
+
+def _step_loss(model, inp: StepInput, *, config: LossConfig, key=None):
+    return rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    first_step: int
+    """The weight step the run started from (0, or the resumed checkpoint's)."""
+    final_step: int
+    checkpoint: Optional[str]
+    metrics: dict[str, float]
+
+
+class TrainWorker:
+    """One trainer: `run()` until `trainer.num_train_steps` or `stop()`; resumable from its checkpoints."""
+
+    def __init__(self, config: TrainWorkerConfig, *, curriculum: CurriculumHandle | None = None,
+                 on_step: Callable[[int, dict], None] | None = None):
+        self.config = config
+        self._curriculum = curriculum
+        self._on_step = on_step
+        self._stop = threading.Event()
+        self.step = 0
+
+    def stop(self) -> None:
+        """Ends the run after the current step, with a final checkpoint."""
+        self._stop.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> TrainResult:
+        cfg = self.config
+        trainer_cfg = cfg.trainer
+        levanter.initialize(trainer_cfg)
+        num_steps = trainer_cfg.num_train_steps
+        optimizer = cfg.optimizer.build(num_steps)
+        header = describe(cfg.loss)
+        logger.info("loss: %s", header)
+        print(f"[marinrl] {header}", flush=True)
+
+        with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
+                     add_default_hooks=False) as trainer:
+            state = trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed),
+                                          model_init=lambda: build_model(cfg.model))
+            first_step = self.step = int(state.step)
+            ckpt_root = trainer.checkpoint_path
+            sidecar = self._read_sidecar(ckpt_root) if first_step > 0 else None
+            if first_step > 0 and sidecar is None:
+                raise RuntimeError(f"checkpoint under {ckpt_root} at step {first_step} has no {SIDECAR}: "
+                                   "cannot resume the rollout stream exactly")
+
+            reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
+            replay = cfg.replay.for_loss(cfg.loss).build(reader, start_step=first_step,
+                                                         reward_fn=overlong_reward_fn(cfg.loss),
+                                                         max_tokens=cfg.batching.max_length)
+            if sidecar is not None:
+                replay.load_state_dict(sidecar["replay"])
+                if self._curriculum is not None and sidecar.get("curriculum"):
+                    self._curriculum.load(sidecar["curriculum"])
+            if self._curriculum is not None:
+                self._curriculum.set_step(first_step)
+
+            reference = build_model(cfg.model) if cfg.loss.uses_reference else None
+            ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
+            server = cfg.weights.build_server()
+            server.publish(state.model, first_step)  # the weights rollouts for `first_step` need
+            checkpointer = trainer_cfg.checkpointer.create(trainer.run_id)
+            batch_size = trainer_cfg.train_batch_size
+            last_ckpt = None
+            info = None
+            replay.start()
+            try:
+                while self.step < num_steps and not self._stop.is_set():
+                    t0 = time.perf_counter()
+                    sample = replay.sample(self.step, cfg.groups_per_step)
+                    t1 = time.perf_counter()
+                    batch = sample.training_batch(batch_size=batch_size, config=cfg.batching)
+                    batch = hax.shard(batch, trainer.compute_axis_mapping)
+                    ref = ref_fn(reference, batch) if reference is not None else None
+                    if ref is not None:
+                        ref.array.block_until_ready()
+                    t2 = time.perf_counter()
+                    info = trainer.train_step(state, StepInput(batch, ref))
+                    state = info.state
+                    t3 = time.perf_counter()
+                    self.step = int(state.step)
+                    if self._curriculum is not None:
+                        self._curriculum.set_step(self.step)
+                    published = self.step % cfg.sync_interval == 0 or self.step >= num_steps
+                    if published:
+                        server.publish(state.model, self.step)
+                    t4 = time.perf_counter()
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        last_ckpt = self._checkpoint(checkpointer, info, replay)
+                    metrics = {
+                        "train/step_s": t4 - t0, "train/wait_s": t1 - t0, "train/batch_s": t2 - t1,
+                        "train/update_s": t3 - t2, "train/publish_s": t4 - t3 if published else 0.0,
+                        **sample.metrics(), **replay.metrics(), **{f"weights/{k}": v for k, v in server.metrics.items()},
+                    }
+                    levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken, 0-based
+                    if self._on_step is not None:
+                        trained = [(g.group.group_id, g.weight_step) for g in sample.groups]
+                        self._on_step(self.step, {"loss": info.loss, "groups": trained, **metrics})
+                if info is not None and last_ckpt != self._ckpt_dir(checkpointer, info):
+                    last_ckpt = self._checkpoint(checkpointer, info, replay)
+            finally:
+                replay.stop()
+                server.close()
+                checkpointer.wait_until_finished()
+            levanter.tracker.current_tracker().finish()
+            return TrainResult(first_step, self.step, last_ckpt, replay.metrics())
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @staticmethod
+    def _ckpt_dir(checkpointer, info) -> str:
+        return f"{checkpointer.base_path}/step-{info.step}"
+
+    def _checkpoint(self, checkpointer, info, replay) -> str:
+        """Sidecar first, then Levanter's tensorstore save, whose metadata.json commits both."""
+        folder = self._ckpt_dir(checkpointer, info)
+        fs, path = fsspec.core.url_to_fs(folder)
+        fs.makedirs(path, exist_ok=True)
+        sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
+        if self._curriculum is not None:
+            target = f"{folder}/curriculum.json"
+            self._curriculum.save(target)
+            sidecar["curriculum"] = target
+        fs.pipe_file(f"{path}/{SIDECAR}", json.dumps(sidecar).encode())
+        checkpointer.on_step(info, force=True)
+        checkpointer.wait_until_finished()
+        logger.info("checkpoint at step %d: %s", info.next_step, folder)
+        return folder
+
+    @staticmethod
+    def _read_sidecar(ckpt_root: str) -> dict | None:
+        latest = discover_latest_checkpoint(ckpt_root)
+        if latest is None:
+            return None
+        fs, path = fsspec.core.url_to_fs(f"{latest}/{SIDECAR}")
+        if not fs.exists(path):
+            return None
+        return json.loads(fs.cat_file(path))
