@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 import zlib
 
@@ -83,6 +84,15 @@ def _fs_config(request, tmp_path, kind: str, fmt: str, **kw) -> FilesystemTransf
 
 @pytest.fixture(params=FS_CASES, ids=[f"{k}-{f}" for k, f in FS_CASES])
 def fs_config(request, tmp_path) -> FilesystemTransferConfig:
+    return _fs_config(request, tmp_path, *request.param)
+
+
+# tensorstore through the emulator takes about a second per version; the round trip covers it.
+QUICK_FS_CASES = [case for case in FS_CASES if case != ("gs", "tensorstore")]
+
+
+@pytest.fixture(params=QUICK_FS_CASES, ids=[f"{k}-{f}" for k, f in QUICK_FS_CASES])
+def quick_fs_config(request, tmp_path) -> FilesystemTransferConfig:
     return _fs_config(request, tmp_path, *request.param)
 
 
@@ -274,16 +284,16 @@ def _write_raw_pointer(config, data: bytes) -> None:
     root.fs.pipe_file(root.pointer_path, data)
 
 
-def test_same_epoch_stale_pointer_is_ignored(fs_config, servers, model):
-    server = servers(fs_config)
-    client = fs_config.build_client(model)
+def test_same_epoch_stale_pointer_is_ignored(quick_fs_config, servers, model):
+    server = servers(quick_fs_config)
+    client = quick_fs_config.build_client(model)
     server.publish(shifted(model, 1), 1)
-    old_pointer = _pointer(fs_config)
+    old_pointer = _pointer(quick_fs_config)
     server.publish(shifted(model, 2), 2)
     held, _ = client.poll()
 
     # An older pointer of the same server reappears (a delayed write, a stale replica): ignored.
-    _write_raw_pointer(fs_config, json.dumps(old_pointer).encode())
+    _write_raw_pointer(quick_fs_config, json.dumps(old_pointer).encode())
     assert client.poll() is None
     assert client.weight_step == 2 and client.model is held and client.metrics["failures"] == 0
 
@@ -332,30 +342,52 @@ def _corrupt(config, pointer: dict) -> None:
         root.fs.pipe_file(chunk, b"\x00garbage")
 
 
-def test_corrupt_or_missing_data_keeps_the_old_weights(fs_config, servers, model):
-    server = servers(fs_config)
-    client = fs_config.build_client(model)
+def test_corrupt_or_missing_data_keeps_the_old_weights(quick_fs_config, servers, model):
+    server = servers(quick_fs_config)
+    client = quick_fs_config.build_client(model)
     server.publish(shifted(model, 1), 1)
     held, _ = client.poll()
 
     server.publish(shifted(model, 2), 2)
-    _corrupt(fs_config, _pointer(fs_config))
+    _corrupt(quick_fs_config, _pointer(quick_fs_config))
     assert client.poll() is None
     assert client.model is held and client.weight_step == 1 and client.metrics["failures"] == 1
 
     server.publish(shifted(model, 3), 3)
-    root = _Root(fs_config)
-    root.fs.rm(f"{root.path}/{_pointer(fs_config)['version']}", recursive=True)
+    root = _Root(quick_fs_config)
+    root.fs.rm(f"{root.path}/{_pointer(quick_fs_config)['version']}", recursive=True)
     assert client.poll() is None
     assert client.model is held and client.metrics["failures"] == 2
 
-    _write_raw_pointer(fs_config, b'{"weight_step": 9, "epo')  # a torn pointer
+    _write_raw_pointer(quick_fs_config, b'{"weight_step": 9, "epo')  # a torn pointer
     assert client.poll() is None and client.metrics["failures"] == 3
 
     server.publish(shifted(model, 4), 4)  # the server overwrites the torn pointer; clients recover
     got, step = client.poll()
     assert step == 4 and client.metrics["failures"] == 3
     assert_same_model(got, shifted(model, 4))
+
+
+def test_network_errors_are_retried_then_counted(servers, model, tmp_path, request, monkeypatch):
+    config = _fs_config(request, tmp_path, "memory", "packed")
+    server = servers(config)
+    client = config.build_client(model)
+    server.publish(shifted(model, 1), 1)
+    held, _ = client.poll()
+    server.publish(shifted(model, 2), 2)
+
+    calls = []
+
+    def unreachable(path, *args, **kwargs):
+        calls.append(path)
+        raise ConnectionError("simulated network error")
+
+    monkeypatch.setattr(client._root.fs, "cat_file", unreachable)
+    assert client.poll() is None
+    assert len(calls) > 1  # retried before giving up
+    assert client.model is held and client.metrics["failures"] == 1
+    monkeypatch.undo()
+    assert client.poll().weight_step == 2
 
 
 def test_old_versions_are_garbage_collected(tmp_path, request, servers, model):
@@ -460,3 +492,49 @@ def test_ray_coordinator_refuses_an_older_version(ray_config, servers, model, ra
     assert not taken and held == (server.epoch, 5)
     client = ray_config.build_client(model)
     assert client.poll().weight_step == 5
+
+
+def _actor_exists(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name)
+        return True
+    except ValueError:
+        return False
+
+
+def test_ray_trainer_death_then_restart(ray_config, model, ray_session):
+    """The trainer runs in its own process, as in a job: its death takes its objects and the
+    coordinator with it; clients keep their weights, then follow the restarted trainer down."""
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        def start(self, config, model, step):
+            self.server = config.build_server()
+            self.server.publish(model, step)
+            return self.server.epoch
+
+    client = ray_config.build_client(model)
+    trainer = Trainer.remote()
+    ray.get(trainer.start.remote(ray_config, shifted(model, 5), 5))
+    held, step = client.poll()
+    assert step == 5
+    assert_same_model(held, shifted(model, 5))
+
+    ray.kill(trainer)
+    # The coordinator dies with its creator, asynchronously: wait (bounded) until its name is gone.
+    deadline = time.monotonic() + 30
+    while _actor_exists(ray, ray_config.name):
+        assert time.monotonic() < deadline, "the coordinator outlived the trainer that created it"
+        time.sleep(0.05)
+    assert client.poll() is None
+    assert client.model is held and client.metrics["failures"] == 1
+
+    restarted = ray_config.build_server()  # the restarted trainer resumes from step 3
+    try:
+        restarted.publish(shifted(model, 3), 3)
+        got, step = client.poll()
+        assert step == 3
+        assert_same_model(got, shifted(model, 3))
+    finally:
+        restarted.close()

@@ -94,7 +94,7 @@ class RayTransferConfig(WeightTransferConfig):
 
 def _require_ray(location: str) -> None:
     if not ray.is_initialized():
-        raise WeightTransferError(f"{location}: Ray is not initialized; call ray.init() (or run inside a Ray job) first")
+        raise WeightTransferError(f"{location}: Ray is not initialized; call ray.init() first (or run in a Ray job)")
 
 
 class RayWeightServer(WeightTransferServer):
