@@ -185,26 +185,31 @@ class FilesystemWeightServer(WeightTransferServer):
         else:
             nbytes = self._write_tensorstore(folder, model)
         if jax.process_index() == 0:
-            pointer_where = self._root.display(self._root.pointer_path)
-            try:
-                current = _attempt("reading", pointer_where, self._root.read_pointer)
-            except WeightPublishError as e:
-                if not isinstance(e.__cause__, WeightFormatError):
-                    raise
-                logger.warning("overwriting an unreadable pointer: %s", e.__cause__)
-                current = None
-            if current is not None and int(current["epoch"]) > self.epoch:
-                raise WeightPublishError(
-                    f"{pointer_where} points to weight step {current['weight_step']} of a newer server "
-                    f"(epoch {current['epoch']} > this server's {self.epoch}): this trainer was superseded"
-                )
-            pointer = {"format_version": POINTER_FORMAT_VERSION, "weight_step": version.weight_step,
-                       "epoch": version.epoch, "version": name, "format": fmt, "bytes": nbytes,
-                       "crc32": crc, "written_at": time.time()}
-            _attempt("writing", pointer_where, lambda: self._root.write_pointer(pointer))
-            self._committed.append(name)
+            self._commit(version, fmt, nbytes, crc)
             self._collect_garbage(version)
         return self._root.display(folder), nbytes
+
+    def _commit(self, version: VersionId, fmt: str, nbytes: int, crc: int | None) -> None:
+        """Writes the pointer, unless a newer server has taken over the root."""
+        where = self._root.display(self._root.pointer_path)
+        try:
+            current = self._root.read_pointer()
+        except WeightFormatError as e:
+            logger.warning("overwriting an unreadable pointer: %s", e)
+            current = None
+        except Exception as e:
+            raise WeightPublishError(f"reading {where} failed: {e!r}") from e
+        if current is not None and int(current["epoch"]) > self.epoch:
+            raise WeightPublishError(
+                f"{where} points to weight step {current['weight_step']} of a newer server "
+                f"(epoch {current['epoch']} > this server's {self.epoch}): this trainer was superseded"
+            )
+        name = version_dir_name(version)
+        pointer = {"format_version": POINTER_FORMAT_VERSION, "weight_step": version.weight_step,
+                   "epoch": version.epoch, "version": name, "format": fmt, "bytes": nbytes,
+                   "crc32": crc, "written_at": time.time()}
+        _attempt("writing", where, lambda: self._root.write_pointer(pointer))
+        self._committed.append(name)
 
     def _write_packed(self, folder: str, model) -> tuple[int, int]:
         path = f"{folder}/{PACKED_NAME}"
