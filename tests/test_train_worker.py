@@ -108,3 +108,70 @@ def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
     assert len(trained) == len(set(trained))
     assert (tmp_path / "ckpt" / "onpolicy" / "step-3" / "marinrl.json").exists()  # the final, forced checkpoint
     assert result.metrics["replay/trained_staleness/0"] == 4 * GROUPS
+
+
+def child_main(tmp: str, log_path: str) -> None:
+    """A trainer in its own process, appending what each step trained to `log_path` (JSON lines)."""
+    import json
+
+    cfg = worker_config(pathlib.Path(tmp), steps=8, sampling=OnPolicyConfig(), run_id="killed", checkpoint_every=2)
+
+    def on_step(step, metrics):
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "groups": metrics["groups"]}) + "\n")
+
+    result = TrainWorker(cfg, on_step=on_step).run()
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"first_step": result.first_step, "final_step": result.final_step}) + "\n")
+
+
+def _spawn_child(tmp: pathlib.Path, log: pathlib.Path):
+    import subprocess
+    import sys
+
+    code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); "
+            f"import test_train_worker as t; t.child_main({str(tmp)!r}, {str(log)!r})")
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _read_log(path: pathlib.Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
+    import signal
+    import time
+
+    cfg = worker_config(tmp_path, steps=8, sampling=OnPolicyConfig(), run_id="killed", checkpoint_every=2)
+    producer = Producer(cfg.weights, cfg.rollout_root)
+    producer.start()
+    first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    child = _spawn_child(tmp_path, first_log)
+    deadline = time.time() + 300
+    while not any(e.get("step", 0) >= 5 for e in _read_log(first_log)):
+        assert child.poll() is None, child.stderr.read().decode()[-3000:]
+        assert time.time() < deadline, "the first trainer never reached step 5"
+        time.sleep(0.2)
+    child.send_signal(signal.SIGKILL)  # mid-run: step 5 trained, its checkpoint (step 6) not yet taken
+    child.wait()
+
+    resumed = _spawn_child(tmp_path, second_log)
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+    producer.halt.set()
+    second = _read_log(second_log)
+    start = second[-1]["first_step"]
+    assert second[-1]["final_step"] == 8 and start in (4, 6)
+
+    killed_steps = {e["step"]: e["groups"] for e in _read_log(first_log)}
+    resumed_steps = {e["step"]: e["groups"] for e in second if "step" in e}
+    lineage = {**{s: g for s, g in killed_steps.items() if s <= start}, **resumed_steps}
+    assert sorted(lineage) == list(range(1, 9)) and min(resumed_steps) == start + 1
+    trained = [gid for groups in lineage.values() for gid, _ in groups]
+    assert len(trained) == len(set(trained)) == 8 * GROUPS  # nothing trained twice
+    for step, groups in lineage.items():  # on-policy, every step: its own weights' rollouts
+        assert {w for _, w in groups} == {step - 1}
+        assert all(producer.written[gid] == w for gid, w in groups)
+    # The file the killed run consumed after its last checkpoint is read again, not skipped.
+    assert {g for g, _ in resumed_steps[start + 1]} == {g for g, _ in killed_steps[start + 1]}
