@@ -1,0 +1,338 @@
+"""Policy models: build one from scratch with a seed, load one from a Levanter checkpoint (local or
+gs://) or from a Hugging Face checkpoint directory, save both formats.
+
+Loading never reaches a hub: every path is checked first and a missing one raises
+FileNotFoundError naming it. Levanter checkpoints use Levanter's own layout (the model under the
+`model/` subpath of a `step-N` directory, as the Trainer writes it); the ones written here also
+carry `model_config.json`, so they load without being told the architecture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import json
+import logging
+import os
+import tempfile
+from typing import Optional
+
+import draccus
+import equinox as eqx
+import fsspec
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
+from levanter.compat.hf_checkpoints import HFCheckpointConverter
+from levanter.models.llama import LlamaConfig
+from levanter.models.lm_model import LmConfig, LmHeadModel
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from marinrl.tokenizers import byte_tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+MODEL_CONFIG_FILE = "model_config.json"
+
+# Hugging Face `model_type` -> name of the Levanter config in LmConfig's registry.
+_HF_TO_LEVANTER = {
+    "llama": "llama",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2": "qwen",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "olmo2": "olmo2",
+    "gpt2": "gpt2",
+}
+
+
+def _reference_llama() -> LmConfig:
+    return LlamaConfig(
+        seq_len=256,
+        hidden_dim=128,
+        intermediate_dim=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=4,
+        gradient_checkpointing=False,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Where a policy comes from. With neither checkpoint set, the model is built from scratch."""
+
+    model: LmConfig = dataclasses.field(default_factory=_reference_llama)
+    """Levanter architecture (draccus choice, e.g. `type: llama`). For an HF checkpoint its config.json
+    rules instead; for a Levanter checkpoint written by `save_levanter_checkpoint` its
+    `model_config.json` does."""
+    vocab_size: int = 512
+    """Size of the vocabulary axis of a model built from scratch (and of the byte-level tokenizer)."""
+    seed: int = 0
+    """PRNG seed of the from-scratch initialization."""
+    init_std: Optional[float] = None
+    """If set, every weight matrix is initialized N(0, init_std) instead of Levanter's fan-in scaled
+    default (the reference shape of BENCHMARK.md uses 0.02); norms keep their ones, biases their zeros."""
+    levanter_checkpoint: Optional[str] = None
+    """Levanter checkpoint: a `step-N` directory or a run's checkpoint folder (latest step wins)."""
+    hf_checkpoint: Optional[str] = None
+    """Hugging Face checkpoint directory (config.json + safetensors), local or fsspec URL."""
+    tokenizer: Optional[str] = None
+    """HF tokenizer directory; None: the checkpoint's own tokenizer if it has one, else byte-level."""
+    dtype: str = "float32"
+    """Parameter dtype."""
+
+    def __post_init__(self):
+        if self.levanter_checkpoint and self.hf_checkpoint:
+            raise ValueError("ModelConfig: set at most one of levanter_checkpoint and hf_checkpoint")
+        if self.vocab_size < 1:
+            raise ValueError(f"ModelConfig.vocab_size must be >= 1, got {self.vocab_size}")
+
+
+def build_model(config: ModelConfig) -> LmHeadModel:
+    """The model `config` describes: loaded from its checkpoint, or initialized from its seed."""
+    dtype = jnp.dtype(config.dtype)
+    if config.hf_checkpoint:
+        return load_hf_checkpoint(config.hf_checkpoint, dtype=dtype)
+    if config.levanter_checkpoint:
+        return load_levanter_checkpoint(
+            config.levanter_checkpoint, model_config=None, vocab_size=None, dtype=dtype, fallback=config
+        )
+    return init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
+
+
+def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer that goes with `build_model(config)`."""
+    if config.tokenizer:
+        return load_tokenizer(config.tokenizer)
+    if config.hf_checkpoint and _has_tokenizer(config.hf_checkpoint):
+        return load_tokenizer(config.hf_checkpoint)
+    return byte_tokenizer(config.vocab_size)
+
+
+def init_model(
+    model_config: LmConfig,
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    init_std: Optional[float] = None,
+    dtype=jnp.float32,
+) -> LmHeadModel:
+    """A freshly initialized model (one jitted init, so it takes milliseconds after the compile)."""
+
+    @eqx.filter_jit
+    def _init(key):
+        model = model_config.model_type.init(hax.Axis("vocab", vocab_size), model_config, key=key)
+        if init_std is not None:
+            model = _normal_init(model, init_std, jax.random.fold_in(key, 1))
+        return _cast(model, dtype)
+
+    return _init(jax.random.PRNGKey(seed))
+
+
+def _normal_init(model, std: float, key):
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    keys = jax.random.split(key, len(leaves))
+    new = [
+        (std * jax.random.normal(k, x.shape, x.dtype) if eqx.is_inexact_array(x) and x.ndim >= 2 else x)
+        for x, k in zip(leaves, keys)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _cast(model, dtype):
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+
+
+# --------------------------------------------------------------------------- Levanter checkpoints
+
+
+def save_levanter_checkpoint(model: LmHeadModel, path: str, step: int) -> str:
+    """Write `model` as a Levanter checkpoint at `path` (local or gs://), the model under `model/` as the
+    Trainer lays it out, plus `model_config.json`. `metadata.json`, which marks a checkpoint complete, is
+    written last. Returns `path`."""
+    fs, plain = fsspec.core.url_to_fs(path)
+    fs.makedirs(plain, exist_ok=True)
+    with fs.open(os.path.join(plain, MODEL_CONFIG_FILE), "w") as f:
+        f.write(_encode_model_config(model.config, model.Vocab.size))
+    save_checkpoint({"model": model}, step=step, checkpoint_path=path, is_temporary=False)
+    return path
+
+
+def load_levanter_checkpoint(
+    path: str,
+    model_config: Optional[LmConfig] = None,
+    vocab_size: Optional[int] = None,
+    *,
+    dtype=jnp.float32,
+    fallback: Optional[ModelConfig] = None,
+    axis_mapping=None,
+    mesh=None,
+) -> LmHeadModel:
+    """Load the model of a Levanter checkpoint: `path` is a `step-N` directory or a folder of them (the
+    latest is taken). The architecture comes from `model_config`/`vocab_size` if given, else from the
+    checkpoint's `model_config.json`, else from `fallback` (a ModelConfig's `model` and `vocab_size`)."""
+    fs, plain = fsspec.core.url_to_fs(path)
+    if not fs.exists(plain):
+        raise FileNotFoundError(f"Levanter checkpoint not found: {path}")
+    step_dir = discover_latest_checkpoint(path)
+    if step_dir is None:
+        raise FileNotFoundError(f"no Levanter checkpoint (a directory with metadata.json) under {path}")
+    saved = _read_model_config(step_dir)
+    if model_config is None:
+        model_config = saved[0] if saved else (fallback.model if fallback else None)
+    if vocab_size is None:
+        vocab_size = saved[1] if saved else (fallback.vocab_size if fallback else None)
+    if model_config is None or vocab_size is None:
+        raise ValueError(
+            f"{step_dir} has no {MODEL_CONFIG_FILE}: pass model_config and vocab_size to load it"
+        )
+    Vocab = hax.Axis("vocab", vocab_size)
+    template = eqx.filter_eval_shape(model_config.model_type.init, Vocab, model_config, key=jax.random.PRNGKey(0))
+    with _default_mesh(mesh):
+        model = load_checkpoint(
+            template, step_dir, subpath="model", discover_latest=False, axis_mapping=axis_mapping, mesh=mesh
+        )
+    return _cast(model, dtype)
+
+
+@contextlib.contextmanager
+def _default_mesh(mesh=None):
+    """Levanter's checkpoint code needs a mesh. Use `mesh`, else the one in context, else a one-device
+    mesh on the default device (where an unsharded jax array would live)."""
+    if mesh is None and hax.partitioning._resolve_mesh() is not None:
+        yield
+        return
+    if mesh is None:
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    with hax.partitioning.set_mesh(mesh):
+        yield
+
+
+def _levanter_config_name(config: LmConfig) -> str:
+    for name, cls in LmConfig.get_known_choices().items():
+        if type(config) is cls:
+            return name
+    raise ValueError(f"{type(config).__name__} is not a registered Levanter LmConfig")
+
+
+def _plain(x):
+    """draccus.encode output with enums replaced by their values, so that it is plain JSON."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, enum.Enum):
+        return x.value
+    return x
+
+
+def _encode_model_config(config: LmConfig, vocab_size: int) -> str:
+    encoded = {"type": _levanter_config_name(config), **_plain(draccus.encode(config))}
+    return json.dumps({"vocab_size": vocab_size, "model": encoded}, indent=1)
+
+
+def _read_model_config(step_dir: str) -> Optional[tuple[LmConfig, int]]:
+    fs, plain = fsspec.core.url_to_fs(step_dir)
+    # a Trainer checkpoint's step dir has no config; ours may sit in the step dir or its parent
+    for d in (plain, os.path.dirname(plain.rstrip("/"))):
+        p = os.path.join(d, MODEL_CONFIG_FILE)
+        if fs.exists(p):
+            with fs.open(p, "r") as f:
+                raw = json.load(f)
+            return draccus.decode(LmConfig, raw["model"]), int(raw["vocab_size"])
+    return None
+
+
+# --------------------------------------------------------------------------- Hugging Face checkpoints
+
+
+def load_hf_checkpoint(path: str, *, dtype=jnp.float32, axis_mapping=None) -> LmHeadModel:
+    """Load a Hugging Face checkpoint directory (local or fsspec URL) through Levanter's converter.
+
+    The architecture comes from its config.json; the vocabulary keeps the checkpoint's size."""
+    with _local_copy(path) as local:
+        hf_config = AutoConfig.from_pretrained(local, local_files_only=True)
+        name = _HF_TO_LEVANTER.get(hf_config.model_type)
+        if name is None or name not in LmConfig.get_known_choices():
+            raise ValueError(f"{path}: Levanter has no model for HF model_type {hf_config.model_type!r}")
+        lev_config = LmConfig.get_choice_class(name).from_hf_config(hf_config)
+        if hasattr(lev_config, "gradient_checkpointing"):
+            lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
+        # The converter wants a tokenizer to size the vocabulary; we keep the checkpoint's size instead.
+        converter = HFCheckpointConverter(
+            type(lev_config), reference_checkpoint=local, HfConfigClass=type(hf_config), tokenizer=byte_tokenizer(512)
+        )
+        with _default_mesh():
+            model = converter.load_pretrained(
+                lev_config.model_type,
+                ref=local,
+                config=lev_config,
+                axis_mapping=axis_mapping,
+                resize_vocab_to_match_tokenizer=False,
+                dtype=dtype,
+            )
+    return model
+
+
+def save_hf_checkpoint(model: LmHeadModel, path: str, *, tokenizer: PreTrainedTokenizerBase) -> str:
+    """Export `model` as a Hugging Face checkpoint directory (config.json, safetensors, the tokenizer)."""
+    hf_config = model.config.to_hf_config(vocab_size=model.Vocab.size)
+    with tempfile.TemporaryDirectory() as ref:
+        # Levanter's converter copies a few keys from a reference checkpoint's config: we give it our own
+        # config, written locally, so nothing is fetched.
+        hf_config.save_pretrained(ref)
+        converter = HFCheckpointConverter(
+            type(model.config), reference_checkpoint=ref, HfConfigClass=type(hf_config), tokenizer=tokenizer
+        )
+        with _default_mesh():
+            converter.save_pretrained(model, path, save_reference_code=False, save_tokenizer=True)
+    return path
+
+
+def _has_tokenizer(path: str) -> bool:
+    fs, plain = fsspec.core.url_to_fs(path)
+    return fs.exists(os.path.join(plain, "tokenizer_config.json"))
+
+
+class _local_copy:
+    """Context manager: a local directory with the contents of `path` (itself if it is local)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
+
+    def __enter__(self) -> str:
+        fs, plain = fsspec.core.url_to_fs(self.path)
+        if not fs.isdir(plain):
+            raise FileNotFoundError(f"Hugging Face checkpoint directory not found: {self.path}")
+        if not fs.exists(os.path.join(plain, "config.json")):
+            raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face checkpoint")
+        if "://" not in self.path or self.path.startswith("file://"):
+            return plain
+        self._tmp = tempfile.TemporaryDirectory()
+        for name in fs.ls(plain, detail=False):
+            if fs.isfile(name):
+                fs.get(name, os.path.join(self._tmp.name, os.path.basename(name)))
+        return self._tmp.name
+
+    def __exit__(self, *exc):
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+def model_summary(model: LmHeadModel) -> dict:
+    """Architecture and size in a JSON-friendly dict (for logs and run headers)."""
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array)))
+    return {
+        "type": _levanter_config_name(model.config),
+        "vocab_size": model.Vocab.size,
+        "n_params": int(n_params),
+        "config": _plain(draccus.encode(model.config)),
+    }
