@@ -23,6 +23,7 @@ PAD = "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
 SPECIAL_TOKENS = (BOS, EOS, PAD, *ROLE_TOKENS)
 N_BYTES = 256
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 # Each message is `<|role|>content<|eos|>`; the conversation starts with BOS and a generation prompt
 # opens an assistant turn, which the model ends by sampling EOS (the end-of-turn token).
@@ -82,7 +83,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 def _load_local_tokenizer(path: str, *, shown_as: str) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {shown_as}")
+    if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer in {shown_as}: none of {', '.join(TOKENIZER_FILES)}")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise FileNotFoundError(f"no loadable tokenizer in {shown_as}: {e}") from e
+    except Exception as e:  # transformers raises many kinds for a broken directory
+        raise ValueError(f"cannot load the tokenizer in {shown_as}: {e}") from e
