@@ -55,3 +55,31 @@ class InferenceContext(Protocol):
     ) -> list[list[Generation]]:
         """`n` samples for each prompt, all prompts in one engine call; result[i][j] is sample j of prompt i."""
         ...
+
+
+# ---------------------------------------------------------------- chat-template helpers (for any context)
+
+
+def chat_prompt_tokens(tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a conversation (a list of {"role", "content"}) through the tokenizer's chat template,
+    ending with the opening of an assistant turn when `add_generation_prompt`."""
+    ids = tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=add_generation_prompt)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def stop_sequences(tokenizer, strings: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Token-id stop sequences for `strings`, as `SamplingParams.stop_sequences` wants them."""
+    out = []
+    for s in strings:
+        ids = tuple(int(t) for t in tokenizer.encode(s, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"stop string {s!r} encodes to no tokens")
+        out.append(ids)
+    return tuple(out)
+
+
+def response_text(tokenizer, generation: Generation) -> str:
+    """The text of a generation, special tokens (EOS, role markers) left out."""
+    return tokenizer.decode(generation.tokens.tolist(), skip_special_tokens=True)

@@ -1,0 +1,416 @@
+"""The OpenAI-compatible HTTP endpoint (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+`/health`) over the Levanter engine, for environments and evaluators that speak that protocol.
+
+Ours rather than Levanter's `InferenceServer`, whose `finish_reason` is always "stop", which merges
+several `stop` strings into one sequence and ignores `top_p`. Here `finish_reason` is "length" when
+`max_tokens` ran out and "stop" on EOS or a stop string; each stop string works on its own, and the
+returned text ends before it (OpenAI's rule); unsupported options (`stream`, `echo`, `top_p` other than
+1, penalties, `logit_bias`, `best_of` > 1) are refused with 400, never ignored.
+
+Requests are served by one worker thread that batches whatever is queued into one engine call.
+Lifecycle: `start()` binds the port and starts the threads, `wait_until_ready()` blocks until uvicorn
+serves, `shutdown()` stops both threads and closes the port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import random
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import uvicorn
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat.chat_completion import ChoiceLogprobs
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.completion_choice import Logprobs
+from pydantic import BaseModel, ConfigDict
+
+from marinrl.inference.context import chat_prompt_tokens
+from marinrl.inference.levanter_engine import EngineJob, EngineSample, LevanterEngine, engine_key
+
+logger = logging.getLogger(__name__)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    stream: Optional[bool] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: List[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+
+
+def _refuse_unsupported(req: _Request) -> None:
+    problems = []
+    if req.stream:
+        problems.append("stream")
+    if req.top_p is not None and req.top_p != 1.0:
+        problems.append("top_p other than 1")
+    if req.presence_penalty or req.frequency_penalty:
+        problems.append("presence/frequency penalties")
+    if req.logit_bias:
+        problems.append("logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            problems.append("echo")
+        if req.best_of not in (None, 1):
+            problems.append("best_of > 1")
+    if isinstance(req, ChatCompletionRequest) and req.top_logprobs:
+        problems.append("top_logprobs")
+    if problems:
+        raise HTTPException(status_code=400, detail=f"unsupported: {', '.join(problems)}")
+    if req.n < 1:
+        raise HTTPException(status_code=400, detail=f"n must be >= 1, got {req.n}")
+    if req.temperature < 0:
+        raise HTTPException(status_code=400, detail=f"temperature must be >= 0, got {req.temperature}")
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(s == "" for s in stops):
+        raise HTTPException(status_code=400, detail="empty stop string")
+    return stops
+
+
+class _Finished:
+    """One choice after OpenAI's stop rules: text ends before the first stop string."""
+
+    def __init__(self, tokenizer, sample: EngineSample, stop_strings: Sequence[str]):
+        tokens, logprobs = list(sample.tokens), list(sample.logprobs)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stop_strings if s in text]
+        finish = "stop" if sample.stopped else "length"
+        if cuts:
+            # the shortest token prefix whose text holds a stop string ("contains" grows with the prefix)
+            lo, hi = 1, len(tokens)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                part = tokenizer.decode(tokens[:mid], skip_special_tokens=True)
+                if any(s in part for s in stop_strings):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            tokens, logprobs, text, finish = tokens[:lo], logprobs[:lo], text[: min(cuts)], "stop"
+        self.tokens, self.logprobs, self.text, self.finish_reason = tokens, logprobs, text, finish
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling us when it actually listens (after lifespan startup and socket setup)."""
+
+    def __init__(self, config: uvicorn.Config, on_started):
+        super().__init__(config)
+        self._on_started = on_started
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._on_started()
+
+
+class OpenAIEndpoint:
+    """OpenAI-compatible HTTP server over a `LevanterEngine`, on `host:port` (port 0: any free port)."""
+
+    def __init__(
+        self,
+        engine: LevanterEngine,
+        tokenizer,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "marinrl-policy",
+        default_max_tokens: int = 256,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.host = host
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self._requested_port = port
+        self._jobs: queue.Queue = queue.Queue()
+        self._ready = threading.Event()
+        self._startup_error: Optional[BaseException] = None
+        self._socket: Optional[socket.socket] = None
+        self._server: Optional[uvicorn.Server] = None
+        self._http_thread: Optional[threading.Thread] = None
+        self._worker_thread: Optional[threading.Thread] = None
+        self.app = self._build_app()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def port(self) -> int:
+        if self._socket is None:
+            raise RuntimeError("OpenAIEndpoint is not started")
+        return self._socket.getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        """Base URL for an OpenAI client: http://host:port/v1."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> "OpenAIEndpoint":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self._requested_port))
+        self._socket = sock
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self._server = _Server(config, on_started=self._ready.set)
+        self._worker_thread = threading.Thread(target=self._work, name="marinrl-openai-engine", daemon=True)
+        self._worker_thread.start()
+        self._http_thread = threading.Thread(target=self._serve, name="marinrl-openai-http", daemon=True)
+        self._http_thread.start()
+        return self
+
+    def _serve(self) -> None:
+        try:
+            self._server.run(sockets=[self._socket])
+        except BaseException as e:  # noqa: BLE001 - reported by wait_until_ready
+            self._startup_error = e
+            logger.exception("OpenAI endpoint stopped with an error")
+        finally:
+            self._ready.set()  # unblock waiters; they check whether it actually started
+
+    def wait_until_ready(self, timeout: float = 60.0) -> None:
+        """Block until the endpoint accepts requests; raise if it failed to start or `timeout` passed."""
+        if self._http_thread is None:
+            raise RuntimeError("OpenAIEndpoint.start() was not called")
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"OpenAI endpoint not ready after {timeout} s")
+        if self._startup_error is not None or not (self._server and self._server.started):
+            raise RuntimeError(f"OpenAI endpoint failed to start: {self._startup_error!r}")
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop serving, finish the worker, close the port. Idempotent."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._http_thread is not None:
+            self._http_thread.join(timeout)
+            if self._http_thread.is_alive():
+                raise RuntimeError("OpenAI endpoint's HTTP thread did not stop")
+        if self._worker_thread is not None:
+            self._jobs.put(None)
+            self._worker_thread.join(timeout)
+            if self._worker_thread.is_alive():
+                raise RuntimeError("OpenAI endpoint's engine thread did not stop")
+        if self._socket is not None:
+            self._socket.close()
+        self._http_thread = self._worker_thread = None
+
+    # ------------------------------------------------------------------ engine worker
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            batch = [item]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    nxt = self._jobs.get_nowait()
+                    if nxt is None:
+                        self._jobs.put(None)  # finish this batch, then stop
+                        break
+                    batch.append(nxt)
+            jobs = [job for jobs, _ in batch for job in jobs]
+            try:
+                results = self.engine.generate(jobs)
+            except BaseException as e:  # noqa: BLE001 - delivered to every waiting request
+                for _, fut in batch:
+                    fut.set_exception(e)
+                continue
+            start = 0
+            for jobs_i, fut in batch:
+                fut.set_result(results[start:start + len(jobs_i)])
+                start += len(jobs_i)
+
+    async def _run(self, jobs: list[EngineJob]) -> list[list[EngineSample]]:
+        for job in jobs:
+            try:
+                self.engine.validate(job)
+            except ValueError as e:
+                raise HTTPException(status_code=400, detail=str(e)) from e
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((jobs, fut))
+        try:
+            return await asyncio.wrap_future(fut)
+        except Exception as e:
+            logger.exception("generation failed")
+            raise HTTPException(status_code=500, detail=f"generation failed: {e}") from e
+
+    def _jobs_for(self, prompts: list[list[int]], req: _Request, max_tokens: int, stops: list[str]) -> list[EngineJob]:
+        eos = self.tokenizer.eos_token_id
+        stop_seqs = [(eos,)] if eos is not None else []
+        stop_seqs += [tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
+        stop_seqs = tuple(s for s in stop_seqs if len(s) > 0)
+        seed = req.seed if req.seed is not None else random.getrandbits(31)
+        return [
+            EngineJob(p, req.n, max_tokens, req.temperature, engine_key(seed, i), stop_seqs)
+            for i, p in enumerate(prompts)
+        ]
+
+    # ------------------------------------------------------------------ routes
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="marinrl inference")
+
+        @app.exception_handler(HTTPException)
+        async def openai_style_error(request, exc: HTTPException):
+            # OpenAI's error body, so that clients show the message
+            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+            return JSONResponse(
+                status_code=exc.status_code,
+                content={"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
+            )
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "model": self.model_name}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "marinrl"}]}
+
+        @app.post("/v1/completions")
+        async def completions(req: CompletionRequest) -> Completion:
+            _refuse_unsupported(req)
+            prompts = self._completion_prompts(req.prompt)
+            max_tokens = req.max_tokens if req.max_tokens is not None else self.default_max_tokens
+            stops = _stop_list(req.stop)
+            results = await self._run(self._jobs_for(prompts, req, max_tokens, stops))
+            choices, n_out = [], 0
+            for samples in results:
+                for sample in samples:
+                    done = _Finished(self.tokenizer, sample, stops)
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = Logprobs(
+                            tokens=self.tokenizer.convert_ids_to_tokens(done.tokens),
+                            token_logprobs=[float(x) for x in done.logprobs],
+                        )
+                    choices.append(
+                        CompletionChoice(
+                            index=len(choices), text=done.text, finish_reason=done.finish_reason, logprobs=logprobs
+                        )
+                    )
+                    n_out += len(done.tokens)
+            n_in = sum(len(p) for p in prompts)
+            return Completion(
+                id=f"cmpl-{uuid.uuid4().hex}",
+                object="text_completion",
+                created=int(time.time()),
+                model=self.model_name,
+                choices=choices,
+                usage=CompletionUsage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out),
+            )
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(req: ChatCompletionRequest) -> ChatCompletion:
+            _refuse_unsupported(req)
+            messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
+            try:
+                prompt = chat_prompt_tokens(self.tokenizer, messages)
+            except Exception as e:  # a template that rejects the conversation
+                raise HTTPException(status_code=400, detail=f"chat template failed: {e}") from e
+            max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
+            stops = _stop_list(req.stop)
+            (samples,) = await self._run(self._jobs_for([prompt], req, max_tokens, stops))
+            choices, n_out = [], 0
+            for sample in samples:
+                done = _Finished(self.tokenizer, sample, stops)
+                logprobs = None
+                if req.logprobs:
+                    content = []
+                    for tok, lp in zip(self.tokenizer.convert_ids_to_tokens(done.tokens), done.logprobs):
+                        content.append(
+                            ChatCompletionTokenLogprob(
+                                token=tok, logprob=float(lp), bytes=list(tok.encode("utf-8")), top_logprobs=[]
+                            )
+                        )
+                    logprobs = ChoiceLogprobs(content=content)
+                choices.append(
+                    ChatChoice(
+                        index=len(choices),
+                        message=ChatCompletionMessage(role="assistant", content=done.text),
+                        finish_reason=done.finish_reason,
+                        logprobs=logprobs,
+                    )
+                )
+                n_out += len(done.tokens)
+            return ChatCompletion(
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                object="chat.completion",
+                created=int(time.time()),
+                model=self.model_name,
+                choices=choices,
+                usage=CompletionUsage(
+                    prompt_tokens=len(prompt), completion_tokens=n_out, total_tokens=len(prompt) + n_out
+                ),
+            )
+
+        return app
+
+    def _completion_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if len(prompt) == 0:
+            raise HTTPException(status_code=400, detail="empty prompt")
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]
+        out = []
+        for p in prompt:
+            out.append(self.tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else list(p))
+        return out
+
+
+def _content_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise HTTPException(status_code=400, detail=f"unsupported message part type {part.get('type')!r}")
+        parts.append(part.get("text", ""))
+    return "".join(parts)

@@ -1,0 +1,256 @@
+"""The inference server a RolloutManager owns: the policy's current weights and weight step, the
+`InferenceContext` environments call (`generate`), and the OpenAI-compatible endpoint.
+
+    server = InferenceServer(InferenceServerConfig(), model, tokenizer, weight_step=0).start()
+    server.wait_until_ready()
+    gens = server.generate(prompts, n=8, sampling=SamplingParams(max_tokens=32), seed=0)
+    server.reload(new_model, weight_step=1)     # in place, no recompile
+    server.shutdown()                           # no thread or port left behind
+
+`generate` runs the scan sampler (`sampler.py`) by default, or Levanter's engine with
+`backend="engine"`; the HTTP endpoint always runs Levanter's engine. Both see the same weights:
+`reload` swaps them for both at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Literal, Optional, Sequence
+
+import numpy as np
+
+from marinrl.inference import sampler as scan_sampler
+from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
+from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
+from marinrl.inference.openai_api import OpenAIEndpoint
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceServerConfig:
+    """How the rollout side serves its policy."""
+
+    backend: Literal["scan", "engine"] = "scan"
+    """What `generate` runs: our scan sampler (fast for rollout batches), or Levanter's engine."""
+    serve_http: bool = True
+    """Start the OpenAI-compatible endpoint."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0: any free port (read it from `server.url`)."""
+    model_name: str = "marinrl-policy"
+    """The `model` the endpoint reports."""
+    default_max_tokens: int = 256
+    """HTTP requests without max_tokens get this budget."""
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
+
+    def __post_init__(self):
+        if self.backend not in ("scan", "engine"):
+            raise ValueError(f"InferenceServerConfig.backend must be 'scan' or 'engine', got {self.backend!r}")
+
+
+class InferenceServer:
+    """Implements `marinrl.inference.context.InferenceContext`. Thread-safe: `generate` may be called
+    from several threads, and `reload` waits for nothing but a running engine call."""
+
+    def __init__(self, config: InferenceServerConfig, model, tokenizer, *, weight_step: int = 0):
+        if config.backend == "scan":
+            scan_sampler.check_supported(model)
+        self.config = config
+        self._tokenizer = tokenizer
+        self._model = model
+        self._weight_step = int(weight_step)
+        self._lock = threading.Lock()
+        self._engine: Optional[LevanterEngine] = None
+        self._endpoint: Optional[OpenAIEndpoint] = None
+        self._started = False
+        vocab = model.Vocab.size
+        if len(tokenizer) > vocab:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}")
+        self._vocab = vocab
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "InferenceServer":
+        """Build the engine (if anything uses it) and start the endpoint. Returns self."""
+        if self._started:
+            return self
+        if self.config.serve_http or self.config.backend == "engine":
+            self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
+        if self.config.serve_http:
+            self._endpoint = OpenAIEndpoint(
+                self._engine,
+                self._tokenizer,
+                host=self.config.host,
+                port=self.config.port,
+                model_name=self.config.model_name,
+                default_max_tokens=self.config.default_max_tokens,
+            ).start()
+        self._started = True
+        return self
+
+    def wait_until_ready(self, timeout: float = 60.0) -> None:
+        """Block until `generate` and the endpoint (if any) serve requests."""
+        if not self._started:
+            raise RuntimeError("InferenceServer.start() was not called")
+        if self._endpoint is not None:
+            self._endpoint.wait_until_ready(timeout)
+
+    def shutdown(self) -> None:
+        """Stop the endpoint's threads and close its port. Idempotent."""
+        if self._endpoint is not None:
+            self._endpoint.shutdown()
+            self._endpoint = None
+        self._engine = None
+        self._started = False
+
+    def __enter__(self) -> "InferenceServer":
+        self.start().wait_until_ready()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def model(self):
+        return self._model
+
+    @property
+    def weight_step(self) -> int:
+        """Weight step of the weights `generate` uses now."""
+        return self._weight_step
+
+    def reload(self, model, weight_step: int) -> None:
+        """Serve `model` (same architecture, shapes and dtypes: nothing recompiles) as `weight_step`.
+        Calls already running finish with the old weights."""
+        _check_same_structure(self._model, model)
+        with self._lock:
+            self._model = model
+            self._weight_step = int(weight_step)
+            if self._engine is not None:
+                self._engine.set_model(model)
+
+    # ------------------------------------------------------------------ InferenceContext
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI-compatible endpoint (http://127.0.0.1:PORT/v1)."""
+        if self._endpoint is None:
+            raise RuntimeError("the OpenAI endpoint is not running (serve_http=False or not started)")
+        return self._endpoint.url
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, seed: int
+    ) -> list[list[Generation]]:
+        """`n` samples for each prompt, all prompts in one call; result[i][j] is sample j of prompt i.
+
+        A sample ends at EOS or at the first occurrence, in its own tokens, of any of
+        `sampling.stop_sequences` (finish_reason "stop", the stopping tokens included), or after
+        `sampling.max_tokens` tokens (finish_reason "length"). Same seed, same samples."""
+        if not self._started:
+            raise RuntimeError("InferenceServer.start() was not called")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
+        if not prompts:
+            return []
+        eos = self._tokenizer.eos_token_id
+        stops = ((eos,),) if eos is not None else ()
+        stops = stops + tuple(tuple(int(t) for t in s) for s in sampling.stop_sequences)
+        with self._lock:
+            model = self._model
+        if self.config.backend == "scan":
+            return self._generate_scan(model, prompts, n, sampling, stops, seed)
+        return self._generate_engine(prompts, n, sampling, stops, seed)
+
+    def _check_prompt(self, i: int, prompt) -> list[int]:
+        p = [int(t) for t in np.asarray(prompt).reshape(-1).tolist()]
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not 0 <= t < self._vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
+        return p
+
+    def _generate_scan(self, model, prompts, n, sampling, stops, seed):
+        out = scan_sampler.sample(
+            model,
+            prompts,
+            n=n,
+            temperature=sampling.temperature,
+            max_tokens=sampling.max_tokens,
+            stop_sequences=stops,
+            seed=seed,
+        )
+        result = []
+        for i in range(len(prompts)):
+            row = []
+            for j in range(n):
+                r = i * n + j
+                k = int(out.lengths[r])
+                row.append(
+                    Generation(
+                        tokens=out.tokens[r, :k].copy(),
+                        logprobs=out.logprobs[r, :k].copy(),
+                        finish_reason="stop" if out.stopped[r] else "length",
+                    )
+                )
+            result.append(row)
+        return result
+
+    def _generate_engine(self, prompts, n, sampling, stops, seed):
+        jobs = [
+            EngineJob(p, n, sampling.max_tokens, sampling.temperature, engine_key(seed, i), stops)
+            for i, p in enumerate(prompts)
+        ]
+        return [
+            [
+                Generation(
+                    tokens=np.asarray(s.tokens, dtype=np.int32),
+                    logprobs=np.asarray(s.logprobs, dtype=np.float32),
+                    finish_reason="stop" if s.stopped else "length",
+                )
+                for s in samples
+            ]
+            for samples in self._engine.generate(jobs)
+        ]
+
+    # ------------------------------------------------------------------ chat helpers
+
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        """Prompt tokens of a conversation, ending with the opening of an assistant turn."""
+        return chat_prompt_tokens(self._tokenizer, messages)
+
+    def generate_chat(
+        self, conversations: Sequence[Sequence[dict]], n: int, sampling: SamplingParams, seed: int
+    ) -> tuple[list[list[int]], list[list[Generation]]]:
+        """`generate` on conversations: returns (prompt tokens of each, its generations)."""
+        prompts = [self.chat_prompt(c) for c in conversations]
+        return prompts, self.generate(prompts, n, sampling, seed)
+
+    def text(self, generation: Generation) -> str:
+        """The text of a generation, special tokens left out."""
+        return response_text(self._tokenizer, generation)
+
+
+def _check_same_structure(old, new) -> None:
+    import equinox as eqx
+    import jax
+
+    a = jax.tree_util.tree_structure(eqx.filter(old, eqx.is_array))
+    b = jax.tree_util.tree_structure(eqx.filter(new, eqx.is_array))
+    if a != b:
+        raise ValueError("reload: the new model's structure differs from the served one")
+    for x, y in zip(jax.tree_util.tree_leaves(eqx.filter(old, eqx.is_array)),
+                    jax.tree_util.tree_leaves(eqx.filter(new, eqx.is_array))):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ValueError(f"reload: a weight changed from {x.shape} {x.dtype} to {y.shape} {y.dtype}")
