@@ -20,6 +20,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# The GCS emulator answers concurrent tensorstore requests with intermittently malformed object
+# generations ("Malformed StorageGeneration" on read); real GCS does not. One request at a time works.
+# tensorstore reads this when it loads, so it is set here rather than in the gcs_emulator fixture.
+os.environ.setdefault("TENSORSTORE_GCS_REQUEST_CONCURRENCY", "1")
 
 import pytest  # noqa: E402
 
@@ -57,11 +61,13 @@ def gcs_emulator():
     server = create_server("127.0.0.1", port, in_memory=True, default_bucket=GCS_BUCKET)
     server.start()
     url = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                                            "GOOGLE_AUTH_TOKEN_FOR_TESTING")}
-    os.environ["STORAGE_EMULATOR_HOST"] = url
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = url
-    os.environ["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "dummy"
+    env = {
+        "STORAGE_EMULATOR_HOST": url,
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "dummy",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield url
     finally:

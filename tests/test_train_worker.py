@@ -4,6 +4,7 @@ trainer publishes, it writes one batch of rollouts stamped with that step."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import threading
 import uuid
@@ -175,3 +176,23 @@ def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
         assert all(producer.written[gid] == w for gid, w in groups)
     # The file the killed run consumed after its last checkpoint is read again, not skipped.
     assert {g for g, _ in resumed_steps[start + 1]} == {g for g, _ in killed_steps[start + 1]}
+
+
+def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):
+    """Model, optimizer and sidecar to gs:// (tensorstore and gcsfs through the emulator), then resume."""
+    from levanter.checkpoint import CheckpointerConfig as Ckpt
+
+    def cfg_for(steps):
+        cfg = worker_config(tmp_path, steps=steps, sampling=OffPolicyConfig(staleness=1), run_id="gcs",
+                            checkpoint_every=1)
+        cfg.trainer = dataclasses.replace(cfg.trainer, checkpointer=Ckpt(base_path=f"{gcs_root}/ckpt"))
+        return cfg
+
+    producer = Producer(cfg_for(2).weights, cfg_for(2).rollout_root)
+    producer.start()
+    first = TrainWorker(cfg_for(2)).run()
+    second = TrainWorker(cfg_for(3)).run()
+    producer.halt.set()
+    assert (first.first_step, first.final_step) == (0, 2)
+    assert (second.first_step, second.final_step) == (2, 3)
+    assert second.checkpoint.startswith(f"{gcs_root}/ckpt/gcs/step-2")
