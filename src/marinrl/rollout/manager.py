@@ -1,0 +1,166 @@
+"""RolloutManager: the computing half of the rollout side (DESIGN.md §1).
+
+It owns the inference server, one environment per lesson (built once, cached) and the curriculum's
+handle. It is stateless with respect to the run: `weight_step` and `worker_id` are arguments, never
+fields, so the same manager serves a RolloutWorker, an offline evaluation of a saved checkpoint, or
+a test, with no weight transfer and no storage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any, Callable, Literal, Mapping, Optional, Protocol
+
+import numpy as np
+
+from marinrl.inference.context import InferenceContext, SamplingParams
+from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["train", "eval"]
+EvalType = Literal["eval", "micro_eval"]
+
+
+class Env(Protocol):
+    def sample(self, ctx: InferenceContext, n_examples: int, n_generations: int, sampling: SamplingParams,
+               rng: np.random.Generator, mode: str) -> tuple[list[RolloutGroup], dict]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class LessonRuntime:
+    """What the manager needs to run a lesson: how to build its environment, and how to sample it."""
+
+    make_env: Callable[[], Env]
+    sampling: SamplingParams
+    eval_sampling: Optional[SamplingParams] = None
+    """Sampling for evaluations; default: greedy with the training token budget."""
+
+
+class CurriculumStats(Protocol):
+    def update_from_training(self, lesson_id: str, rewards: list[float], step: int) -> None: ...
+
+    def update_from_eval(self, lesson_id: str, rewards: list[float], step: int) -> None: ...
+
+
+class RolloutManager:
+    """Environments plus the policy server; every method is a pure function of its arguments and the
+    weights currently loaded."""
+
+    def __init__(self, server, lessons: Mapping[str, LessonRuntime], curriculum: CurriculumStats | None = None):
+        if not lessons:
+            raise ValueError("RolloutManager needs at least one lesson")
+        self.server = server
+        self.lessons = dict(lessons)
+        self.curriculum = curriculum
+        self._envs: dict[str, Env] = {}
+
+    @property
+    def model(self):
+        return self.server.model
+
+    # ------------------------------------------------------------------ sampling
+
+    def _env(self, lesson_id: str) -> Env:
+        if lesson_id not in self.lessons:
+            raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.lessons)}")
+        env = self._envs.get(lesson_id)
+        if env is None:
+            env = self._envs[lesson_id] = self.lessons[lesson_id].make_env()
+        return env
+
+    def _run_env(self, lesson_id: str, n_examples: int, n_generations: int, sampling: SamplingParams,
+                 rng: np.random.Generator, mode: str, weight_step: int, worker_id: str):
+        """Runs one env call; a raising env or malformed groups are reported, never raised."""
+        metrics: dict[str, float] = {f"{lesson_id}/env_failures": 0.0, f"{lesson_id}/malformed_groups": 0.0}
+        started = time.perf_counter()
+        try:
+            groups, env_metrics = self._env(lesson_id).sample(self.server, n_examples, n_generations, sampling,
+                                                               rng, mode)
+        except Exception as e:  # an environment bug must not take the worker down
+            logger.exception("environment of lesson %s failed", lesson_id)
+            metrics[f"{lesson_id}/env_failures"] = 1.0
+            metrics[f"{lesson_id}/last_error"] = f"{type(e).__name__}: {e}"[:300]  # type: ignore[assignment]
+            return [], metrics
+        metrics[f"{lesson_id}/sample_s"] = time.perf_counter() - started
+        for k, v in (env_metrics or {}).items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                metrics[f"{lesson_id}/{k}"] = float(v)
+        meta = RolloutMetadata(worker_id, weight_step)
+        stamped: list[RolloutGroup] = []
+        seen: set[str] = set()
+        for i, group in enumerate(groups or []):
+            try:
+                stamped.append(_stamp(group, meta, lesson_id, seen))
+            except (TypeError, ValueError) as e:
+                logger.warning("lesson %s returned a malformed group #%d: %s", lesson_id, i, e)
+                metrics[f"{lesson_id}/malformed_groups"] += 1.0
+        return stamped, metrics
+
+    def sample_batch(self, lesson_id: str, n_examples: int, n_generations: int, mode: Mode,
+                     rng: np.random.Generator, weight_step: int, worker_id: str
+                     ) -> tuple[Optional[RolloutBatch], dict[str, float]]:
+        """Training rollouts of one lesson, stamped with `weight_step` and `worker_id`; None if the
+        environment produced nothing usable (the reason is in the metrics)."""
+        sampling = self.lessons[lesson_id].sampling if lesson_id in self.lessons else None
+        if sampling is None:
+            raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.lessons)}")
+        groups, metrics = self._run_env(lesson_id, n_examples, n_generations, sampling, rng, mode,
+                                        weight_step, worker_id)
+        if not groups:
+            return None, metrics
+        return RolloutBatch(tuple(groups), RolloutMetadata(worker_id, weight_step)), metrics
+
+    def evaluate_lesson(self, lesson_id: str, n_examples: int, eval_type: EvalType, rng: np.random.Generator,
+                        step: int, weight_step: int, worker_id: str
+                        ) -> tuple[dict[str, float], Optional[RolloutBatch]]:
+        """One greedy sample per prompt by default. Only full evals (`eval`) update the curriculum."""
+        lesson = self.lessons.get(lesson_id)
+        if lesson is None:
+            raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.lessons)}")
+        sampling = lesson.eval_sampling or dataclasses.replace(lesson.sampling, temperature=0.0)
+        groups, metrics = self._run_env(lesson_id, n_examples, 1, sampling, rng, "eval", weight_step, worker_id)
+        rewards = [r.episode_reward for g in groups for r in g.rollouts]
+        stats = {k.split("/", 1)[1]: v for k, v in metrics.items() if isinstance(v, float)}
+        stats.update(reward_mean=float(np.mean(rewards)) if rewards else float("nan"), n=float(len(rewards)))
+        if rewards:
+            lengths = [r.response_tokens.size for g in groups for r in g.rollouts]
+            stats["response_length_mean"] = float(np.mean(lengths))
+            stats["finish_stop_frac"] = float(np.mean([r.finish_reason == "stop" for g in groups for r in g.rollouts]))
+        if eval_type == "eval" and rewards and self.curriculum is not None:
+            self.curriculum.update_from_eval(lesson_id, rewards, step)
+        batch = RolloutBatch(tuple(groups), RolloutMetadata(worker_id, weight_step)) if groups else None
+        return stats, batch
+
+    def evaluate_curriculum(self, n_examples: int, eval_type: EvalType, rng: np.random.Generator, step: int,
+                            weight_step: int, worker_id: str
+                            ) -> dict[str, tuple[dict[str, float], Optional[RolloutBatch]]]:
+        return {lesson_id: self.evaluate_lesson(lesson_id, n_examples, eval_type, rng, step, weight_step, worker_id)
+                for lesson_id in self.lessons}
+
+    def update_training_stats(self, lesson_id: str, batch: RolloutBatch, step: int) -> None:
+        if self.curriculum is not None:
+            self.curriculum.update_from_training(lesson_id, [r.episode_reward for r in batch.rollouts], step)
+
+    def update_model(self, model, weight_step: int = 0) -> None:
+        """Serve new weights (no recompile). `weight_step` only labels the server's own reporting."""
+        self.server.reload(model, weight_step)
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+def _stamp(group: Any, meta: RolloutMetadata, lesson_id: str, seen: set[str]) -> RolloutGroup:
+    if not isinstance(group, RolloutGroup):
+        raise TypeError(f"expected a RolloutGroup, got {type(group).__name__}")
+    if group.group_id in seen:
+        raise ValueError(f"group_id {group.group_id!r} repeated in one batch")
+    seen.add(group.group_id)
+    rollouts: list[Rollout] = []
+    for r in group.rollouts:
+        # Re-validates every field: a NaN or malformed rollout fails here, with the field named.
+        rollouts.append(dataclasses.replace(r, metadata=meta, lesson_id=lesson_id))
+    return RolloutGroup(tuple(rollouts))

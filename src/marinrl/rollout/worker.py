@@ -1,0 +1,232 @@
+"""RolloutWorker: the coordinating half of the rollout side (DESIGN.md §1).
+
+It receives weights, asks the stateless RolloutManager for batches, writes them as rollout files,
+feeds training stats to the curriculum, runs evaluations on their cadence and logs metrics. It owns
+no model logic. It paces itself by the trainer: a batch meant for trainer step `t` is generated only
+with weights `w >= t - max_staleness`, so `max_staleness = 0` is exact on-policy (wait for the next
+weights) and `1` overlaps generation of batch N with training on batch N-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from marinrl.storage import RolloutStorageError, RolloutWriter
+from marinrl.transfer.base import WeightTransferConfig
+from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.types import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RolloutWorkerConfig:
+    rollout_root: str = "runs/default/rollouts"
+    weights: WeightTransferConfig = dataclasses.field(
+        default_factory=lambda: FilesystemTransferConfig(root="runs/default/weights"))
+    groups_per_batch: int = 8
+    """Prompts per batch this worker writes (the trainer's groups_per_step divided among workers)."""
+    n_generations: int = 8
+    """Samples per prompt: the group size."""
+    max_staleness: int = 1
+    """The trainer's staleness window; it decides how far ahead of the trainer this worker runs."""
+    final_step: int = 100
+    """The trainer's last weight step: the worker stops once it holds these weights."""
+    micro_eval_every: int = 0
+    """Run a micro-eval (small, not fed to the curriculum) every this many batches; 0 = never."""
+    micro_eval_examples: int = 8
+    eval_every: int = 0
+    """Run a full eval of every lesson (fed to the curriculum) every this many weight steps; 0 = only
+    at the start and the end."""
+    eval_examples: int = 32
+    weight_timeout_s: float = 600.0
+    """How long to wait for weights the trainer owes us before giving up."""
+    seed: int = 0
+    storage_options: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RolloutWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_staleness", "micro_eval_every", "eval_every", "final_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RolloutWorkerConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+
+class LessonSource(Protocol):
+    """What the worker asks of the curriculum (the manager holds the actor's handle)."""
+
+    def sample_lesson(self, seed: int) -> str: ...
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict, *, step: Optional[int], commit: Optional[bool] = None) -> None: ...
+
+
+@dataclasses.dataclass
+class _Counters:
+    batches_written: int = 0
+    rollouts_written: int = 0
+    empty_batches: int = 0
+    write_failures: int = 0
+    sample_failures: int = 0
+    eval_failures: int = 0
+    weight_updates: int = 0
+
+
+class RolloutWorker:
+    """One rollout worker. `run()` loops until the trainer's final weights arrive or `stop()`."""
+
+    def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *, worker_id: str,
+                 tracker: Tracker | None = None):
+        self.config = config
+        self.manager = manager
+        self.lessons = lessons
+        self.worker_id = worker_id
+        self.tracker = tracker
+        self.counters = _Counters()
+        self.weight_step: int | None = None
+        self.eval_history: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._writer = RolloutWriter(config.rollout_root, storage_options=config.storage_options)
+        self._client = config.weights.build_client(manager.model)
+        self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def finished(self) -> bool:
+        return self.weight_step is not None and self.weight_step >= self.config.final_step
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        self._receive(self._client.wait_for(0, cfg.weight_timeout_s), waited=True)
+        target = self.weight_step  # the trainer step the next batch is for
+        batches = 0
+        last_eval_step = None
+        self._evaluate(full=True)
+        last_eval_step = self.weight_step
+        while not self._stop.is_set() and not self.finished:
+            update = self._client.poll()
+            if update is not None:
+                self._receive(update)
+            target = max(target, self.weight_step)  # restarts move the trainer back: follow it
+            if self.weight_step < target - cfg.max_staleness:
+                waited_from = time.perf_counter()
+                try:
+                    update = self._client.wait_for(target - cfg.max_staleness, timeout_s=1.0)
+                except TimeoutError:
+                    continue  # re-check stop and restarts; the trainer may be compiling
+                self._receive(update, waited_s=time.perf_counter() - waited_from)
+                if self.finished:
+                    break
+            if self._generate_and_write(target):
+                target += 1
+                batches += 1
+            if cfg.micro_eval_every and batches % cfg.micro_eval_every == 0:
+                self._evaluate(full=False)
+            if cfg.eval_every and self.weight_step - last_eval_step >= cfg.eval_every:
+                self._evaluate(full=True)
+                last_eval_step = self.weight_step
+        if self.finished:
+            self._evaluate(full=True)
+        return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
+                "evals": self.eval_history}
+
+    def _receive(self, update, waited: bool = False, waited_s: float = 0.0) -> None:
+        self.manager.update_model(update.model)
+        self.weight_step = update.weight_step
+        self.counters.weight_updates += 1
+        metrics = {f"weights/{k}": v for k, v in self._client.metrics.items()}
+        metrics["rollout/weight_wait_s"] = waited_s
+        self._log(metrics)
+
+    def _generate_and_write(self, target: int) -> bool:
+        cfg = self.config
+        lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
+        started = time.perf_counter()
+        try:
+            batch, metrics = self.manager.sample_batch(
+                lesson_id, cfg.groups_per_batch, cfg.n_generations, "train", self._rng,
+                weight_step=self.weight_step, worker_id=self.worker_id)
+        except Exception:  # the manager isolates env failures; anything else is counted, not fatal
+            logger.exception("sample_batch failed for lesson %s", lesson_id)
+            self.counters.sample_failures += 1
+            return False
+        gen_s = time.perf_counter() - started
+        if batch is None:
+            self.counters.empty_batches += 1
+            self._log({f"env/{k}": v for k, v in metrics.items()})
+            return False
+        if not self._write(batch):
+            return False
+        self.manager.update_training_stats(lesson_id, batch, self.weight_step)
+        n_tokens = sum(r.response_tokens.size for r in batch.rollouts)
+        rewards = np.array([r.episode_reward for r in batch.rollouts])
+        lengths = np.array([r.response_tokens.size for r in batch.rollouts])
+        finish = [r.finish_reason for r in batch.rollouts]
+        self._log({
+            "rollout/reward_mean": float(rewards.mean()),
+            f"rollout/reward/{lesson_id}": float(rewards.mean()),
+            "rollout/response_length_mean": float(lengths.mean()),
+            "rollout/finish_stop_frac": finish.count("stop") / len(finish),
+            "rollout/staleness_at_write": float(target - self.weight_step),
+            "rollout/generation_s": gen_s,
+            "rollout/gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+            "rollout/batches_written": self.counters.batches_written,
+            "rollout/write_failures": self.counters.write_failures,
+            "rollout/sample_failures": self.counters.sample_failures,
+            **{f"env/{k}": v for k, v in metrics.items()},
+        })
+        return True
+
+    def _write(self, batch: RolloutBatch, attempts: int = 3) -> bool:
+        for attempt in range(attempts):
+            try:
+                self._writer.write(batch)
+                self.counters.batches_written += 1
+                self.counters.rollouts_written += len(batch)
+                return True
+            except (OSError, RolloutStorageError) as e:  # storage is retried inside; count and go on
+                self.counters.write_failures += 1
+                logger.warning("writing a rollout batch failed (attempt %d/%d): %s", attempt + 1, attempts, e)
+                self._stop.wait(0.5 * 2**attempt)
+        return False
+
+    def _evaluate(self, full: bool) -> None:
+        cfg = self.config
+        step = self.weight_step
+        try:
+            if full:
+                results = self.manager.evaluate_curriculum(
+                    cfg.eval_examples, "eval", self._rng, step=step, weight_step=step, worker_id=self.worker_id)
+            else:
+                lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
+                results = {lesson_id: self.manager.evaluate_lesson(
+                    lesson_id, cfg.micro_eval_examples, "micro_eval", self._rng, step=step, weight_step=step,
+                    worker_id=self.worker_id)}
+        except Exception:
+            logger.exception("evaluation failed at weight step %s", step)
+            self.counters.eval_failures += 1
+            return
+        kind = "eval" if full else "micro_eval"
+        metrics = {}
+        for lesson_id, (stats, _) in results.items():
+            for k, v in stats.items():
+                if isinstance(v, (int, float)):
+                    metrics[f"{kind}/{lesson_id}/{k}"] = float(v)
+        self.eval_history.append({"kind": kind, "weight_step": step, "metrics": metrics})
+        self._log(metrics)
+
+    def _log(self, metrics: dict) -> None:
+        if self.tracker is not None and metrics:
+            self.tracker.log(metrics, step=self.weight_step)
