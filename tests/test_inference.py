@@ -413,3 +413,43 @@ def test_context_manager_and_no_http(model, tokenizer):
         assert len(srv.generate([[1, 2]], 1, SamplingParams(max_tokens=4), 0)[0][0].tokens) >= 1
         with pytest.raises(RuntimeError, match="endpoint"):
             srv.url
+
+
+# ------------------------------------------------------------------------------ scan sampler parts
+
+
+def test_scan_sampler_chunks_give_the_same_samples(model):
+    prompts = _prompts(np.random.default_rng(8), 5)
+    kw = dict(n=2, temperature=1.0, max_tokens=8, stop_sequences=[(257,)], seed=4)
+    whole = scan_sampler.sample(model, prompts, **kw)
+    chunked = scan_sampler.sample(model, prompts, max_cache_bytes=1, **kw)  # one prompt per device call
+    np.testing.assert_array_equal(whole.tokens, chunked.tokens)
+    np.testing.assert_array_equal(whole.lengths, chunked.lengths)
+    np.testing.assert_allclose(whole.logprobs, chunked.logprobs, atol=1e-5)
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=37).astype(np.float32) * 2
+    logits[5] = -np.inf  # a zero-probability token is never drawn
+    rows = 40000
+    u = jnp.asarray(rng.random(rows, dtype=np.float32))
+    tokens, logp = jax.jit(scan_sampler._pick)(jnp.broadcast_to(jnp.asarray(logits), (rows, 37)), jnp.float32(1.5), u)
+    tokens = np.asarray(tokens)
+    p = np.exp(logits / 1.5 - np.logaddexp.reduce(logits / 1.5))
+    freq = np.bincount(tokens, minlength=37) / rows
+    assert freq[5] == 0
+    tolerance = 5 * np.sqrt(p * (1 - p) / rows) + 1e-4  # 5 standard errors
+    assert np.all(np.abs(freq - p) <= tolerance), np.abs(freq - p) / tolerance
+    np.testing.assert_allclose(np.asarray(logp), np.log(p[tokens]), atol=1e-5)
+    # the edges of [0, 1): the first and the last token with nonzero probability
+    edge, _ = scan_sampler._pick(jnp.asarray([logits, logits]), jnp.float32(1.0),
+                                 jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))]))
+    nonzero = np.flatnonzero(np.isfinite(logits))
+    assert np.asarray(edge).tolist() == [nonzero[0], nonzero[-1]]
+
+
+def test_blockwise_cumsum():
+    x = np.random.default_rng(1).random((3, 70)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(scan_sampler._cumsum_last(jnp.asarray(x), block=16)), np.cumsum(x, -1),
+                               rtol=1e-5)

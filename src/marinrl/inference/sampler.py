@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -67,6 +68,11 @@ def bucket(x: int, minimum: int = 1) -> int:
     return 64 * math.ceil(x / 64)
 
 
+def _floor_bucket(x: int) -> int:
+    """The largest bucket size <= x (x >= 1)."""
+    return 1 << (x.bit_length() - 1) if x < 64 else 64 * (x // 64)
+
+
 def sample(
     model,
     prompts: Sequence[Sequence[int]],
@@ -76,12 +82,14 @@ def sample(
     max_tokens: int,
     stop_sequences: Sequence[Sequence[int]],
     seed: int,
+    max_cache_bytes: int = 1 << 30,
 ) -> SampleOutput:
-    """`n` samples of each prompt, all in one device call. A row ends at the first occurrence of any of
-    `stop_sequences` inside its generated tokens (which it includes), or after `max_tokens` tokens.
+    """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
+    its generated tokens (which it includes), or after `max_tokens` tokens.
 
-    Sample j of prompt i depends only on (seed, i, j), the prompt and the model, not on the other
-    prompts of the call."""
+    All prompts go to one device call unless their KV cache would exceed `max_cache_bytes`; then they
+    are split into equal chunks that share one compiled shape. Sample j of prompt i depends only on
+    (seed, i, j), the prompt and the model: not on the other prompts, nor on how they were chunked."""
     n_prompts = len(prompts)
     if n_prompts == 0:
         return SampleOutput(
@@ -91,15 +99,12 @@ def sample(
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
     if lens.min() < 1:
         raise ValueError("every prompt needs at least one token")
-    b_prompts = bucket(n_prompts)
     p_len = bucket(int(lens.max()), 16)
     t_len = bucket(max_tokens, 16)
-    ids = np.zeros((b_prompts, p_len), dtype=np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
-    all_lens = np.ones((b_prompts,), dtype=np.int32)
-    all_lens[:n_prompts] = lens
-    active = np.arange(b_prompts) < n_prompts
+    cfg = model.config
+    itemsize = jnp.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize
+    per_prompt = n * 2 * cfg.num_layers * cfg.num_kv_heads * (p_len + t_len) * cfg.actual_head_size * itemsize
+    chunk = min(bucket(n_prompts), _floor_bucket(max(1, max_cache_bytes // per_prompt)))
 
     s_max = max((len(s) for s in stop_sequences), default=1)
     stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)
@@ -107,27 +112,30 @@ def sample(
     for k, s in enumerate(stop_sequences):
         stops[k, stops.shape[1] - len(s):] = np.asarray(s, dtype=np.int32)
         stop_valid[k] = True
+    shared = (jnp.asarray(stops), jnp.asarray(stop_valid), jnp.asarray(max_tokens, dtype=jnp.int32),
+              jnp.asarray(temperature, dtype=jnp.float32), jnp.asarray(seed % (1 << 32), dtype=jnp.uint32))
 
-    out = _generate(
-        model,
-        jnp.asarray(ids),
-        jnp.asarray(all_lens),
-        jnp.asarray(active),
-        jnp.asarray(stops),
-        jnp.asarray(stop_valid),
-        jnp.asarray(max_tokens, dtype=jnp.int32),
-        jnp.asarray(temperature, dtype=jnp.float32),
-        jnp.asarray(seed % (1 << 32), dtype=jnp.uint32),
-        n=n,
-        max_new=t_len,
-    )
-    tokens, logprobs, lengths, stopped = jax.device_get(out)
-    rows = n_prompts * n
+    pieces = []
+    for start in range(0, n_prompts, chunk):
+        part = prompts[start:start + chunk]
+        ids = np.zeros((chunk, p_len), dtype=np.int32)
+        for i, p in enumerate(part):
+            ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
+        part_lens = np.ones((chunk,), dtype=np.int32)
+        part_lens[:len(part)] = lens[start:start + len(part)]
+        active = np.arange(chunk) < len(part)
+        out = _generate(
+            model, jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
+            jnp.asarray(start, dtype=jnp.int32), n=n, max_new=t_len,
+        )
+        tokens, logprobs, lengths, stopped = jax.device_get(out)
+        rows = len(part) * n
+        pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows]))
     return SampleOutput(
-        tokens=np.asarray(tokens[:rows, :max_tokens], dtype=np.int32),
-        logprobs=np.asarray(logprobs[:rows, :max_tokens], dtype=np.float32),
-        lengths=np.asarray(lengths[:rows], dtype=np.int32),
-        stopped=np.asarray(stopped[:rows], dtype=bool),
+        tokens=np.concatenate([p[0] for p in pieces]).astype(np.int32),
+        logprobs=np.concatenate([p[1] for p in pieces]).astype(np.float32),
+        lengths=np.concatenate([p[2] for p in pieces]).astype(np.int32),
+        stopped=np.concatenate([p[3] for p in pieces]).astype(bool),
     )
 
 
@@ -143,8 +151,56 @@ def _named(x, *axes):
     return hax.named(x, axes)
 
 
+class _Packed(eqx.Module):
+    """One layer's projections as plain [in, out] matrices, built once per call before the decode loop.
+
+    Levanter keeps Linear weights out-first with named output axes; used as they are, XLA re-lays out
+    every q/k/v/o weight on every decode step. Packed, each step runs four matmuls per layer (q|k|v
+    fused, o, gate|up fused, down) on weights already in place."""
+
+    qkv: jax.Array
+    qkv_bias: Optional[jax.Array]
+    o: jax.Array
+    o_bias: Optional[jax.Array]
+    gate_up: jax.Array
+    gate_up_bias: Optional[jax.Array]
+    down: jax.Array
+    down_bias: Optional[jax.Array]
+
+
+def _in_out(linear, in_axes) -> tuple[jax.Array, Optional[jax.Array]]:
+    """A haliax Linear's weight as [prod(in), prod(out)] (out axes in their declared order), and its bias."""
+    in_names = [a.name for a in linear.weight.axes if a.name in in_axes]
+    out_names = [a.name for a in linear.weight.axes if a.name not in in_axes]
+    w = linear.weight.rearrange((*in_names, *out_names)).array
+    n_in = math.prod(linear.weight.axis_size(n) for n in in_names)
+    bias = None if linear.bias is None else linear.bias.rearrange(tuple(out_names)).array.reshape(-1)
+    return w.reshape(n_in, -1), bias
+
+
+def _cat(*xs):
+    if any(x is None for x in xs):
+        assert all(x is None for x in xs)
+        return None
+    return jnp.concatenate(xs, axis=-1)
+
+
+def _pack(layer) -> _Packed:
+    attn, mlp = layer.self_attn, layer.mlp
+    (q, qb), (k, kb), (v, vb) = (_in_out(p, ("embed",)) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    o, ob = _in_out(attn.o_proj, ("heads", "head_size"))
+    (g, gb), (u, ub) = (_in_out(p, ("embed",)) for p in (mlp.gate_proj, mlp.up_proj))
+    d, db = _in_out(mlp.down_proj, ("mlp",))
+    return _Packed(_cat(q, k, v), _cat(qb, kb, vb), o, ob, _cat(g, u), _cat(gb, ub), d, db)
+
+
+def _linear(x, w, b):
+    y = jnp.matmul(x, w)
+    return y if b is None else y + b
+
+
 def _attend(q, k_cache, v_cache, key_ok, scale, soft_cap):
-    """q [B, KV, G, Q, D]; caches [B, KV, S, D]; key_ok [B, Q, S] -> [B, Q, KV*G, D] (float32 softmax).
+    """q [B, KV, G, Q, D]; caches [B, KV, S, D]; key_ok [B, Q, S] -> [B, Q, KV*G*D] (float32 softmax).
     The cache keeps (batch, kv_head) in front so both products are plain batched matmuls."""
     scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k_cache, preferred_element_type=jnp.float32) * scale
     if soft_cap is not None:
@@ -152,48 +208,74 @@ def _attend(q, k_cache, v_cache, key_ok, scale, soft_cap):
     scores = jnp.where(key_ok[:, None, None, :, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v_cache)
-    b, nq, kv, g, d = out.shape
-    return out.reshape(b, nq, kv * g, d)
+    b, nq = out.shape[:2]
+    return out.reshape(b, nq, -1)
 
 
-def _layer(layer, x, pos, k_cache, v_cache, write_at, key_ok):
+def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
     """One decoder layer on x (batch, position, embed) at absolute positions `pos` (batch, position).
-    Writes the new keys/values into the caches at slot `write_at` and attends over the cache."""
+    Writes the new keys/values into the caches at slot `write_at` and attends over the cache. Norms,
+    rotary embeddings, QK norms and the activation are the layer's own modules."""
     attn = layer.self_attn
+    cfg = attn.config
+    n_kv, group, head = cfg.KVHeads.size, cfg.QHeadsPerGroup.size, cfg.HeadSize.size
     residual = x
     h = layer.input_layernorm(x)
-    q, k, v = attn._compute_qkv(h, key=None, pos_ids=pos)
+    qkv = _linear(h.array, packed.qkv, packed.qkv_bias)
+    b, n = qkv.shape[:2]
+    q_end, k_end = n_kv * group * head, n_kv * (group + 1) * head
+    q = _named(qkv[..., :q_end].reshape(b, n, n_kv, group, head),
+               "batch", "position", "kv_head", "q_heads_per_group", "head_size")
+    k = _named(qkv[..., q_end:k_end].reshape(b, n, n_kv, head), "batch", "position", "kv_head", "head_size")
+    v = qkv[..., k_end:].reshape(b, n, n_kv, head)
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rot_embs is not None:
+        q, k = attn.rot_embs(q, pos).astype(q.dtype), attn.rot_embs(k, pos).astype(k.dtype)
     q = q.rearrange(("batch", "kv_head", "q_heads_per_group", "position", "head_size")).array
     k = k.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(k_cache.dtype)
-    v = v.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(v_cache.dtype)
+    v = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)
     k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k, write_at, axis=2)
     v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v, write_at, axis=2)
-    cfg = attn.config
-    scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(cfg.HeadSize.size)
-    out = _attend(q, k_cache, v_cache, key_ok, scale, cfg.logits_soft_cap)
-    out = _named(out.astype(x.dtype), "batch", "position", "heads", "head_size")
-    attn_out = attn.o_proj(out)
+    scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(head)
+    out = _attend(q, k_cache, v_cache, key_ok, scale, cfg.logits_soft_cap).astype(x.dtype)
+    attn_out = _named(_linear(out, packed.o, packed.o_bias), "batch", "position", "embed")
     if layer.post_attn_layernorm is not None:
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
     residual = x
-    mlp_out = layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x).array
+    gate_up = _linear(h, packed.gate_up, packed.gate_up_bias)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
     if layer.post_mlp_layernorm is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return residual + mlp_out, k_cache, v_cache
 
 
-def _forward(model, ids, pos, caches, write_at, key_ok):
+def _forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok):
     """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]."""
     x = model.embeddings.embed(_named(ids, "batch", "position"))
     pos = _named(pos, "batch", "position")
     new_caches = []
-    for layer, (kc, vc) in zip(model.transformer.layers.unstacked(), caches):
-        x, kc, vc = _layer(layer, x, pos, kc, vc, write_at, key_ok)
+    for layer, p, (kc, vc) in zip(layers, packed, caches):
+        x, kc, vc = _layer(layer, p, x, pos, kc, vc, write_at, key_ok)
         new_caches.append((kc, vc))
     x = model.transformer.norm(x["position", -1])
-    logits = model.lm_head(x) if model.lm_head is not None else model.embeddings.unembed(x)
-    return logits.rearrange(("batch", "vocab")).array.astype(jnp.float32), new_caches
+    return jnp.matmul(x.rearrange(("batch", "embed")).array, lm_head).astype(jnp.float32), new_caches
+
+
+def _cumsum_last(p, block: int = 32):
+    """Cumulative sum over the last axis of p [R, V] as two small matmuls (within blocks of `block`, then
+    over block totals): on a CPU much cheaper than XLA's reduce-window cumsum at vocabulary sizes."""
+    r, v = p.shape
+    if v % block:
+        p = jnp.pad(p, ((0, 0), (0, block - v % block)))
+    nb = p.shape[1] // block
+    blocks = p.reshape(r, nb, block)
+    within = jnp.matmul(blocks, jnp.triu(jnp.ones((block, block), p.dtype)), precision="highest")
+    before = jnp.matmul(within[:, :, -1], jnp.triu(jnp.ones((nb, nb), p.dtype), k=1), precision="highest")
+    return (within + before[:, :, None]).reshape(r, -1)[:, :v]
 
 
 def _pick(logits, temperature, u):
@@ -202,19 +284,26 @@ def _pick(logits, temperature, u):
 
     Inverse-CDF sampling needs one uniform number per row, not one per vocabulary entry as Gumbel-max
     does; all of them are drawn before the decode loop, so no PRNG runs inside it (on a CPU, PRNG
-    hashing was the largest cost of a decode step at small model sizes)."""
-    greedy = temperature == 0
-    logp = jax.nn.log_softmax(logits / jnp.where(greedy, 1.0, temperature), axis=-1)
-    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
-    sampled = jnp.sum(cdf <= (u * cdf[:, -1])[:, None], axis=-1)
-    # u * total can round up to total: fall back to the most likely token (never a zero-probability one)
-    sampled = jnp.where(sampled >= logits.shape[-1], jnp.argmax(logp, axis=-1), sampled)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    hashing was the largest cost of a decode step at small model sizes). The token is the first index
+    whose CDF exceeds u * total, which never picks a zero-probability token."""
+    logp = jax.nn.log_softmax(logits / jnp.where(temperature == 0, 1.0, temperature), axis=-1)
+
+    def sampled(_):
+        cdf = _cumsum_last(jnp.exp(logp))
+        total = cdf[:, -1]
+        x = jnp.minimum(u * total, jnp.nextafter(total, jnp.zeros_like(total)))
+        return jnp.sum(cdf <= x[:, None], axis=-1, dtype=jnp.int32)
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    tokens = jax.lax.cond(temperature == 0, greedy, sampled, None)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_new"))
-def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, seed, *, n, max_new):
+def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, seed, prompt_offset, *, n,
+              max_new):
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
     s_len = p_len + max_new
@@ -222,6 +311,10 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     cfg = model.config
     kv_heads, head = cfg.num_kv_heads, cfg.actual_head_size
     dtype = model.embeddings.token_embeddings.weight.dtype
+    layers = model.transformer.layers.unstacked()
+    packed = [_pack(layer) for layer in layers]
+    head_w = model.lm_head.weight if model.lm_head is not None else model.embeddings.token_embeddings.weight
+    lm_head = head_w.rearrange(("embed", "vocab")).array
 
     # ---- prefill the prompts once (left-padded: prompt i occupies slots [p_len - lens[i], p_len))
     pad = p_len - lens
@@ -232,14 +325,14 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     key_ok = key_ok | (kslots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
     empty = jnp.zeros((b_prompts, kv_heads, s_len, head), dtype)
     caches = [(empty, empty) for _ in range(cfg.num_layers)]
-    logits, caches = _forward(model, ids, pos, caches, 0, key_ok)
+    logits, caches = _forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
     caches = [(expand(kc), expand(vc)) for kc, vc in caches]
     logits, pad, lens, active = expand(logits), expand(pad), expand(lens), expand(active)
     base = jax.random.PRNGKey(seed)
-    prompt_idx = jnp.arange(rows) // n
+    prompt_idx = prompt_offset + jnp.arange(rows) // n
     sample_idx = jnp.arange(rows) % n
     keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
     uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_new,)))(keys)  # [rows, max_new]
@@ -276,7 +369,9 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
         write_at = p_len + t - 1  # slot of the token sampled at step t - 1
         step_pos = (lens + t - 1)[:, None]
         key_ok = (jnp.arange(s_len)[None, :] >= pad[:, None]) & (jnp.arange(s_len)[None, :] <= write_at)
-        logits, caches = _forward(model, tok[:, None], step_pos, caches, write_at, key_ok[:, None, :])
+        logits, caches = _forward(
+            model, layers, packed, lm_head, tok[:, None], step_pos, caches, write_at, key_ok[:, None, :]
+        )
         tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False))
         state = record(t, tok, lp, out_tokens, out_logprobs, lengths, done, stopped)
         return (t + 1, tok, caches, *state)

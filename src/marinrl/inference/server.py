@@ -25,6 +25,7 @@ from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
 from marinrl.inference.openai_api import OpenAIEndpoint
+from marinrl.models import ModelConfig, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,17 @@ class InferenceServerConfig:
     """The `model` the endpoint reports."""
     default_max_tokens: int = 256
     """HTTP requests without max_tokens get this budget."""
+    scan_max_cache_bytes: int = 1 << 30
+    """Scan sampler: KV-cache budget of one device call; a `generate` call needing more is split into
+    equal chunks (same samples either way)."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
 
     def __post_init__(self):
         if self.backend not in ("scan", "engine"):
             raise ValueError(f"InferenceServerConfig.backend must be 'scan' or 'engine', got {self.backend!r}")
+        if self.scan_max_cache_bytes < 1:
+            raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
 
 
 class InferenceServer:
@@ -71,6 +77,13 @@ class InferenceServer:
         if len(tokenizer) > vocab:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}")
         self._vocab = vocab
+
+    @classmethod
+    def from_model_config(
+        cls, config: InferenceServerConfig, model_config: ModelConfig, *, weight_step: int = 0
+    ) -> "InferenceServer":
+        """A server for the model and tokenizer `model_config` describes (not started)."""
+        return cls(config, build_model(model_config), build_tokenizer(model_config), weight_step=weight_step)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,6 +203,7 @@ class InferenceServer:
             max_tokens=sampling.max_tokens,
             stop_sequences=stops,
             seed=seed,
+            max_cache_bytes=self.config.scan_max_cache_bytes,
         )
         result = []
         for i in range(len(prompts)):
