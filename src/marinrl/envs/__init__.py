@@ -1,0 +1,30 @@
+"""Environments: the `Env` protocol and its registry (`base`), toy tasks a tiny model learns on a CPU
+(`toy`), and math with verifiable answers (`math`). Importing this package registers the built-ins."""
+
+from marinrl.envs.base import (
+    MODES,
+    UNSTAMPED,
+    UNSTAMPED_LESSON,
+    Env,
+    EnvConfig,
+    Grade,
+    Mode,
+    Problem,
+    SingleTurnEnv,
+    completion_text,
+    encode_prompt,
+    make_env,
+    make_rollout,
+    new_group_id,
+    register_env,
+    registered_envs,
+    safe_sample,
+)
+from marinrl.envs.math import ArithmeticEnv, MathDatasetEnv
+from marinrl.envs.toy import EchoEnv, ParityEnv
+
+__all__ = [
+    "MODES", "UNSTAMPED", "UNSTAMPED_LESSON", "Env", "EnvConfig", "Grade", "Mode", "Problem", "SingleTurnEnv",
+    "completion_text", "encode_prompt", "make_env", "make_rollout", "new_group_id", "register_env",
+    "registered_envs", "safe_sample", "ArithmeticEnv", "MathDatasetEnv", "EchoEnv", "ParityEnv",
+]
