@@ -98,7 +98,6 @@ def test_a_failing_environment_is_reported_not_raised(server):
     manager = make_manager(server)
     batch, metrics = manager.sample_batch("raises", 2, 2, "train", np.random.default_rng(0), 0, "w")
     assert batch is None and metrics["raises/env_failures"] == 1
-    assert "grader crashed" in metrics["raises/last_error"]
     batch, metrics = manager.sample_batch("malformed", 3, 2, "train", np.random.default_rng(0), 0, "w")
     assert len(batch.groups) == 3 and metrics["malformed/malformed_groups"] == 2
 
@@ -135,5 +134,5 @@ def test_greedy_eval_is_deterministic_and_update_model_changes_it(server):
     _, b2 = manager.evaluate_lesson("ok", 3, "micro_eval", np.random.default_rng(1), 1, 1, "w")
     manager.update_model(original, weight_step=0)
     _, b3 = manager.evaluate_lesson("ok", 3, "micro_eval", np.random.default_rng(1), 0, 0, "w")
-    first.pop("sample_s"), second.pop("sample_s")
+    first.pop("sample_seconds"), second.pop("sample_seconds")
     assert first == second and tokens(b1) == tokens(b3) and tokens(b1) != tokens(b2)

@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
-from typing import Any, Callable, Literal, Mapping, Optional, Protocol
+from typing import Callable, Literal, Mapping, Optional, Protocol
 
 import numpy as np
 
-from marinrl.inference.context import InferenceContext, SamplingParams
-from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+from marinrl.inference.context import SamplingParams
+from marinrl.envs.base import Env, safe_sample
+from marinrl.types import RolloutBatch, RolloutMetadata
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["train", "eval"]
 EvalType = Literal["eval", "micro_eval"]
-
-
-class Env(Protocol):
-    def sample(self, ctx: InferenceContext, n_examples: int, n_generations: int, sampling: SamplingParams,
-               rng: np.random.Generator, mode: str) -> tuple[list[RolloutGroup], dict]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,31 +68,10 @@ class RolloutManager:
 
     def _run_env(self, lesson_id: str, n_examples: int, n_generations: int, sampling: SamplingParams,
                  rng: np.random.Generator, mode: str, weight_step: int, worker_id: str):
-        """Runs one env call; a raising env or malformed groups are reported, never raised."""
-        metrics: dict[str, float] = {f"{lesson_id}/env_failures": 0.0, f"{lesson_id}/malformed_groups": 0.0}
-        started = time.perf_counter()
-        try:
-            groups, env_metrics = self._env(lesson_id).sample(self.server, n_examples, n_generations, sampling,
-                                                               rng, mode)
-        except Exception as e:  # an environment bug must not take the worker down
-            logger.exception("environment of lesson %s failed", lesson_id)
-            metrics[f"{lesson_id}/env_failures"] = 1.0
-            metrics[f"{lesson_id}/last_error"] = f"{type(e).__name__}: {e}"[:300]  # type: ignore[assignment]
-            return [], metrics
-        metrics[f"{lesson_id}/sample_s"] = time.perf_counter() - started
-        for k, v in (env_metrics or {}).items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                metrics[f"{lesson_id}/{k}"] = float(v)
-        meta = RolloutMetadata(worker_id, weight_step)
-        stamped: list[RolloutGroup] = []
-        seen: set[str] = set()
-        for i, group in enumerate(groups or []):
-            try:
-                stamped.append(_stamp(group, meta, lesson_id, seen))
-            except (TypeError, ValueError) as e:
-                logger.warning("lesson %s returned a malformed group #%d: %s", lesson_id, i, e)
-                metrics[f"{lesson_id}/malformed_groups"] += 1.0
-        return stamped, metrics
+        """One env call through `safe_sample`: a raising env or malformed groups are counted, never raised."""
+        return safe_sample(self._env(lesson_id), self.server, lesson_id=lesson_id, n_examples=n_examples,
+                           n_generations=n_generations, sampling=sampling, rng=rng, mode=mode,
+                           metadata=RolloutMetadata(worker_id, weight_step))
 
     def sample_batch(self, lesson_id: str, n_examples: int, n_generations: int, mode: Mode,
                      rng: np.random.Generator, weight_step: int, worker_id: str
@@ -152,15 +125,3 @@ class RolloutManager:
     def shutdown(self) -> None:
         self.server.shutdown()
 
-
-def _stamp(group: Any, meta: RolloutMetadata, lesson_id: str, seen: set[str]) -> RolloutGroup:
-    if not isinstance(group, RolloutGroup):
-        raise TypeError(f"expected a RolloutGroup, got {type(group).__name__}")
-    if group.group_id in seen:
-        raise ValueError(f"group_id {group.group_id!r} repeated in one batch")
-    seen.add(group.group_id)
-    rollouts: list[Rollout] = []
-    for r in group.rollouts:
-        # Re-validates every field: a NaN or malformed rollout fails here, with the field named.
-        rollouts.append(dataclasses.replace(r, metadata=meta, lesson_id=lesson_id))
-    return RolloutGroup(tuple(rollouts))

@@ -137,7 +137,7 @@ class RolloutWorker:
             if cfg.eval_every and self.weight_step - last_eval_step >= cfg.eval_every:
                 self._evaluate(full=True)
                 last_eval_step = self.weight_step
-        if self.finished:
+        if self.finished and last_eval_step != self.weight_step:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
                 "evals": self.eval_history}

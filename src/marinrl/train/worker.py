@@ -24,6 +24,7 @@ import jax
 import levanter
 import levanter.tracker
 from levanter.checkpoint import discover_latest_checkpoint
+from levanter.metrics import Metric, ReductionType
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
@@ -118,6 +119,10 @@ class CurriculumHandle(Protocol):
     def load(self, path: str) -> None: ...
 
 
+_HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "train/step_s", "train/wait_s",
+                 "train/update_s", "train/batch_s", "train/publish_s")
+
+
 class StepInput(eqx.Module):
     """What one Levanter train step consumes: the batch, plus the frozen reference's logprobs when
     the loss has a KL term (computed outside the differentiated function, once per step)."""
@@ -127,7 +132,19 @@ class StepInput(eqx.Module):
 
 
 def _step_loss(model, inp: StepInput, *, config: LossConfig, key=None):
-    return rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key)
+    loss, metrics = rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key)
+    return loss, {k: Metric.from_value(v, _reduction(k)) for k, v in metrics.items()}
+
+
+def _reduction(name: str) -> ReductionType:
+    """How a loss metric combines across microbatches (Levanter's naming rule, stated explicitly)."""
+    if name.endswith("_max"):
+        return ReductionType.MAX
+    if name.endswith("_min"):
+        return ReductionType.MIN
+    if name.startswith("num_"):
+        return ReductionType.SUM
+    return ReductionType.MEAN
 
 
 @dataclasses.dataclass
@@ -137,6 +154,8 @@ class TrainResult:
     final_step: int
     checkpoint: Optional[str]
     metrics: dict[str, float]
+    history: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per step: loss, train reward, staleness and the step-time split (for summaries and plots)."""
 
 
 class TrainWorker:
@@ -149,6 +168,7 @@ class TrainWorker:
         self._on_step = on_step
         self._stop = threading.Event()
         self.step = 0
+        self.history: list[dict[str, float]] = []
 
     def stop(self) -> None:
         """Ends the run after the current step, with a final checkpoint."""
@@ -226,6 +246,8 @@ class TrainWorker:
                         **sample.metrics(), **replay.metrics(), **{f"weights/{k}": v for k, v in server.metrics.items()},
                     }
                     levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken, 0-based
+                    self.history.append({"step": self.step, "loss": float(info.loss),
+                                         **{k: float(v) for k, v in metrics.items() if k in _HISTORY_KEYS}})
                     if self._on_step is not None:
                         trained = [(g.group.group_id, g.weight_step) for g in sample.groups]
                         self._on_step(self.step, {"loss": info.loss, "groups": trained, **metrics})
@@ -236,7 +258,7 @@ class TrainWorker:
                 server.close()
                 checkpointer.wait_until_finished()
             levanter.tracker.current_tracker().finish()
-            return TrainResult(first_step, self.step, last_ckpt, replay.metrics())
+            return TrainResult(first_step, self.step, last_ckpt, replay.metrics(), self.history)
 
     # ------------------------------------------------------------------ checkpoints
 
