@@ -4,7 +4,6 @@ and `safe_sample`'s failure isolation with deliberately broken environments."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
@@ -20,11 +19,8 @@ from marinrl.envs import (
     UNSTAMPED_LESSON,
     EchoEnv,
     EnvConfig,
-    Grade,
     MathDatasetEnv,
     ParityEnv,
-    Problem,
-    SingleTurnEnv,
     completion_text,
     encode_prompt,
     make_env,
