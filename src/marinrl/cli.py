@@ -56,6 +56,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    import draccus
+
+    from marinrl.job import RLJob, RLJobConfig
+
+    config = draccus.parse(RLJobConfig, config_path=args.config, args=args.overrides)
+    result = RLJob(config).run()
+    train = result.train
+    print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
+          f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; rollout worker restarts {result.rollout_restarts}")
+    for summary in result.rollouts:
+        evals = [e for e in summary.get("evals", []) if e["kind"] == "eval"]
+        if evals:
+            last = evals[-1]
+            rewards = {k: round(v, 3) for k, v in last["metrics"].items() if k.endswith("/reward_mean")}
+            print(f"[marinrl] {summary['worker_id']} eval at weight step {last['weight_step']}: {rewards}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinrl", description="RL post-training for language models on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -66,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option, e.g. token=anon (repeatable)")
     p.set_defaults(run=cmd_inspect)
+
+    p = sub.add_parser("train", help="run an RL job (trainer, rollout workers, curriculum) on Ray from a YAML config")
+    p.add_argument("config", help="RLJobConfig YAML, e.g. experiments/quickstart.yaml")
+    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value overrides (draccus), e.g. --max_staleness 0")
+    p.set_defaults(run=cmd_train)
     return parser
 
 

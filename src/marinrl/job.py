@@ -1,0 +1,367 @@
+"""RLJob: one config → a TrainWorker, N RolloutWorkers and the curriculum actor, on Ray.
+
+With no cluster address the job starts a local Ray sized for this machine (the default); with an
+address it joins that cluster and places the trainer and the rollout workers by resources. A rollout
+worker that dies is restarted; a trainer that dies ends the job with its error and the checkpoint to
+resume from; normal completion and Ctrl-C leave no actor behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Optional
+
+import ray
+
+from marinrl.curriculum import CurriculumClient, CurriculumConfig, curriculum_actor
+from marinrl.inference.server import InferenceServerConfig
+from marinrl.models import ModelConfig
+from marinrl.rollout.worker import RolloutWorkerConfig
+from marinrl.train.batching import BatchingConfig
+from marinrl.train.losses import LossConfig
+from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
+from marinrl.train.worker import TrainWorkerConfig, _default_optimizer, cpu_trainer_config
+from marinrl.transfer.base import WeightTransferConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names the field."""
+
+
+@dataclasses.dataclass
+class RayJobConfig:
+    address: Optional[str] = None
+    """None: start a local Ray for this job (and stop it after). Else an existing cluster ("auto", ray://…)."""
+    num_cpus: Optional[int] = None
+    """Logical CPUs of the local Ray; None: one per worker plus the trainer and the curriculum."""
+    trainer_resources: dict = dataclasses.field(default_factory=dict)
+    """Custom Ray resources the trainer needs (e.g. {"trainer": 1}, or {"TPU": 4})."""
+    rollout_resources: dict = dataclasses.field(default_factory=dict)
+    """Custom Ray resources each rollout worker needs."""
+    max_rollout_restarts: int = 5
+
+
+@dataclasses.dataclass
+class RLJobConfig:
+    run_id: str = "run"
+    run_root: str = "runs"
+    """Everything the job writes goes to `<run_root>/<run_id>/` (an fsspec URL or a local path)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    curriculum: Optional[CurriculumConfig] = None
+    """The lessons (environments, sampling, dependencies) and how they are scheduled."""
+    num_train_steps: int = 100
+    groups_per_step: int = 8
+    """Prompts per optimizer step."""
+    n_generations: int = 8
+    """Samples per prompt (the group size)."""
+    max_staleness: int = 1
+    """0: exact on-policy. k ≥ 1: rollouts up to k weight versions old are trained on."""
+    max_uses: int = 1
+    """> 1: each rollout may be trained on up to this many times (replay)."""
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    learning_rate: float = 1e-4
+    n_rollout_workers: int = 1
+    eval_every: int = 10
+    """Full evaluation every this many weight steps (and at the start and the end)."""
+    eval_examples: int = 32
+    checkpoint_every: int = 0
+    inference: InferenceServerConfig = dataclasses.field(default_factory=lambda: InferenceServerConfig(serve_http=False))
+    weights: Optional[WeightTransferConfig] = None
+    """None: files under the run directory."""
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    """Filters, capacity, env weights; `sampling` is derived from max_staleness and max_uses."""
+    batching: BatchingConfig = dataclasses.field(default_factory=lambda: BatchingConfig(max_length=256, min_bucket=32))
+    ray: RayJobConfig = dataclasses.field(default_factory=RayJobConfig)
+    seed: int = 0
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.run_root.rstrip('/')}/{self.run_id}"
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field, before anything starts."""
+        def bad(field: str, problem: str):
+            raise ConfigError(f"RLJobConfig.{field}: {problem}")
+
+        for name in ("num_train_steps", "groups_per_step", "n_generations", "n_rollout_workers", "eval_examples",
+                     "max_uses"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            bad("max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if self.groups_per_step % self.n_rollout_workers:
+            bad("groups_per_step", f"{self.groups_per_step} prompts per step do not divide among "
+                                   f"n_rollout_workers={self.n_rollout_workers}")
+        if self.curriculum is None:
+            bad("curriculum", "the job needs a curriculum with at least one lesson")
+        for lesson in self.curriculum.lessons:  # ids, dependencies and cycles are checked by CurriculumConfig
+            if lesson.temperature <= 0:
+                bad(f"curriculum.lessons[{lesson.lesson_id}].temperature",
+                    f"training needs a temperature > 0 (greedy has no logprobs to learn from), got {lesson.temperature}")
+        if self.max_uses > 1 and self.max_staleness < 1:
+            bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
+
+    # ------------------------------------------------------------------ derived configs
+
+    def sampling(self):
+        if self.max_uses > 1:
+            return ReplaySamplingConfig(staleness=self.max_staleness, uses=self.max_uses)
+        if self.max_staleness == 0:
+            return OnPolicyConfig()
+        return OffPolicyConfig(staleness=self.max_staleness)
+
+    def weights_config(self) -> WeightTransferConfig:
+        if self.weights is not None:
+            return self.weights
+        from marinrl.transfer.checkpoint import FilesystemTransferConfig
+
+        return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
+
+    def train_worker_config(self) -> TrainWorkerConfig:
+        from levanter.checkpoint import CheckpointerConfig
+        from levanter.tracker.json_logger import JsonLoggerConfig
+        from levanter.tracker.tensorboard import TensorboardConfig
+
+        run_dir = self.run_dir
+        trainer = cpu_trainer_config(
+            num_train_steps=self.num_train_steps,
+            train_batch_size=self.groups_per_step * self.n_generations,
+            id=self.run_id,
+            seed=self.seed,
+            log_dir=pathlib.Path(run_dir) / "logs",
+            tracker=(JsonLoggerConfig(), TensorboardConfig(logdir=f"{run_dir}/tensorboard/trainer")),
+            checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False),
+        )
+        optimizer = dataclasses.replace(_default_optimizer(), learning_rate=self.learning_rate)
+        return TrainWorkerConfig(
+            rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model, trainer=trainer,
+            optimizer=optimizer, loss=self.loss,
+            replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
+            batching=self.batching, groups_per_step=self.groups_per_step, checkpoint_every=self.checkpoint_every)
+
+    def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
+        return RolloutWorkerConfig(
+            rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
+            groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
+            max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
+            eval_examples=self.eval_examples, seed=self.seed * 1000 + index)
+
+
+# ---------------------------------------------------------------------- the actors
+
+
+def _actor_env() -> dict[str, str]:
+    env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
+    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    for passthrough in ("XLA_FLAGS", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                        "GOOGLE_AUTH_TOKEN_FOR_TESTING", "TENSORSTORE_GCS_REQUEST_CONCURRENCY"):
+        if os.environ.get(passthrough):
+            env[passthrough] = os.environ[passthrough]
+    return {k: v for k, v in env.items() if v}
+
+
+@ray.remote(max_concurrency=2)
+class TrainerActor:
+    def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str]):
+        from marinrl.train.worker import TrainWorker
+
+        curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
+        self.worker = TrainWorker(config, curriculum=curriculum)
+
+    def run(self) -> dict:
+        result = self.worker.run()
+        return dataclasses.asdict(result)
+
+    def progress(self) -> dict:
+        return {"step": self.worker.step, **(self.worker.history[-1] if self.worker.history else {})}
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+@ray.remote(max_concurrency=2)
+class RolloutActor:
+    def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str]):
+        from marinrl.inference.server import InferenceServer
+        from marinrl.models import build_model, build_tokenizer
+        from marinrl.rollout.manager import LessonRuntime, RolloutManager
+        from marinrl.rollout.worker import RolloutWorker
+
+        tokenizer = build_tokenizer(job.model)
+        server = InferenceServer(job.inference, build_model(job.model), tokenizer).start()
+        server.wait_until_ready()
+        lessons = {
+            lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
+                                            sampling=lesson.sampling_params(tokenizer, "train"),
+                                            eval_sampling=lesson.sampling_params(tokenizer, "eval"))
+            for lesson in job.curriculum.lessons
+        }
+        curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
+        manager = RolloutManager(server, lessons, curriculum)
+        self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
+                                    worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index))
+
+    def run(self) -> dict:
+        return self.worker.run()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+def _rollout_tracker(job: RLJobConfig, index: int):
+    from levanter.tracker import CompositeTracker
+    from levanter.tracker.json_logger import JsonLoggerConfig
+    from levanter.tracker.tensorboard import TensorboardConfig
+
+    run = f"{job.run_id}-rollout-{index}"
+    return CompositeTracker([JsonLoggerConfig(logger_name=f"marinrl.rollout.{index}").init(run),
+                             TensorboardConfig(logdir=f"{job.run_dir}/tensorboard/rollout-{index}").init(run)])
+
+
+# ---------------------------------------------------------------------- the job
+
+
+@dataclasses.dataclass
+class JobResult:
+    train: dict
+    rollouts: list[dict]
+    rollout_restarts: int
+    seconds: float
+
+
+class RLJob:
+    """Runs one RLJobConfig on Ray. `run()` blocks until the trainer finishes."""
+
+    def __init__(self, config: RLJobConfig):
+        config.validate()
+        self.config = config
+        self._started_ray = False
+        self._actors: list[Any] = []
+
+    def _init_ray(self) -> Optional[str]:
+        cfg = self.config.ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().namespace
+        if cfg.address is None:
+            num_cpus = cfg.num_cpus or (self.config.n_rollout_workers + 2)
+            ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=f"marinrl-{self.config.run_id}",
+                     object_store_memory=512 * 1024 * 1024, runtime_env={"env_vars": _actor_env()},
+                     log_to_driver=False)  # actors log to <run_dir>/logs; errors still reach ray.get
+        else:
+            ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
+                     runtime_env={"env_vars": _actor_env()})
+        self._started_ray = True
+        return ray.get_runtime_context().namespace
+
+    def run(self) -> JobResult:
+        cfg = self.config
+        started = time.time()
+        namespace = self._init_ray()
+        try:
+            curriculum_name = self._start_curriculum(namespace)
+            trainer = TrainerActor.options(num_cpus=1, resources=cfg.ray.trainer_resources or None).remote(
+                cfg.train_worker_config(), curriculum_name, namespace)
+            self._actors.append(trainer)
+            train_ref = trainer.run.remote()
+            rollouts, refs = [], []
+            for i in range(cfg.n_rollout_workers):
+                actor = self._rollout_actor(i, curriculum_name, namespace)
+                rollouts.append(actor)
+                refs.append(actor.run.remote())
+            restarts = 0
+            summaries: list[dict] = [{} for _ in rollouts]
+            pending = {ref: i for i, ref in enumerate(refs)}
+            bar = _ProgressBar(cfg.num_train_steps)
+            while True:
+                ready, _ = ray.wait([train_ref, *pending], num_returns=1, timeout=1.0)
+                bar.update(trainer)
+                if train_ref in ready:
+                    train = self._train_result(train_ref)
+                    break
+                for ref in ready:
+                    i = pending.pop(ref)
+                    try:
+                        summaries[i] = ray.get(ref)
+                    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                        if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
+                            raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
+                        restarts += 1
+                        logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
+                        rollouts[i] = self._rollout_actor(i, curriculum_name, namespace)
+                        pending[rollouts[i].run.remote()] = i
+            for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
+                try:
+                    summaries[i] = ray.get(ref, timeout=120)
+                except Exception as e:  # a worker that cannot finish is stopped below
+                    logger.warning("rollout worker %d did not finish cleanly: %s", i, e)
+            bar.close()
+            return JobResult(train, summaries, restarts, time.time() - started)
+        finally:
+            self.shutdown()
+
+    def _start_curriculum(self, namespace: Optional[str]) -> str:
+        name = "curriculum"
+        handle = curriculum_actor(self.config.curriculum, name=name, namespace=namespace,
+                                  state_path=f"{self.config.run_dir}/curriculum/latest.json")
+        self._actors.append(handle)
+        return name
+
+    def _rollout_actor(self, i: int, curriculum_name, namespace):
+        cfg = self.config
+        actor = RolloutActor.options(num_cpus=1, resources=cfg.ray.rollout_resources or None).remote(
+            cfg, i, curriculum_name, namespace)
+        self._actors.append(actor)
+        return actor
+
+    def _train_result(self, ref) -> dict:
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            raise RuntimeError(
+                f"the trainer died: {e}\nresume with the same config: it continues from the last checkpoint "
+                f"under {self.config.run_dir}/checkpoints") from e
+
+    def shutdown(self) -> None:
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self._actors.clear()
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+class _ProgressBar:
+    """The trainer's step, train reward and step time, polled from its actor."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, trainer) -> None:
+        try:
+            p = ray.get(trainer.progress.remote(), timeout=2.0)
+        except Exception:  # compiling, or gone: the main loop notices the latter
+            return
+        self._bar.update(p["step"] - self._bar.n)
+        if "batch/reward_mean" in p:
+            self._bar.set_postfix(reward=f"{p['batch/reward_mean']:.2f}", step_s=f"{p['train/step_s']:.2f}",
+                                  stale=f"{p['batch/staleness_mean']:.1f}", refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def main(config: RLJobConfig) -> JobResult:
+    return RLJob(config).run()
