@@ -235,6 +235,8 @@ class JobResult:
     rollouts: list[dict]
     rollout_restarts: int
     seconds: float
+    curriculum_step: int
+    """The curriculum's clock at the end: one iteration per trainer step."""
 
 
 class RLJob:
@@ -303,7 +305,8 @@ class RLJob:
                 except Exception as e:  # a worker that cannot finish is stopped below
                     logger.warning("rollout worker %d did not finish cleanly: %s", i, e)
             bar.close()
-            return JobResult(train, summaries, restarts, time.time() - started)
+            curriculum_step = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace)).step()
+            return JobResult(train, summaries, restarts, time.time() - started, curriculum_step)
         finally:
             self.shutdown()
 
