@@ -9,6 +9,9 @@ The reference shape of ../shared/BENCHMARK.md: Llama hidden 128, 4 layers, 4 hea
 - `gen_tokens_per_s`: generated tokens (EOS included) / wall time of one `generate` call, host
   packing and the device-to-host copy included. Median, min and max over calls 3..--calls.
 - `compile_s`: wall time of the first call minus the median call (tracing + compilation).
+- `gen_tokens_per_cpu_s`: generated tokens / CPU time of this process during the call. On a shared
+  machine wall time depends on the neighbours; CPU time much less, so this says which mode does less
+  work even when the wall-clock figures are noisy.
 
 The modes run interleaved, call by call (the machine is shared: compare modes within one run). The
 JAX persistent compilation cache is not used, so compile_s is a real compile. One JSON line per mode
@@ -98,13 +101,15 @@ def main(args) -> None:
     rng = np.random.default_rng(args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens)
     times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
     tokens = {m: [] for m in modes}
     for call in range(args.calls):
         prompts = rng.integers(0, 256, (args.prompts, args.prompt_tokens)).tolist()
         for mode in modes:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             gens = servers[mode].generate(prompts, args.samples, sampling, seed=call)
             times[mode].append(time.perf_counter() - t0)
+            cpu[mode].append(time.process_time() - c0)
             tokens[mode].append(sum(len(g.tokens) for row in gens for g in row))
     for s in servers.values():
         s.shutdown()
@@ -113,18 +118,19 @@ def main(args) -> None:
           f"{args.samples} samples, {args.prompt_tokens}-token prompts, up to {args.new_tokens} new tokens, "
           f"T={args.temperature}, backend {jax.default_backend()} ({jax.device_count()} device)")
     print(f"{'mode':8s} {'tokens/s median':>16s} {'min':>9s} {'max':>9s} {'call s':>8s} {'tokens/call':>12s} "
-          f"{'compile s':>10s}")
+          f"{'compile s':>10s} {'tokens/cpu-s':>13s}")
     results = {}
     for mode in modes:
         measured = slice(FIRST_MEASURED - 1, None)
         tps = [n / t for n, t in zip(tokens[mode][measured], times[mode][measured])]
         call_s = statistics.median(times[mode][measured])
         compile_s = times[mode][0] - call_s
+        per_cpu = [n / c for n, c in zip(tokens[mode][measured], cpu[mode][measured])]
         results[mode] = {"mode": mode, "gen_tokens_per_s": stats(tps), "compile_s": compile_s,
-                         "call_s": stats(times[mode][measured]),
+                         "call_s": stats(times[mode][measured]), "gen_tokens_per_cpu_s": stats(per_cpu),
                          "tokens_per_call": statistics.median(tokens[mode][measured])}
         print(f"{mode:8s} {stats(tps)['median']:16,.0f} {min(tps):9,.0f} {max(tps):9,.0f} {call_s:8.3f} "
-              f"{statistics.median(tokens[mode]):12.0f} {compile_s:10.2f}")
+              f"{statistics.median(tokens[mode]):12.0f} {compile_s:10.2f} {statistics.median(per_cpu):13,.0f}")
     if "scan" in results and "engine" in results:
         ratio = results["scan"]["gen_tokens_per_s"]["median"] / results["engine"]["gen_tokens_per_s"]["median"]
         print(f"scan / engine median tokens/s: {ratio:.2f}x")
