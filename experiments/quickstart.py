@@ -3,7 +3,9 @@
 A tiny random-init Llama (2 layers, hidden 64, byte-level vocabulary of 512) learns the `echo` task
 (prompt `c=`, answer `c`, 10 letters) with GRPO: one local Ray, one rollout worker and the trainer,
 asynchronous (max_staleness 1), rollouts as Parquet files under runs/<run_id>/, JSON and
-TensorBoard tracking. Greedy eval reward on held-out prompts goes from ~0 to >= 0.8.
+TensorBoard tracking. Greedy eval reward goes from ~0 to >= 0.8 (measured: 0.9-1.0 by step 40-60 in
+most runs, 0.64 at step 100 in the slowest seen). The task has only 10 distinct prompts, so eval
+prompts are freshly drawn but not disjoint from training ones.
 
     python experiments/quickstart.py [--run_id NAME] [--num_train_steps N] [--max_staleness 0] ...
 """
@@ -31,7 +33,7 @@ from marinrl.train.losses import LossConfig
 class QuickstartConfig:
     run_id: str = dataclasses.field(default_factory=lambda: time.strftime("quickstart-%Y%m%d-%H%M%S"))
     run_root: str = "runs"
-    num_train_steps: int = 100
+    num_train_steps: int = 200
     max_staleness: int = 1
     """0: exact on-policy; 1 (default): generation overlaps training."""
     learning_rate: float = 1e-3
@@ -74,7 +76,7 @@ def plot(result: JobResult, path: pathlib.Path) -> None:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     ax1.plot(steps, [h.get("batch/reward_mean", float("nan")) for h in history], label="train reward (sampled)")
     curve = eval_curve(result)
-    ax1.plot([s for s, _ in curve], [r for _, r in curve], "o-", label="eval reward (greedy, held out)")
+    ax1.plot([s for s, _ in curve], [r for _, r in curve], "o-", label="eval reward (greedy)")
     ax1.set_ylabel("reward")
     ax1.set_ylim(-0.05, 1.05)
     ax1.legend(loc="lower right")
@@ -109,7 +111,7 @@ def main(config: QuickstartConfig) -> int:
     plot(result, run_dir / "reward.png")
     print(f"\n[marinrl] {summary['steps']} steps in {summary['seconds']} s "
           f"(median {summary['median_step_s']:.2f} s/step), {summary['rollouts_written']} rollouts")
-    print("[marinrl] eval reward (greedy, held-out prompts): "
+    print("[marinrl] eval reward (greedy, fresh prompts each eval): "
           + "  ".join(f"step {s}: {r:.2f}" for s, r in curve))
     print(f"[marinrl] plot: {run_dir / 'reward.png'}   summary: {run_dir / 'summary.json'}")
     end = summary["eval_reward_end"]
