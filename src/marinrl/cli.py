@@ -75,6 +75,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from marinrl import report
+
+    try:
+        return report.main(args.run_dir, args.output)
+    except FileNotFoundError as e:
+        raise SystemExit(f"marinrl report: {e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinrl", description="RL post-training for language models on JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="RLJobConfig YAML, e.g. experiments/quickstart.yaml")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value overrides (draccus), e.g. --max_staleness 0")
     p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("report", help="PNG plots and an HTML page of a run (rewards, evals, staleness, step times)")
+    p.add_argument("run_dir", help="a run directory, <run_root>/<run_id> (rollouts/, tensorboard/, logs/)")
+    p.add_argument("--output", metavar="DIR", help="where to write index.html and the PNGs (default RUN_DIR/report)")
+    p.set_defaults(run=cmd_report)
     return parser
 
 

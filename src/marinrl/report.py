@@ -1,0 +1,405 @@
+"""`marinrl report RUN_DIR`: PNG plots and a small HTML page from a run's tracker logs and rollout files.
+
+Sources, all under the run directory that RLJob writes (`<run_root>/<run_id>/`):
+
+- `rollouts/`: the Parquet rollout files (read with `marinrl.storage`): reward and response length per
+  lesson and weight step.
+- `tensorboard/trainer` and `tensorboard/rollout-N`: the tensorboardX event files of the trainer and of
+  each rollout worker: staleness, the trainer's step-time split, generation time, eval rewards and
+  anything logged under `curriculum/`. They are read with a small TFRecord reader over tensorboardX's
+  protobufs (no TensorFlow or TensorBoard needed).
+- `logs/*.log`: Levanter's JSON logger lines (`levanter.json_logger ... {json}`), used for the trainer's
+  metrics when no event file holds them. Only the trainer's JSON lines land there; the rollout workers'
+  JSON loggers write to their own (Ray worker) logs, so the rollout workers' numbers come from
+  TensorBoard.
+
+Steps: the trainer logs Levanter's 0-based step of the update just taken; the report numbers trainer
+steps from 1 (step s publishes weight version s), as `TrainWorker.history` does. Rollout workers log at
+the weight step they hold.
+
+The output is `RUN_DIR/report/index.html` plus one PNG per figure next to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+import pathlib
+import re
+import statistics
+import struct
+from collections import defaultdict
+from typing import Iterable, Optional
+
+import numpy as np
+
+Series = dict[int, float]
+"""step -> value (the last value logged at that step wins, e.g. after a restart)."""
+
+
+# ---------------------------------------------------------------------- tracker readers
+
+
+def _records(data: bytes) -> Iterable[bytes]:
+    """The records of one TFRecord file: u64 length, u32 crc, data, u32 crc. A truncated tail is skipped."""
+    i = 0
+    while i + 12 <= len(data):
+        (n,) = struct.unpack_from("<Q", data, i)
+        if i + 12 + n + 4 > len(data):
+            return  # a writer still appending
+        yield data[i + 12:i + 12 + n]
+        i += 12 + n + 4
+
+
+def read_event_scalars(logdir: pathlib.Path) -> dict[str, Series]:
+    """Every scalar in the event files under `logdir` (recursively), by tag."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[float, int, float]]] = defaultdict(list)
+    for path in sorted(logdir.rglob("events.out.tfevents.*")):
+        for record in _records(path.read_bytes()):
+            event = Event()
+            try:
+                event.ParseFromString(record)
+            except Exception:  # a corrupt record: skip it, keep the rest
+                continue
+            for value in event.summary.value:
+                if value.WhichOneof("value") == "simple_value":
+                    out[value.tag].append((event.wall_time, event.step, float(value.simple_value)))
+    series: dict[str, Series] = {}
+    for tag, points in out.items():
+        points.sort()
+        series[tag] = {step: v for _, step, v in points}
+    return series
+
+
+def read_event_wall_times(logdir: pathlib.Path, tag: str) -> dict[int, float]:
+    """step -> wall time (seconds since the epoch) at which `tag` was first logged at that step."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[int, float] = {}
+    for path in sorted(logdir.rglob("events.out.tfevents.*")):
+        for record in _records(path.read_bytes()):
+            event = Event()
+            try:
+                event.ParseFromString(record)
+            except Exception:
+                continue
+            if any(v.tag == tag for v in event.summary.value):
+                out[event.step] = min(out.get(event.step, math.inf), event.wall_time)
+    return out
+
+
+_JSON_LINE = re.compile(r"levanter\.json_logger.*? :: (\{.*\})\s*$")
+
+
+def read_json_logs(log_dir: pathlib.Path) -> dict[str, Series]:
+    """Scalars from Levanter JSON logger lines (`"event": "log"`) in `log_dir/*.log`, by metric name."""
+    series: dict[str, Series] = defaultdict(dict)
+    for path in sorted(log_dir.glob("*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            m = _JSON_LINE.search(line)
+            if not m:
+                continue
+            try:
+                record = json.loads(m.group(1))
+            except ValueError:
+                continue
+            if record.get("event") != "log" or "step" not in record:
+                continue
+            for key, value in record.get("metrics", {}).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series[key][int(record["step"])] = float(value)
+    return dict(series)
+
+
+# ---------------------------------------------------------------------- rollout files
+
+
+@dataclasses.dataclass
+class LessonStats:
+    rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    lengths: dict[int, list[int]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+
+    @property
+    def n(self) -> int:
+        return sum(len(v) for v in self.rewards.values())
+
+
+def read_rollouts(root: str) -> tuple[dict[str, LessonStats], list[str]]:
+    """Per lesson: rewards and response lengths by weight step; plus the files that could not be read."""
+    from marinrl.storage import RolloutFormatError, decode_batch, iter_files
+
+    lessons: dict[str, LessonStats] = defaultdict(LessonStats)
+    unreadable = []
+    for step, path, data in iter_files(root):
+        try:
+            batch = decode_batch(data, path)
+        except RolloutFormatError as e:
+            unreadable.append(str(e))
+            continue
+        for r in batch.rollouts:
+            lesson = lessons[r.lesson_id]
+            lesson.rewards[step].append(r.episode_reward)
+            lesson.lengths[step].append(int(r.response_tokens.size))
+    return dict(sorted(lessons.items())), unreadable
+
+
+# ---------------------------------------------------------------------- the report
+
+
+@dataclasses.dataclass
+class RunData:
+    run_dir: pathlib.Path
+    trainer: dict[str, Series]
+    """Trainer metrics keyed by 1-based trainer step."""
+    trainer_source: str
+    workers: dict[str, dict[str, Series]]
+    """Per rollout worker (`rollout-0`, ...): metrics keyed by weight step."""
+    lessons: dict[str, LessonStats]
+    unreadable: list[str]
+
+
+def load_run(run_dir: str | pathlib.Path) -> RunData:
+    run = pathlib.Path(run_dir)
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run} is not a directory")
+    tb = run / "tensorboard"
+    trainer, source = {}, "none"
+    if (tb / "trainer").is_dir():
+        trainer, source = read_event_scalars(tb / "trainer"), "TensorBoard event files (tensorboard/trainer)"
+    if not trainer.get("train/step_s") and (run / "logs").is_dir():
+        trainer, source = read_json_logs(run / "logs"), "Levanter JSON logs (logs/*.log)"
+    trainer = {tag: {step + 1: v for step, v in s.items()} for tag, s in trainer.items()}  # 1-based steps
+    workers = {}
+    if tb.is_dir():
+        for d in sorted(tb.glob("rollout-*")):
+            if d.is_dir():
+                workers[d.name] = read_event_scalars(d)
+    rollout_root = run / "rollouts"
+    lessons, unreadable = read_rollouts(str(rollout_root)) if rollout_root.is_dir() else ({}, [])
+    return RunData(run, trainer, source, workers, lessons, unreadable)
+
+
+def _median(values: Iterable[float]) -> Optional[float]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: Optional[float], digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _xy(series: Series) -> tuple[list[int], list[float]]:
+    steps = sorted(series)
+    return steps, [series[s] for s in steps]
+
+
+def _merge_workers(workers: dict[str, dict[str, Series]], tag: str) -> Series:
+    """The mean over workers of `tag` at each weight step."""
+    values: dict[int, list[float]] = defaultdict(list)
+    for metrics in workers.values():
+        for step, v in metrics.get(tag, {}).items():
+            values[step].append(v)
+    return {s: float(np.mean(v)) for s, v in sorted(values.items())}
+
+
+def _tags(data: RunData, prefix: str) -> list[str]:
+    tags = set(t for t in data.trainer if t.startswith(prefix))
+    for metrics in data.workers.values():
+        tags.update(t for t in metrics if t.startswith(prefix))
+    return sorted(tags)
+
+
+def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Writes the PNGs and `index.html` (default under RUN_DIR/report/) and returns the HTML's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = load_run(run_dir)
+    out = pathlib.Path(out_dir) if out_dir is not None else data.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    sections: list[str] = []
+    lessons = list(data.lessons)
+    for w in data.workers.values():  # lessons only seen in evals (e.g. not yet sampled) still get a line
+        for tag in w:
+            m = re.match(r"^eval/(.+)/reward_mean$", tag)
+            if m and m.group(1) not in lessons:
+                lessons.append(m.group(1))
+
+    def figure(name: str, title: str, draw, caption: str) -> None:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        draw(ax)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        sections.append(f"<h2>{html.escape(title)}</h2><p>{caption}</p><img src=\"{name}\" alt=\"{html.escape(title)}\">")
+
+    def note(title: str, text: str) -> None:
+        sections.append(f"<h2>{html.escape(title)}</h2><p class=\"note\">{text}</p>")
+
+    # -- reward per lesson (rollout files)
+    if data.lessons:
+        def draw_reward(ax):
+            for lesson_id, st in data.lessons.items():
+                steps = sorted(st.rewards)
+                ax.plot(steps, [np.mean(st.rewards[s]) for s in steps], "o-", ms=3, label=lesson_id)
+            ax.set_xlabel("weight step (of the policy that generated the rollouts)")
+            ax.set_ylabel("mean reward")
+        figure("reward_per_lesson.png", "Training reward per lesson", draw_reward,
+               f"Mean episode reward of the rollouts in <code>rollouts/</code>, per lesson and weight step "
+               f"({sum(st.n for st in data.lessons.values())} rollouts).")
+    else:
+        note("Training reward per lesson", "No readable rollout files under <code>rollouts/</code>.")
+
+    # -- eval reward (rollout workers' trackers)
+    eval_tags = {lesson: f"eval/{lesson}/reward_mean" for lesson in lessons}
+    eval_series = {lesson: _merge_workers(data.workers, tag) for lesson, tag in eval_tags.items()}
+    eval_series = {k: v for k, v in eval_series.items() if v}
+    if eval_series:
+        def draw_eval(ax):
+            for lesson_id, series in eval_series.items():
+                ax.plot(*_xy(series), "o-", label=lesson_id)
+            ax.set_xlabel("weight step")
+            ax.set_ylabel("eval reward")
+        figure("eval_reward.png", "Eval reward per lesson", draw_eval,
+               "<code>eval/&lt;lesson&gt;/reward_mean</code> of the full evaluations the rollout workers run "
+               "(held-out prompts, each lesson's eval sampling), from their TensorBoard event files.")
+    else:
+        note("Eval reward per lesson", "No <code>eval/*/reward_mean</code> metrics in the rollout workers' "
+             "TensorBoard event files.")
+
+    # -- response length (rollout files)
+    if data.lessons:
+        def draw_length(ax):
+            for lesson_id, st in data.lessons.items():
+                steps = sorted(st.lengths)
+                ax.plot(steps, [np.mean(st.lengths[s]) for s in steps], "o-", ms=3, label=lesson_id)
+            ax.set_xlabel("weight step")
+            ax.set_ylabel("response tokens (mean)")
+        figure("response_length.png", "Response length per lesson", draw_length,
+               "Mean number of response tokens of the rollouts, per lesson and weight step.")
+
+    # -- staleness (trainer)
+    stale_mean, stale_max = data.trainer.get("batch/staleness_mean", {}), data.trainer.get("batch/staleness_max", {})
+    at_write = _merge_workers(data.workers, "rollout/staleness_at_write")
+    if stale_mean or stale_max or at_write:
+        def draw_stale(ax):
+            if stale_mean:
+                ax.plot(*_xy(stale_mean), label="trained batch: mean")
+            if stale_max:
+                ax.plot(*_xy(stale_max), "--", label="trained batch: max")
+            ax.set_xlabel("trainer step")
+            ax.set_ylabel("weight versions behind")
+        figure("staleness.png", "Staleness", draw_stale,
+               "How many weight versions behind the trainer the rollouts of each trained batch were "
+               "(<code>batch/staleness_mean</code>, <code>batch/staleness_max</code>).")
+    else:
+        note("Staleness", "No staleness metrics in the trainer's logs.")
+
+    # -- step time split
+    step_s, wait_s, update_s = (data.trainer.get(k, {}) for k in ("train/step_s", "train/wait_s", "train/update_s"))
+    gen_s = _merge_workers(data.workers, "rollout/generation_s")
+    if step_s:
+        steps = sorted(step_s)
+
+        def draw_split(ax):
+            wait = np.array([wait_s.get(s, 0.0) for s in steps])
+            update = np.array([update_s.get(s, 0.0) for s in steps])
+            other = np.maximum(np.array([step_s[s] for s in steps]) - wait - update, 0.0)
+            ax.bar(steps, wait, label="trainer waiting for rollouts", color="tab:orange")
+            ax.bar(steps, update, bottom=wait, label="policy update", color="tab:blue")
+            ax.bar(steps, other, bottom=wait + update, label="other (batching, publishing weights)", color="tab:gray")
+            if gen_s:
+                ax.plot(*_xy(gen_s), "k.-", label="generation per batch (rollout worker, at weight step)")
+            ax.set_xlabel("trainer step")
+            ax.set_ylabel("seconds")
+        figure("step_time.png", "Step time split", draw_split,
+               "Per trainer step: waiting for rollouts (<code>train/wait_s</code>), the update "
+               "(<code>train/update_s</code>) and the rest of <code>train/step_s</code>; the line is the rollout "
+               "workers' generation time per batch (<code>rollout/generation_s</code>).")
+    else:
+        note("Step time split", "No <code>train/step_s</code> in the trainer's logs.")
+
+    # -- curriculum weights
+    weight_tags = [t for t in _tags(data, "curriculum/") if t.endswith("weight")]
+    if weight_tags:
+        def draw_weights(ax):
+            for tag in weight_tags:
+                series = data.trainer.get(tag) or _merge_workers(data.workers, tag)
+                ax.plot(*_xy(series), label=tag[len("curriculum/"):])
+            ax.set_xlabel("step")
+            ax.set_ylabel("sampling weight")
+        figure("curriculum_weights.png", "Curriculum sampling weights", draw_weights,
+               "The curriculum's sampling weights as logged under <code>curriculum/</code>.")
+    else:
+        note("Curriculum sampling weights",
+             "Not logged: this run's trackers hold no <code>curriculum/*weight</code> metrics (neither the trainer "
+             "nor the rollout workers log the curriculum's weights), so there is no curve to show. The training "
+             "reward per lesson above shows which lessons were sampled at each weight step.")
+
+    # -- summary tables
+    steady = [s for s in sorted(step_s) if s >= 3]
+    med_step = _median(step_s[s] for s in steady)
+    med_wait = _median(wait_s.get(s) for s in steady)
+    med_update = _median(update_s.get(s) for s in steady)
+    idle = (med_wait / med_step) if med_wait is not None and med_step else None
+    trainer_steps = max(step_s) if step_s else 0
+    rows = [
+        ("run directory", html.escape(str(data.run_dir))),
+        ("trainer steps", str(trainer_steps)),
+        ("trainer metrics from", html.escape(data.trainer_source)),
+        ("rollout workers", str(len(data.workers))),
+        ("rollouts", str(sum(st.n for st in data.lessons.values()))),
+        ("median seconds per step (steps ≥ 3)", _fmt(med_step)),
+        ("median update seconds", _fmt(med_update)),
+        ("median wait seconds", _fmt(med_wait)),
+        ("median generation seconds per batch", _fmt(_median(gen_s.values()))),
+        ("trainer idle fraction (median wait / median step)", _fmt(idle, 2)),
+        ("unreadable rollout files", str(len(data.unreadable))),
+    ]
+    lesson_rows = []
+    for lesson_id in lessons:
+        st = data.lessons.get(lesson_id, LessonStats())
+        steps = sorted(st.rewards)
+        ev = eval_series.get(lesson_id, {})
+        ev_steps = sorted(ev)
+        lesson_rows.append(
+            f"<tr><td>{html.escape(lesson_id)}</td><td>{st.n}</td>"
+            f"<td>{_fmt(float(np.mean(st.rewards[steps[0]])) if steps else None)}</td>"
+            f"<td>{_fmt(float(np.mean(st.rewards[steps[-1]])) if steps else None)}</td>"
+            f"<td>{_fmt(float(np.mean([x for s in steps for x in st.lengths[s]])) if steps else None, 1)}</td>"
+            f"<td>{_fmt(ev[ev_steps[0]]) if ev else '–'}</td><td>{_fmt(ev[ev_steps[-1]]) if ev else '–'}</td></tr>")
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>marinrl report: {html.escape(data.run_dir.name)}</title>
+<style>body{{font-family:sans-serif;max-width:900px;margin:2em auto}} td,th{{padding:2px 10px;text-align:left}}
+table{{border-collapse:collapse}} tr:nth-child(even){{background:#f3f3f3}} .note{{color:#8a4b00}} img{{max-width:100%}}</style>
+</head><body>
+<h1>marinrl report: {html.escape(data.run_dir.name)}</h1>
+<table>{''.join(f'<tr><th>{k}</th><td>{v}</td></tr>' for k, v in rows)}</table>
+<h2>Lessons</h2>
+<table><tr><th>lesson</th><th>rollouts</th><th>reward, first weight step</th><th>reward, last weight step</th>
+<th>response tokens</th><th>eval reward, first</th><th>eval reward, last</th></tr>
+{''.join(lesson_rows)}</table>
+{''.join(sections)}
+{''.join(f'<p class="note">unreadable: {html.escape(u)}</p>' for u in data.unreadable)}
+</body></html>
+"""
+    index = out / "index.html"
+    index.write_text(page)
+    return index
+
+
+def main(run_dir: str, out_dir: Optional[str] = None) -> int:
+    index = write_report(run_dir, out_dir)
+    pngs = sorted(p.name for p in index.parent.glob("*.png"))
+    print(f"[marinrl] report: {index} ({', '.join(pngs)})")
+    return 0
