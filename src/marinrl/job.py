@@ -178,10 +178,14 @@ class TrainerActor:
 
     def run(self) -> dict:
         result = self.worker.run()
-        return dataclasses.asdict(result)
+        return {**dataclasses.asdict(result), "node_id": ray.get_runtime_context().get_node_id()}
 
     def progress(self) -> dict:
         return {"step": self.worker.step, **(self.worker.history[-1] if self.worker.history else {})}
+
+    def trained_groups(self) -> list[tuple[int, list[str]]]:
+        """(step, group ids trained at it) for every step so far: survives in no result if the trainer dies."""
+        return [(h["step"], list(g)) for h, g in zip(list(self.worker.history), list(self.worker.trained_groups))]
 
     def stop(self) -> None:
         self.worker.stop()
@@ -210,7 +214,7 @@ class RolloutActor:
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index))
 
     def run(self) -> dict:
-        return self.worker.run()
+        return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def stop(self) -> None:
         self.worker.stop()

@@ -156,6 +156,8 @@ class TrainResult:
     metrics: dict[str, float]
     history: list[dict[str, float]] = dataclasses.field(default_factory=list)
     """Per step: loss, train reward, staleness and the step-time split (for summaries and plots)."""
+    trained_groups: list[list[str]] = dataclasses.field(default_factory=list)
+    """Per step (parallel to `history`): the group ids trained on, to audit exactly-once consumption."""
 
 
 class TrainWorker:
@@ -169,6 +171,7 @@ class TrainWorker:
         self._stop = threading.Event()
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.trained_groups: list[list[str]] = []
 
     def stop(self) -> None:
         """Ends the run after the current step, with a final checkpoint."""
@@ -248,6 +251,7 @@ class TrainWorker:
                     levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken, 0-based
                     self.history.append({"step": self.step, "loss": float(info.loss),
                                          **{k: float(v) for k, v in metrics.items() if k in _HISTORY_KEYS}})
+                    self.trained_groups.append([g.group.group_id for g in sample.groups])
                     if self._on_step is not None:
                         trained = [(g.group.group_id, g.weight_step) for g in sample.groups]
                         self._on_step(self.step, {"loss": info.loss, "groups": trained, **metrics})
@@ -258,7 +262,7 @@ class TrainWorker:
                 server.close()
                 checkpointer.wait_until_finished()
             levanter.tracker.current_tracker().finish()
-            return TrainResult(first_step, self.step, last_ckpt, replay.metrics(), self.history)
+            return TrainResult(first_step, self.step, last_ckpt, replay.metrics(), self.history, self.trained_groups)
 
     # ------------------------------------------------------------------ checkpoints
 
