@@ -1,0 +1,184 @@
+"""RLJob under faults, on a real Ray: a rollout worker killed mid-run is restarted and training
+finishes; a trainer killed mid-run ends the job with a message naming the checkpoint, and the same
+config resumes from it consuming every rollout group at most once across the lineage; a two-node
+cluster places the trainer and the rollout worker on different nodes by resource."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Callable
+
+import pytest
+import ray
+from levanter.checkpoint import discover_latest_checkpoint
+
+from marinrl.job import RLJob
+
+from test_job import job_config
+
+DEADLINE_S = 150.0
+
+
+def _actors_of(job: RLJob, class_name: str) -> list:
+    return [a for a in list(job._actors)
+            if a._ray_actor_creation_function_descriptor.class_name == class_name]
+
+
+def _poll(condition: Callable[[], object], what: str, deadline_s: float = DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {deadline_s:.0f}s waiting for {what}")
+
+
+def _trainer_step(job: RLJob) -> int:
+    trainers = _actors_of(job, "TrainerActor")
+    if not trainers:
+        return -1
+    try:
+        return ray.get(trainers[0].progress.remote(), timeout=2.0)["step"]
+    except Exception:  # still constructing
+        return -1
+
+
+class _Saboteur(threading.Thread):
+    """Runs `act` beside the job's `run()`; any failure of its own is re-raised by `result()`."""
+
+    def __init__(self, act: Callable[[], object]):
+        super().__init__(daemon=True)
+        self._act = act
+        self.value = None
+        self.error: BaseException | None = None
+
+    def run(self):
+        try:
+            self.value = self._act()
+        except BaseException as e:  # surfaced in the test thread
+            self.error = e
+
+    def result(self):
+        self.join(timeout=DEADLINE_S)
+        assert not self.is_alive(), "the saboteur never finished"
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ray_session):
+    cfg = job_config(tmp_path, run_id="rollout-fault", num_train_steps=8, checkpoint_every=2, max_staleness=1)
+    job = RLJob(cfg)
+
+    def kill_rollout_worker():
+        _poll(lambda: _trainer_step(job) >= 2, "the trainer to reach step 2")
+        (victim,) = _actors_of(job, "RolloutActor")
+        ray.kill(victim, no_restart=True)
+        return _trainer_step(job)
+
+    saboteur = _Saboteur(kill_rollout_worker)
+    saboteur.start()
+    result = job.run()
+    killed_at = saboteur.result()
+
+    assert killed_at < cfg.num_train_steps, "the worker was killed after training had already finished"
+    assert result.rollout_restarts >= 1
+    assert len(_actors_of(job, "RolloutActor")) == 0  # shutdown cleared the job's actors
+    train = result.train
+    assert train["first_step"] == 0 and train["final_step"] == 8
+    assert [h["step"] for h in train["history"]] == list(range(1, 9))
+    assert all(h["batch/staleness_max"] <= 1 for h in train["history"])
+    (summary,) = result.rollouts  # the summary of the restarted worker, which saw the final weights
+    assert summary["weight_step"] == 8 and summary["batches_written"] >= 1
+    assert result.curriculum_step == 8
+    groups = [g for step in train["trained_groups"] for g in step]
+    assert len(groups) == len(set(groups)) == 8 * cfg.groups_per_step
+
+
+def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session):
+    cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=6, checkpoint_every=2, max_staleness=1)
+    ckpt_root = f"{cfg.run_dir}/checkpoints"
+    job = RLJob(cfg)
+
+    def kill_trainer_after_first_checkpoint():
+        _poll(lambda: discover_latest_checkpoint(ckpt_root), "the trainer's first checkpoint")
+        (trainer,) = _actors_of(job, "TrainerActor")
+        trained = ray.get(trainer.trained_groups.remote(), timeout=10)
+        ray.kill(trainer, no_restart=True)
+        return trained
+
+    saboteur = _Saboteur(kill_trainer_after_first_checkpoint)
+    saboteur.start()
+    with pytest.raises(RuntimeError) as died:
+        job.run()
+    before = dict(saboteur.result())  # step -> group ids, as trained by the killed trainer
+    message = str(died.value)
+    assert "the trainer died" in message and ckpt_root in message
+    assert max(before) < cfg.num_train_steps, "the trainer was killed after it had finished"
+    assert not _actors_of(job, "RolloutActor") and not _actors_of(job, "TrainerActor")
+
+    result = RLJob(cfg).run()
+    train = result.train
+    first = train["first_step"]
+    assert first > 0 and first % cfg.checkpoint_every == 0  # resumed from a checkpoint, not from scratch
+    assert first in before, f"the killed trainer reported steps {sorted(before)} but resumed from {first}"
+    assert train["final_step"] == cfg.num_train_steps
+    assert [h["step"] for h in train["history"]] == list(range(first + 1, cfg.num_train_steps + 1))
+    assert result.curriculum_step == cfg.num_train_steps
+
+    # Exactly once across the lineage: steps 1..first of the killed run, then the resumed run's steps.
+    lineage = [before[s] for s in range(1, first + 1)] + train["trained_groups"]
+    assert len(lineage) == cfg.num_train_steps
+    assert all(len(step) == cfg.groups_per_step for step in lineage)
+    flat = [g for step in lineage for g in step]
+    assert len(flat) == len(set(flat)), "a rollout group was trained twice across the resume"
+
+
+_TWO_NODE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import ray
+    from ray.cluster_utils import Cluster
+    sys.path.insert(0, {tests!r})
+    import pathlib
+    from test_job import job_config
+    from marinrl.job import RLJob, RayJobConfig
+
+    cluster = Cluster(initialize_head=True, head_node_args=dict(
+        num_cpus=2, resources={{"trainer": 1}}, include_dashboard=False, object_store_memory=128 * 1024 * 1024))
+    try:
+        rollout_node = cluster.add_node(num_cpus=1, resources={{"rollout": 1}}, object_store_memory=128 * 1024 * 1024)
+        cluster.wait_for_nodes()
+        cfg = job_config(pathlib.Path({root!r}), run_id="two-node", num_train_steps=3, eval_every=10,
+                         ray=RayJobConfig(address=cluster.address, trainer_resources={{"trainer": 1}},
+                                          rollout_resources={{"rollout": 1}}))
+        result = RLJob(cfg).run()
+        print("RESULT " + json.dumps(dict(
+            final_step=result.train["final_step"], trainer_node=result.train["node_id"],
+            rollout_nodes=[r.get("node_id") for r in result.rollouts], ray_left=ray.is_initialized(),
+            head=cluster.head_node.node_id, rollout_node=rollout_node.node_id)))
+    finally:
+        cluster.shutdown()
+""")
+
+
+def test_two_node_cluster_places_trainer_and_rollout_worker_by_resource(tmp_path):
+    script = _TWO_NODE_SCRIPT.format(tests=os.path.dirname(__file__), root=str(tmp_path))
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["final_step"] == 3
+    assert not out["ray_left"]  # the job connected to the cluster itself and disconnected after
+    (rollout_node,) = out["rollout_nodes"]
+    assert out["trainer_node"] and rollout_node and out["trainer_node"] != rollout_node
+    assert out["trainer_node"] == out["head"]  # the only node with the "trainer" resource
+    assert rollout_node == out["rollout_node"]  # the only node with the "rollout" resource
