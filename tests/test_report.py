@@ -62,8 +62,16 @@ def test_report_of_a_real_run(tmp_path, ray_session, capsys):
     for env, stats in summary["envs"].items():
         assert f"<tr><td>{env}</td><td>{stats['rollouts']}</td>" in page
 
-    # Curriculum weights are not logged by RLJob's trackers: the page says so instead of drawing a curve.
-    assert "curriculum_weights.png" not in page and "Not logged" in page
+    # Curriculum weights: a curve when the trackers hold `curriculum/<lesson>/weight`, else the page says
+    # they are not logged (never an invented curve).
+    logged_weights = {t for t in load_run(run_dir).trainer if t.startswith("curriculum/") and t.endswith("/weight")}
+    if logged_weights:
+        assert logged_weights == {"curriculum/echo/weight", "curriculum/parity/weight"}
+        assert "curriculum_weights.png" in page and "Not logged" not in page
+        assert (out_dir / "curriculum_weights.png").stat().st_size > 5000
+    else:
+        assert "curriculum_weights.png" not in page and "Not logged" in page
+        assert not (out_dir / "curriculum_weights.png").exists()
 
     # The readers behind the page: tracker values equal the trainer's own history.
     by_step = {h["step"]: h for h in history}

@@ -320,6 +320,11 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
             ax.bar(steps, other, bottom=wait + update, label="other (batching, publishing weights)", color="tab:gray")
             if gen_s:
                 ax.plot(*_xy(gen_s), "k.-", label="generation per batch (rollout worker, at weight step)")
+            later = [step_s[s] for s in steps if s > 1] + [v for s, v in gen_s.items() if s > 1]
+            if later and step_s[steps[0]] > 2 * max(later):  # the first step's compiles would flatten the rest
+                ax.set_ylim(0, 1.2 * max(later))
+                ax.annotate(f"step {steps[0]}: {step_s[steps[0]]:.1f} s (compiles), clipped", (steps[0], 1.15 * max(later)),
+                            fontsize=8, va="top")
             ax.set_xlabel("trainer step")
             ax.set_ylabel("seconds")
         figure("step_time.png", "Step time split", draw_split,
@@ -335,11 +340,12 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
         def draw_weights(ax):
             for tag in weight_tags:
                 series = data.trainer.get(tag) or _merge_workers(data.workers, tag)
-                ax.plot(*_xy(series), label=tag[len("curriculum/"):])
-            ax.set_xlabel("step")
+                ax.plot(*_xy(series), label=tag[len("curriculum/"):].removesuffix("/weight"))
+            ax.set_xlabel("trainer step")
             ax.set_ylabel("sampling weight")
         figure("curriculum_weights.png", "Curriculum sampling weights", draw_weights,
-               "The curriculum's sampling weights as logged under <code>curriculum/</code>.")
+               "The curriculum's sampling weight of each lesson (<code>curriculum/&lt;lesson&gt;/weight</code>), as "
+               "logged with each trainer step.")
     else:
         note("Curriculum sampling weights",
              "Not logged: this run's trackers hold no <code>curriculum/*weight</code> metrics (neither the trainer "

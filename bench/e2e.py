@@ -1,0 +1,193 @@
+"""End to end: RLJob on a local Ray at the reference shape of ../shared/BENCHMARK.md, on-policy and async.
+
+Shape: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate 512, vocab 512, fp32, init N(0, 0.02);
+8 prompts × 8 samples per step; GRPO (group std advantages, PPO clip 0.2) with a k3 KL to the frozen
+reference at β = 0.04; AdamW lr 1e-4. Prompts: the `echo` env with 14 letters of a 26-letter alphabet and
+the template `{s}=`, which the byte-level tokenizer encodes as BOS + 14 letters + `=` = 16 tokens; up to 32
+new tokens at temperature 1.0 (a random-init model rarely emits EOS, so responses run to ~32 tokens).
+
+Modes, run one after the other, each a fresh RLJob with its own local Ray (1 trainer, 1 rollout worker):
+- `on_policy`: max_staleness 0 (generation of step s waits for weights s-1; training waits for it);
+- `async`: max_staleness 1 (generation of step s+1 overlaps training on step s).
+
+Figures (median, min, max over trainer steps 3..--steps, 1-based):
+- `step_s`: `train/step_s` of the trainer's history (wall time of one trainer step);
+- `update_s`: `train/update_s` (policy update: forward, backward, AdamW; reference logprobs included);
+- `wait_s`: `train/wait_s` (the trainer waiting for rollouts); `idle_fraction` = wait_s / step_s per step;
+- `batch_s`, `publish_s`: `train/batch_s` (building the training batch) and `train/publish_s` (publishing weights);
+  step_s ≈ wait_s + batch_s + update_s + publish_s. Reference logprobs are inside update_s (not split out here;
+  bench/train_step.py measures them alone);
+- `generation_s`, `gen_tokens_per_s`: the rollout worker's `rollout/generation_s` and `rollout/gen_tokens_per_s`
+  per batch (its TensorBoard event file), over batches for weight steps 2..steps-1;
+- `first_step_s`: from calling `RLJob.run()` (Ray start, actor start, model init, compiles) to the wall time of
+  the trainer's first logged step;
+- `peak_rss_mb`: VmHWM of the trainer actor and rollout actor processes (sampled from /proc every 0.2 s while
+  they live), and the driver's ru_maxrss.
+
+The JAX persistent compilation cache (.jax_cache) is used as the job configures it, so `first_step_s`
+depends on whether earlier runs filled it. Prints a table, then one JSON line per mode.
+
+    python bench/e2e.py [--steps 20] [--modes on_policy,async]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import psutil  # noqa: E402
+from levanter.models.llama import LlamaConfig  # noqa: E402
+
+from marinrl.curriculum import CurriculumConfig, LessonConfig  # noqa: E402
+from marinrl.envs.base import EnvConfig  # noqa: E402
+from marinrl.job import RLJob, RLJobConfig  # noqa: E402
+from marinrl.models import ModelConfig  # noqa: E402
+from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
+from marinrl.train.batching import BatchingConfig  # noqa: E402
+from marinrl.train.losses import LossConfig  # noqa: E402
+
+MODES = {"on_policy": 0, "async": 1}
+
+
+def job_config(mode: str, steps: int, root: str) -> RLJobConfig:
+    lesson = LessonConfig(lesson_id="echo14", env=EnvConfig("echo", {"alphabet_size": 26, "length": 14}),
+                          max_tokens=32, temperature=1.0, graduate_at=None)
+    llama = LlamaConfig(seq_len=64, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
+                        gradient_checkpointing=False, tie_word_embeddings=False)
+    return RLJobConfig(
+        run_id=f"e2e-{mode}", run_root=root,
+        model=ModelConfig(model=llama, vocab_size=512, seed=0, init_std=0.02, dtype="float32"),
+        curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=steps, groups_per_step=8, n_generations=8,
+        max_staleness=MODES[mode], loss=LossConfig.preset("grpo", kl_beta=0.04), learning_rate=1e-4,
+        eval_every=10_000, eval_examples=8, batching=BatchingConfig(max_length=64, min_bucket=16))
+
+
+class RssWatcher:
+    """Peak resident memory (VmHWM) of the Ray actor processes under this driver, by role."""
+
+    ROLES = {"TrainerActor": "trainer", "RolloutActor": "rollout"}
+
+    def __init__(self, interval_s: float = 0.2):
+        self.peaks: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _hwm_mb(pid: int) -> float:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        return 0.0
+
+    def _loop(self, interval_s: float) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            try:
+                children = me.children(recursive=True)
+            except psutil.Error:
+                children = []
+            for proc in children:
+                try:
+                    title = " ".join(proc.cmdline())
+                    role = next((r for k, r in self.ROLES.items() if f"ray::{k}" in title), None)
+                    if role:
+                        self.peaks[role] = max(self.peaks.get(role, 0.0), self._hwm_mb(proc.pid))
+                except (psutil.Error, OSError):
+                    continue
+            self._stop.wait(interval_s)
+
+
+def stats(values: list[float]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def run_mode(mode: str, steps: int, root: str) -> dict:
+    cfg = job_config(mode, steps, root)
+    started = time.time()
+    with RssWatcher() as rss:
+        result = RLJob(cfg).run()
+    run_dir = pathlib.Path(cfg.run_dir)
+    history = [h for h in result.train["history"] if 3 <= h["step"] <= steps]
+    first_logged = read_event_wall_times(run_dir / "tensorboard" / "trainer", "train/step_s")
+    worker = read_event_scalars(run_dir / "tensorboard" / "rollout-0")
+    window = range(2, steps)  # batches generated with weights 2..steps-1 are those trained at steps 3..steps
+
+    def worker_values(tag):
+        return [v for s, v in worker.get(tag, {}).items() if s in window]
+
+    peaks = {role: round(mb, 1) for role, mb in sorted(rss.peaks.items())}
+    peaks["driver"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return {
+        "mode": mode,
+        "steps": result.train["final_step"],
+        "step_s": stats([h["train/step_s"] for h in history]),
+        "update_s": stats([h["train/update_s"] for h in history]),
+        "wait_s": stats([h["train/wait_s"] for h in history]),
+        "batch_s": stats([h.get("train/batch_s") for h in history]),
+        "publish_s": stats([h.get("train/publish_s") for h in history]),
+        "generation_s": stats(worker_values("rollout/generation_s")),
+        "gen_tokens_per_s": stats(worker_values("rollout/gen_tokens_per_s")),
+        "idle_fraction": stats([h["train/wait_s"] / h["train/step_s"] for h in history]),
+        "first_step_s": round(min(first_logged.values()) - started, 2) if first_logged else None,
+        "peak_rss_mb": peaks,
+        "staleness_max": max((h["batch/staleness_max"] for h in result.train["history"]), default=None),
+        "job_s": round(result.seconds, 1),
+    }
+
+
+def _fmt(s: dict | None) -> str:
+    return "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}, {s['max']:.3f}]"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="trainer steps per mode; medians over 3..steps")
+    parser.add_argument("--modes", default="on_policy,async")
+    parser.add_argument("--root", default=None, help="run root (default: a temporary directory)")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; expected some of {sorted(MODES)}")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="marinrl-e2e-") as tmp:
+        for mode in modes:
+            results.append(run_mode(mode, args.steps, args.root or tmp))
+    print(f"\nRLJob at the BENCHMARK.md shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
+    for r in results:
+        print(f"\n{r['mode']} ({r['steps']} steps, job {r['job_s']} s, max staleness trained {r['staleness_max']})")
+        for key in ("step_s", "update_s", "wait_s", "batch_s", "publish_s", "generation_s", "gen_tokens_per_s", "idle_fraction"):
+            print(f"  {key:18s} {_fmt(r[key])}")
+        print(f"  {'first_step_s':18s} {r['first_step_s']}")
+        print(f"  {'peak_rss_mb':18s} {r['peak_rss_mb']}")
+    for r in results:
+        print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
