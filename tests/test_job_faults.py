@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -16,9 +17,9 @@ from typing import Callable
 
 import pytest
 import ray
-from levanter.checkpoint import discover_latest_checkpoint
 
 from marinrl.job import RLJob
+from marinrl.train.worker import SIDECAR
 
 from test_job import job_config
 
@@ -38,6 +39,14 @@ def _poll(condition: Callable[[], object], what: str, deadline_s: float = DEADLI
             return value
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {deadline_s:.0f}s waiting for {what}")
+
+
+def _committed_checkpoint_step(ckpt_root: str) -> int:
+    """The step a resume would start from (0: no committed checkpoint yet). Levanter's metadata.json
+    commits a checkpoint; our sidecar in the same folder holds the step it resumes at."""
+    steps = [json.loads((d / SIDECAR).read_text())["step"]
+             for d in pathlib.Path(ckpt_root).glob("step-*") if (d / "metadata.json").exists()]
+    return max(steps, default=0)
 
 
 def _trainer_step(job: RLJob) -> int:
@@ -103,14 +112,16 @@ def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ra
 
 
 def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session):
-    cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=6, checkpoint_every=2, max_staleness=1)
+    cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=6, checkpoint_every=2, max_staleness=2)
     ckpt_root = f"{cfg.run_dir}/checkpoints"
     job = RLJob(cfg)
 
     def kill_trainer_after_first_checkpoint():
-        _poll(lambda: discover_latest_checkpoint(ckpt_root), "the trainer's first checkpoint")
+        ckpt_step = _poll(lambda: _committed_checkpoint_step(ckpt_root), "the trainer's first checkpoint")
         (trainer,) = _actors_of(job, "TrainerActor")
-        trained = ray.get(trainer.trained_groups.remote(), timeout=10)
+        # The checkpoint is written before the step's bookkeeping: wait until that step is reported.
+        trained = _poll(lambda: (t := ray.get(trainer.trained_groups.remote(), timeout=10)) and t[-1][0] >= ckpt_step
+                        and t, f"the trainer to report step {ckpt_step}")
         ray.kill(trainer, no_restart=True)
         return trained
 
@@ -129,6 +140,7 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     first = train["first_step"]
     assert first > 0 and first % cfg.checkpoint_every == 0  # resumed from a checkpoint, not from scratch
     assert first in before, f"the killed trainer reported steps {sorted(before)} but resumed from {first}"
+    assert first == max(s for s in before if s % cfg.checkpoint_every == 0)  # the latest checkpoint
     assert train["final_step"] == cfg.num_train_steps
     assert [h["step"] for h in train["history"]] == list(range(first + 1, cfg.num_train_steps + 1))
     assert result.curriculum_step == cfg.num_train_steps
