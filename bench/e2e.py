@@ -48,11 +48,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import psutil  # noqa: E402
+import ray  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 
 from marinrl.curriculum import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.envs.base import EnvConfig  # noqa: E402
-from marinrl.job import RLJob, RLJobConfig  # noqa: E402
+from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
 from marinrl.train.batching import BatchingConfig  # noqa: E402
@@ -128,8 +129,16 @@ def stats(values: list[float]) -> dict | None:
 def run_mode(mode: str, steps: int, root: str) -> dict:
     cfg = job_config(mode, steps, root)
     started = time.time()
-    with RssWatcher() as rss:
-        result = RLJob(cfg).run()
+    # The local Ray is started here, as RLJob would start it, but with address="local": a bare ray.init()
+    # connects to any other Ray found running on the machine (e.g. a test session) instead of starting one.
+    ray.init(address="local", num_cpus=cfg.n_rollout_workers + 2, include_dashboard=False,
+             namespace=f"marinrl-{cfg.run_id}", object_store_memory=512 * 1024 * 1024,
+             runtime_env={"env_vars": _actor_env()}, log_to_driver=False)
+    try:
+        with RssWatcher() as rss:
+            result = RLJob(cfg).run()
+    finally:
+        ray.shutdown()
     run_dir = pathlib.Path(cfg.run_dir)
     history = [h for h in result.train["history"] if 3 <= h["step"] <= steps]
     first_logged = read_event_wall_times(run_dir / "tensorboard" / "trainer", "train/step_s")
