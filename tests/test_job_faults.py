@@ -112,7 +112,7 @@ def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ra
 
 
 def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session):
-    cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=6, checkpoint_every=2, max_staleness=2)
+    cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=4, checkpoint_every=2, max_staleness=2)
     ckpt_root = f"{cfg.run_dir}/checkpoints"
     job = RLJob(cfg)
 
