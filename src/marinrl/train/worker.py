@@ -118,6 +118,8 @@ class CurriculumHandle(Protocol):
 
     def load(self, path: str) -> None: ...
 
+    def weights(self) -> dict[str, float]: ...
+
 
 _HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "train/step_s", "train/wait_s",
                  "train/update_s", "train/batch_s", "train/publish_s")
@@ -248,6 +250,8 @@ class TrainWorker:
                         "train/update_s": t3 - t2, "train/publish_s": t4 - t3 if published else 0.0,
                         **sample.metrics(), **replay.metrics(), **{f"weights/{k}": v for k, v in server.metrics.items()},
                     }
+                    if self._curriculum is not None:
+                        metrics.update({f"curriculum/{k}/weight": v for k, v in self._curriculum.weights().items()})
                     levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken, 0-based
                     self.history.append({"step": self.step, "loss": float(info.loss),
                                          **{k: float(v) for k, v in metrics.items() if k in _HISTORY_KEYS}})
