@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 import pytest
 from levanter.models.llama import LlamaConfig
 
@@ -79,3 +81,22 @@ def test_async_job_overlaps_generation_with_training(tmp_path, ray_session):
     assert result.train["final_step"] == 5 and result.curriculum_step == 5
     assert all(h["batch/staleness_max"] <= 1 for h in history)
     assert any(h["batch/staleness_max"] == 1 for h in history)  # the worker ran a version ahead
+
+
+def test_replay_job_reuses_rollouts_and_reward_rises(tmp_path, ray_session):
+    """The quickstart recipe, shortened, with each rollout trained on up to twice."""
+    _, result = _run(tmp_path, ray_session, max_staleness=2, max_uses=2, num_train_steps=30, groups_per_step=32,
+                     n_generations=16, eval_every=30, eval_examples=64,
+                     model=ModelConfig(model=LlamaConfig(seq_len=32, hidden_dim=64, intermediate_dim=256, num_layers=2,
+                                                         num_heads=4, num_kv_heads=4, gradient_checkpointing=False),
+                                       vocab_size=512))
+    history = result.train["history"]
+    assert result.train["final_step"] == 30
+    assert max(h["batch/use_mean"] for h in history) > 1  # some groups were trained on a second time
+    assert all(h["batch/staleness_max"] <= 2 for h in history)
+    evals = [e for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
+    start, end = evals[0]["metrics"]["eval/echo/reward_mean"], evals[-1]["metrics"]["eval/echo/reward_mean"]
+    assert start <= 0.2 and end >= start + 0.15, (start, end)
+    early = np.mean([h["batch/reward_mean"] for h in history[:3]])
+    late = np.mean([h["batch/reward_mean"] for h in history[-3:]])
+    assert late > early + 0.1, (early, late)

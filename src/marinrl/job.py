@@ -214,7 +214,10 @@ class RolloutActor:
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index))
 
     def run(self) -> dict:
-        return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id()}
+        try:
+            return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id()}
+        finally:
+            self.worker.tracker.finish()  # flush its event files: the actor is killed once the job ends
 
     def stop(self) -> None:
         self.worker.stop()
@@ -258,7 +261,8 @@ class RLJob:
             return ray.get_runtime_context().namespace
         if cfg.address is None:
             num_cpus = cfg.num_cpus or (self.config.n_rollout_workers + 2)
-            ray.init(num_cpus=num_cpus, include_dashboard=False, namespace=f"marinrl-{self.config.run_id}",
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
+                     namespace=f"marinrl-{self.config.run_id}",
                      object_store_memory=512 * 1024 * 1024, runtime_env={"env_vars": _actor_env()},
                      log_to_driver=False)  # actors log to <run_dir>/logs; errors still reach ray.get
         else:

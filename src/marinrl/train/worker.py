@@ -121,7 +121,8 @@ class CurriculumHandle(Protocol):
     def weights(self) -> dict[str, float]: ...
 
 
-_HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "train/step_s", "train/wait_s",
+_HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "batch/use_mean", "train/step_s",
+                 "train/wait_s",
                  "train/update_s", "train/batch_s", "train/publish_s")
 
 
