@@ -472,6 +472,14 @@ def test_ray_killed_coordinator_keeps_the_old_weights(ray_config, servers, model
     held, _ = client.poll()
 
     ray.kill(ray.get_actor(ray_config.name))
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: wait until the actor is gone (its name freed)
+    while True:
+        try:
+            ray.get_actor(ray_config.name, namespace=ray_config.namespace)
+        except ValueError:
+            break
+        assert time.monotonic() < deadline, "the killed coordinator never went away"
+        time.sleep(0.05)
     assert client.poll() is None
     assert client.model is held and client.weight_step == 1 and client.metrics["failures"] == 1
     assert client.poll() is None  # the actor is gone: nothing to fetch, and no new failure
