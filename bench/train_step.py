@@ -1,0 +1,292 @@
+"""Train step: seconds for the policy update and for the reference logprobs, through Levanter's Trainer.
+
+The reference shape of ../shared/BENCHMARK.md: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate
+512, vocab 512, untied head, fp32, init N(0, 0.02); 64 sequences = 8 prompts × 8 samples of 16 prompt
+tokens + up to 32 response tokens; AdamW lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0;
+the `grpo` loss (PPO clip 0.2) with a k3 KL to a frozen reference at β = 0.04 (mode `kl_0.04`) and
+without one (mode `kl_0`: no reference model exists, so its logprobs cost nothing).
+
+Every step goes through the same calls as `TrainWorker.run` (marinrl/train/worker.py):
+`cpu_trainer_config`, `Trainer(config, optimizer, partial(_step_loss, config=loss), add_default_hooks=False)`,
+`trainer.initial_state(key, model_init=...)`, a batch from `make_training_batch` sharded with the compute
+axis mapping, the reference's `token_logprobs` under `hax.named_jit`, then
+`trainer.train_step(state, StepInput(batch, reference_logprobs))`.
+
+- `update_s`: `trainer.train_step` (forward, backward, AdamW, the loss metrics going to the tracker).
+- `ref_logprobs_s`: the frozen reference's `token_logprobs` on the batch, until ready.
+- `first_step_s`: from building the mode's Trainer (model init, initial state, reference model) to the
+  end of its first train step, both compiles included.
+- `update_cpu_s`, `ref_logprobs_cpu_s`: process CPU seconds (all threads) of the same calls. The machine
+  is shared: wall time depends on what else runs, CPU time much less.
+
+Synthetic rollouts, fixed seed, one fresh batch per step: uniform random tokens (a random-init model
+samples almost uniformly), responses of 32 tokens unless a stop token (id 1, probability 1/512 per
+token) ends them early, sampler logprobs near log(1/512) with the spread of the random model's own
+(std 0.25), 0/1 rewards with group mean/std advantages. All modes run interleaved, step by step, so
+that they can be compared pairwise; medians with min and max over steps 3..--steps (1-based). Then one
+JSON line per mode (see ../shared/BENCHMARK.md).
+
+A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run:
+`bucket<N>` (BatchingConfig(min_bucket=N): `bucket48` packs the 48-token rows without padding; the
+default bucket is 64) and `unrolled` (LlamaConfig(scan_layers=False)). For example:
+
+    python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
+    python bench/train_step.py --modes kl_0.04,kl_0.04+bucket48+unrolled
+
+`--devices N` runs on N fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, as the test
+harness does with 4); the default is one device, what a TrainWorker on this machine has. Other XLA flags
+pass through the XLA_FLAGS environment variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="steps per mode; medians over steps 3..steps")
+    parser.add_argument("--modes", default="kl_0.04,kl_0",
+                        help="comma-separated kl_<beta>[+bucket<N>][+unrolled], e.g. kl_0.04,kl_0.04+bucket48")
+    parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
+    parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
+                        help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be >= 3 (medians are over steps 3..steps)")
+    return args
+
+
+ARGS = _parse_args() if __name__ == "__main__" else None
+# Must happen before jax is imported.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if ARGS is not None and ARGS.devices > 1:
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    ).strip()
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import math  # noqa: E402
+import pathlib  # noqa: E402
+import resource  # noqa: E402
+import uuid  # noqa: E402
+
+import haliax as hax  # noqa: E402
+import jax  # noqa: E402
+import levanter  # noqa: E402
+import numpy as np  # noqa: E402
+from levanter.checkpoint import CheckpointerConfig  # noqa: E402
+from levanter.layers.attention import AttentionBackend  # noqa: E402
+from levanter.models.llama import LlamaConfig  # noqa: E402
+from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
+from levanter.trainer import Trainer  # noqa: E402
+
+from marinrl.models import ModelConfig, build_model  # noqa: E402
+from marinrl.train.advantages import group_advantages  # noqa: E402
+from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch  # noqa: E402
+from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
+from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
+from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
+
+PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512
+STOP_TOKEN = 1
+FIRST_MEASURED = 3  # 1-based: steps 1 and 2 are warm-up
+
+
+def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = True) -> ModelConfig:
+    """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds)."""
+    backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
+    llama = LlamaConfig(seq_len=256, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
+                        tie_word_embeddings=False, gradient_checkpointing=False, attn_backend=backend,
+                        scan_layers=scan_layers)
+    return ModelConfig(model=llama, vocab_size=VOCAB, seed=seed, init_std=0.02, dtype="float32")
+
+
+def synthetic_rollouts(rng: np.random.Generator, step: int) -> tuple[list[Rollout], np.ndarray]:
+    """One step's 8 groups × 8 samples, and their group mean/std advantages."""
+    rollouts, advantages = [], []
+    for _ in range(PROMPTS):
+        prompt = rng.integers(2, VOCAB, PROMPT_TOKENS)
+        rewards = rng.integers(0, 2, SAMPLES).astype(np.float64)
+        group_id = uuid.UUID(int=int(rng.integers(0, 2**62))).hex
+        for reward in rewards:
+            tokens = rng.integers(2, VOCAB, RESPONSE_TOKENS)
+            stops = np.flatnonzero(rng.random(RESPONSE_TOKENS) < 1.0 / VOCAB)
+            n = RESPONSE_TOKENS if stops.size == 0 else int(stops[0]) + 1
+            tokens = tokens[:n]
+            if n < RESPONSE_TOKENS:
+                tokens[-1] = STOP_TOKEN
+            logprobs = np.minimum(-math.log(VOCAB) + 0.25 * rng.standard_normal(n), 0.0).astype(np.float32)
+            rollouts.append(Rollout(
+                prompt_tokens=prompt, response_tokens=tokens, response_logprobs=logprobs,
+                temperature=1.0, loss_mask=np.ones(n, dtype=bool),
+                token_rewards=np.where(np.arange(n) == n - 1, reward, 0.0).astype(np.float32),
+                episode_reward=float(reward), finish_reason="stop" if n < RESPONSE_TOKENS else "length",
+                env_name="bench", lesson_id="bench", group_id=group_id,
+                metadata=RolloutMetadata("bench", step, 1_700_000_000.0)))
+        advantages.extend(group_advantages(rewards, "group_std"))
+    return rollouts, np.asarray(advantages)
+
+
+def stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+class _Timer:
+    """Wall and process-CPU seconds of a block."""
+
+    def __enter__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+@dataclasses.dataclass
+class Mode:
+    """One loss configuration and layout, with its own Trainer, state and (when β ≠ 0) frozen reference."""
+
+    name: str
+    loss: LossConfig
+    model: ModelConfig
+    batching: BatchingConfig
+    trainer: Trainer | None = None
+    state: object = None
+    reference: object = None
+    ref_fn: object = None
+    batches: list = dataclasses.field(default_factory=list)
+    update: list = dataclasses.field(default_factory=list)  # (wall, cpu) per measured step
+    ref: list = dataclasses.field(default_factory=list)
+    first_step_s: float = float("nan")
+    first_breakdown: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, spec: str, args) -> "Mode":
+        head, *variants = spec.split("+")
+        if not head.startswith("kl_"):
+            raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+unrolled], e.g. kl_0.04")
+        batching, scan_layers = BatchingConfig(), True
+        for v in variants:
+            if v.startswith("bucket") and v[6:].isdigit():
+                batching = BatchingConfig(min_bucket=int(v[6:]))
+            elif v == "unrolled":
+                scan_layers = False
+            else:
+                raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected bucket<N> or unrolled")
+        model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers)
+        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
+
+    def setup(self, trainer_cfg, optimizer) -> None:
+        """What `TrainWorker.run` does before its loop (minus the replay buffer and the weight server)."""
+        self.trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=self.loss),
+                               add_default_hooks=False)
+        self.trainer.__enter__()
+        self.state = self.trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed),
+                                                model_init=lambda: build_model(self.model))
+        self.reference = build_model(self.model) if self.loss.uses_reference else None
+        self.ref_fn = hax.named_jit(token_logprobs, axis_resources=self.trainer.compute_axis_mapping)
+
+    def step(self, batch: TrainingBatch) -> tuple[_Timer, _Timer, float]:
+        """One worker step on `batch`: (reference timer, update timer, loss)."""
+        batch = hax.shard(batch, self.trainer.compute_axis_mapping)
+        with _Timer() as ref_t:
+            ref = self.ref_fn(self.reference, batch) if self.reference is not None else None
+            if ref is not None:
+                ref.array.block_until_ready()
+        with _Timer() as update_t:
+            info = self.trainer.train_step(self.state, StepInput(batch, ref))
+            jax.block_until_ready(info.state.model)
+        self.state = info.state
+        if not math.isfinite(info.loss):
+            raise RuntimeError(f"{self.name}: loss {info.loss} at step {int(info.step) + 1}")
+        return ref_t, update_t, float(info.loss)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.__exit__(None, None, None)
+
+    def result(self) -> dict:
+        def timed(pairs, i):
+            return stats([p[i] for p in pairs])
+
+        return {"mode": self.name, "update_s": timed(self.update, 0), "ref_logprobs_s": timed(self.ref, 0),
+                "first_step_s": stats([self.first_step_s]),
+                "step_s": stats([u[0] + r[0] for u, r in zip(self.update, self.ref)]),
+                "update_cpu_s": timed(self.update, 1), "ref_logprobs_cpu_s": timed(self.ref, 1),
+                "positions": self.batches[0].Pos.size, "devices": jax.device_count()}
+
+
+def main(args) -> None:
+    work = pathlib.Path(tempfile.mkdtemp(prefix="marinrl-bench-train-step-"))
+    trainer_cfg = cpu_trainer_config(
+        num_train_steps=args.steps + 1, train_batch_size=PROMPTS * SAMPLES, log_dir=work / "logs",
+        checkpointer=CheckpointerConfig(base_path=str(work / "checkpoints")), id=f"bench-{uuid.uuid4().hex[:8]}",
+        # The worker's tracker, quieter: metrics are still fetched and serialized each step, not printed.
+        tracker=JsonLoggerConfig(level=logging.WARNING))
+    levanter.initialize(trainer_cfg)
+    optimizer = _default_optimizer().build(trainer_cfg.num_train_steps)
+    modes = [Mode.parse(m, args) for m in args.modes.split(",") if m]
+
+    rng = np.random.default_rng(args.seed)
+    steps = [synthetic_rollouts(rng, step) for step in range(args.steps)]
+    for mode in modes:
+        mode.batches = [make_training_batch(r, a, batch_size=PROMPTS * SAMPLES, config=mode.batching) for r, a in steps]
+    trained = float(np.mean([np.asarray(b.loss_mask.array).sum() for b in modes[0].batches]))
+    longest = max(r.num_tokens for rollouts, _ in steps for r in rollouts)
+
+    load_start = os.getloadavg()[0]
+    print(f"train step at the reference shape on {jax.device_count()} {jax.default_backend()} device(s): "
+          f"{PROMPTS * SAMPLES} rows of up to {longest} tokens, {trained:.0f} trained tokens per step; "
+          f"attention {args.attn_backend}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+          f"load average {load_start:.1f} on {os.cpu_count()} CPUs")
+    try:
+        # First steps one mode after the other (compiles), then the other steps interleaved, alternating order.
+        for mode in modes:
+            print(f"[{mode.name}] {describe(mode.loss)}; {mode.batches[0].Pos.size} positions; "
+                  f"scan_layers={mode.model.model.scan_layers}")
+            with _Timer() as setup_t:
+                mode.setup(trainer_cfg, optimizer)
+            ref_t, update_t, _ = mode.step(mode.batches[0])
+            mode.first_step_s = setup_t.wall + ref_t.wall + update_t.wall
+            mode.first_breakdown = {"setup": setup_t.wall, "reference": ref_t.wall, "update": update_t.wall}
+        for step in range(1, args.steps):
+            for mode in modes if step % 2 else reversed(modes):
+                ref_t, update_t, _ = mode.step(mode.batches[step])
+                if step + 1 >= FIRST_MEASURED:
+                    mode.ref.append((ref_t.wall, ref_t.cpu))
+                    mode.update.append((update_t.wall, update_t.cpu))
+    finally:
+        for mode in reversed(modes):
+            mode.close()
+
+    load = [load_start, os.getloadavg()[0]]
+    results = [{**mode.result(), "load_avg": load} for mode in modes]
+    for mode, r in zip(modes, results):
+        u, rl, uc, rc, b = r["update_s"], r["ref_logprobs_s"], r["update_cpu_s"], r["ref_logprobs_cpu_s"], mode.first_breakdown
+        ref_text = (f"reference logprobs {rl['median']:.4f} s (min {rl['min']:.4f}, max {rl['max']:.4f}; cpu {rc['median']:.4f})"
+                    if mode.reference is not None else "no reference model (beta 0)")
+        print(f"[{mode.name}] update {u['median']:.4f} s (min {u['min']:.4f}, max {u['max']:.4f}; cpu {uc['median']:.4f}); "
+              f"{ref_text}; first step {mode.first_step_s:.2f} s (setup {b['setup']:.2f}, reference {b['reference']:.2f}, "
+              f"update {b['update']:.2f}); steps {FIRST_MEASURED}-{args.steps}")
+    for mode in modes[1:]:
+        ratio = statistics.median([a[0] / b[0] for a, b in zip(mode.update, modes[0].update)])
+        print(f"update {mode.name} / {modes[0].name}: median paired ratio {ratio:.3f}")
+    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB (all modes in one process); "
+          f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (wall times scale with it, CPU times much less)")
+    for r in results:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main(ARGS)
+    sys.stdout.flush()
