@@ -226,6 +226,18 @@ class Mode:
                 "positions": self.batches[0].Pos.size, "devices": jax.device_count()}
 
 
+def _summary(mode: Mode, r: dict) -> str:
+    def timed(key: str, cpu_key: str) -> str:
+        t = r[key]
+        return f"{t['median']:.4f} s (min {t['min']:.4f}, max {t['max']:.4f}; cpu {r[cpu_key]['median']:.4f})"
+
+    b = mode.first_breakdown
+    ref = (f"reference logprobs {timed('ref_logprobs_s', 'ref_logprobs_cpu_s')}" if mode.reference is not None
+           else "no reference model (beta 0)")
+    return (f"update {timed('update_s', 'update_cpu_s')}; {ref}; first step {mode.first_step_s:.2f} s "
+            f"(setup {b['setup']:.2f}, reference {b['reference']:.2f}, update {b['update']:.2f})")
+
+
 def main(args) -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="marinrl-bench-train-step-"))
     trainer_cfg = cpu_trainer_config(
@@ -272,17 +284,13 @@ def main(args) -> None:
     load = [load_start, os.getloadavg()[0]]
     results = [{**mode.result(), "load_avg": load} for mode in modes]
     for mode, r in zip(modes, results):
-        u, rl, uc, rc, b = r["update_s"], r["ref_logprobs_s"], r["update_cpu_s"], r["ref_logprobs_cpu_s"], mode.first_breakdown
-        ref_text = (f"reference logprobs {rl['median']:.4f} s (min {rl['min']:.4f}, max {rl['max']:.4f}; cpu {rc['median']:.4f})"
-                    if mode.reference is not None else "no reference model (beta 0)")
-        print(f"[{mode.name}] update {u['median']:.4f} s (min {u['min']:.4f}, max {u['max']:.4f}; cpu {uc['median']:.4f}); "
-              f"{ref_text}; first step {mode.first_step_s:.2f} s (setup {b['setup']:.2f}, reference {b['reference']:.2f}, "
-              f"update {b['update']:.2f}); steps {FIRST_MEASURED}-{args.steps}")
+        print(f"[{mode.name}] {_summary(mode, r)}; steps {FIRST_MEASURED}-{args.steps}")
     for mode in modes[1:]:
         ratio = statistics.median([a[0] / b[0] for a, b in zip(mode.update, modes[0].update)])
         print(f"update {mode.name} / {modes[0].name}: median paired ratio {ratio:.3f}")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB (all modes in one process); "
-          f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (wall times scale with it, CPU times much less)")
+          f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
+          "(wall times scale with it, CPU times much less)")
     for r in results:
         print(json.dumps(r))
 
