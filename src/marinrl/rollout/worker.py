@@ -109,10 +109,9 @@ class RolloutWorker:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
-        self._receive(self._client.wait_for(0, cfg.weight_timeout_s), waited=True)
+        self._receive(self._client.wait_for(0, cfg.weight_timeout_s))
         target = self.weight_step  # the trainer step the next batch is for
         batches = 0
-        last_eval_step = None
         self._evaluate(full=True)
         last_eval_step = self.weight_step
         while not self._stop.is_set() and not self.finished:
@@ -142,7 +141,7 @@ class RolloutWorker:
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
                 "evals": self.eval_history}
 
-    def _receive(self, update, waited: bool = False, waited_s: float = 0.0) -> None:
+    def _receive(self, update, waited_s: float = 0.0) -> None:
         self.manager.update_model(update.model)
         self.weight_step = update.weight_step
         self.counters.weight_updates += 1
