@@ -403,14 +403,15 @@ class NotATupleEnv:
 
 class BrokenGroupsEnv(EchoEnv):
     """Three good groups from EchoEnv, then damage: a NaN reward written into group 0 after it was
-    built, a group of the wrong size, something that is not a group, a repeated group id, and a
+    built, a group larger than n_generations, something that is not a group, a repeated group id, and a
     metric that is not a number."""
 
     def sample(self, ctx, n_examples, n_generations, sampling, rng, mode):
         groups, metrics = super().sample(ctx, n_examples, n_generations, sampling, rng, mode)
         groups[0].rollouts[0].token_rewards[-1] = np.nan
-        short = RolloutGroup(groups[1].rollouts[:1])
-        return [groups[0], groups[1], groups[2], short, {"not": "a group"}, groups[2]], {
+        oversized = RolloutGroup(groups[1].rollouts * 2)
+        short = RolloutGroup(groups[2].rollouts[:1])  # fewer than n_generations is allowed
+        return [groups[0], groups[1], short, oversized, {"not": "a group"}, groups[1]], {
             **metrics, "bad": float("nan"), "text": "x"}
 
 
@@ -427,11 +428,12 @@ def test_safe_sample_drops_malformed_groups_and_keeps_the_valid_ones(tokenizer, 
     ctx = ScriptedContext(tokenizer, lambda text, j: text[:-1])
     with caplog.at_level(logging.WARNING):
         groups, metrics = _run(BrokenGroupsEnv(), ctx, lesson_id="broken")
-    assert len(groups) == 2  # groups 1 and 2 survive; the NaN one, the short one, the non-group, the repeat do not
+    assert [len(g) for g in groups] == [2, 1]  # group 1 and the short one survive; the NaN one, the oversized
+    # one, the non-group and the repeat do not
     assert all(r.metadata == META and r.lesson_id == "broken" for g in groups for r in g.rollouts)
     assert metrics["broken/malformed_groups"] == 4 and metrics["broken/env_failures"] == 0
     assert metrics["broken/dropped_metrics"] == 2 and "broken/bad" not in metrics
-    assert "must be finite" in caplog.text and "expected n_generations=2" in caplog.text
+    assert "must be finite" in caplog.text and "more than n_generations=2" in caplog.text
     assert "appears twice" in caplog.text and "'broken'" in caplog.text
 
 

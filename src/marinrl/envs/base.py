@@ -44,8 +44,10 @@ class Env(Protocol):
     """What the RolloutManager calls. `mode` is "train" or "eval" (an environment may draw eval
     problems from a held-out set); `rng` drives every random choice, including the sampler's seed.
 
-    Every returned group holds exactly `n_generations` rollouts of one prompt under one `group_id`,
-    unique across all calls, all workers and all runs (use `new_group_id`)."""
+    Every returned group holds the rollouts of one prompt under one `group_id`, unique across all
+    calls, all workers and all runs (use `new_group_id`): `n_generations` of them for a single-turn
+    task, fewer where episodes ended early or failed (multi-turn and multi-agent groups are made per
+    (problem, turn, agent)), never more."""
 
     def sample(
         self,
@@ -340,7 +342,7 @@ def safe_sample(
     the environment does.
 
     An environment that raises, or returns something other than (groups, metrics), yields no groups
-    and `<lesson>/env_failures` 1. A group that is not a `RolloutGroup`, does not hold exactly
+    and `<lesson>/env_failures` 1. A group that is not a `RolloutGroup`, holds more than
     `n_generations` rollouts, repeats a group id, or holds a rollout that fails validation when
     stamped (a NaN reward, say) is dropped and counted in `<lesson>/malformed_groups`; the other
     groups are returned. Every failure is logged with the lesson id. Metric keys are
@@ -386,8 +388,8 @@ def safe_sample(
 def _stamp(group: Any, n_generations: int, metadata: RolloutMetadata, lesson_id: str, seen: set[str]) -> RolloutGroup:
     if not isinstance(group, RolloutGroup):
         raise TypeError(f"expected a RolloutGroup, got {type(group).__name__}")
-    if len(group) != n_generations:
-        raise ValueError(f"group {group.group_id!r} holds {len(group)} rollouts, expected n_generations={n_generations}")
+    if len(group) > n_generations:
+        raise ValueError(f"group {group.group_id!r} holds {len(group)} rollouts, more than n_generations={n_generations}")
     if group.group_id in seen:
         raise ValueError(f"group_id {group.group_id!r} appears twice in one call")
     # dataclasses.replace re-runs Rollout validation: arrays mutated after construction are caught here.
