@@ -27,18 +27,25 @@ def rollout(prompt, response, *, mask=None, logprobs=None, temperature=1.0, w=0,
         group_id=gid, metadata=RolloutMetadata("w0", w, 0.0))
 
 
-SMALL = BatchingConfig(max_length=16, min_bucket=4)
+SMALL = BatchingConfig(max_length=16, min_bucket=8)  # buckets 8, 12, 16
 
 
 def test_bucket_lengths():
-    assert BatchingConfig(max_length=1000).bucket_lengths() == (64, 128, 256, 512, 1000)
-    assert BatchingConfig(max_length=1024).bucket_lengths() == (64, 128, 256, 512, 1024)
-    assert BatchingConfig(max_length=200, buckets="multiple").bucket_lengths() == (64, 128, 192, 200)
+    # Geometric: powers of two with a 1.5x step inside each octave, from any min_bucket.
+    assert BatchingConfig(max_length=1000, min_bucket=64).bucket_lengths() == (64, 96, 128, 192, 256, 384, 512, 768, 1000)
+    assert BatchingConfig(max_length=1024, min_bucket=64).bucket_lengths() == (64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    assert BatchingConfig(max_length=64).bucket_lengths() == (16, 24, 32, 48, 64)
+    assert BatchingConfig(max_length=40, min_bucket=5).bucket_lengths() == (5, 6, 8, 12, 16, 24, 32, 40)
+    assert BatchingConfig(max_length=200, buckets="multiple", min_bucket=64).bucket_lengths() == (64, 128, 192, 200)
     assert BatchingConfig(max_length=256, buckets="multiple", min_bucket=128, bucket_multiple=32).bucket_lengths() \
         == (128, 160, 192, 224, 256)
-    assert BatchingConfig(max_length=32).bucket_lengths() == (32,)
-    config = BatchingConfig(max_length=1000)
-    assert [config.bucket_for(n) for n in (1, 64, 65, 128, 129, 513, 1000)] == [64, 64, 128, 128, 256, 1000, 1000]
+    assert BatchingConfig(max_length=32, min_bucket=64).bucket_lengths() == (32,)
+    config = BatchingConfig(max_length=1000, min_bucket=64)
+    assert [config.bucket_for(n) for n in (1, 64, 65, 97, 128, 129, 513, 769, 1000)] == \
+        [64, 64, 96, 128, 128, 192, 768, 1000, 1000]
+    # The reference shape (16 prompt + 32 response tokens) is not padded; no row is padded by half or more.
+    assert BatchingConfig().bucket_for(48) == 48
+    assert all(BatchingConfig().bucket_for(n) < 1.5 * n for n in range(17, 2049))
     with pytest.raises(ValueError, match="1001 tokens does not fit max_length=1000"):
         config.bucket_for(1001)
 
@@ -56,7 +63,7 @@ def test_alignment_masks_and_padding_by_hand():
     a = rollout([5, 6, 7], [8, 9, 10], mask=[1, 0, 1], logprobs=[-0.1, -0.2, -0.3], temperature=0.7, w=3)
     b = rollout([1], [2, 3], logprobs=[-0.5, -0.6], w=4)
     arrays = pack_rollouts([a, b], [2.0, -1.0], batch_size=3, config=SMALL)
-    # 6 tokens at most: bucket 8 (4, 8, 16).
+    # 6 tokens at most: bucket 8 (8, 12, 16).
     np.testing.assert_array_equal(arrays["input_ids"], [[5, 6, 7, 8, 9, 10, 0, 0],
                                                         [1, 2, 3, 0, 0, 0, 0, 0],
                                                         [0, 0, 0, 0, 0, 0, 0, 0]])
@@ -124,7 +131,7 @@ def test_shapes_come_from_the_buckets_only():
     config = BatchingConfig(max_length=64, min_bucket=8)
     shapes = {pack_rollouts([rollout([1] * p, [2] * r)], [0.0], batch_size=4, config=config)["input_ids"].shape
               for p in (1, 5, 20) for r in (1, 7, 30, 40) if p + r <= 64}
-    assert shapes == {(4, 8), (4, 16), (4, 32), (4, 64)}
+    assert shapes == {(4, 8), (4, 12), (4, 24), (4, 32), (4, 48), (4, 64)}
 
 
 def test_errors_name_the_problem():

@@ -86,11 +86,13 @@ class BatchingConfig:
 
     max_length: int = 2048
     """Longest prompt + response a row can hold; the model's position axis must be at least this long."""
-    buckets: Literal["pow2", "multiple"] = "pow2"
-    """Row lengths a batch is padded to: `pow2` doubles from `min_bucket` (64, 128, 256, ...);
-    `multiple` steps by `bucket_multiple` from `min_bucket` (64, 128, 192, ...). The last bucket is
-    always `max_length`."""
-    min_bucket: int = 64
+    buckets: Literal["geometric", "multiple"] = "geometric"
+    """Row lengths a batch is padded to: `geometric` runs from `min_bucket` through powers of two with
+    a step at 1.5x inside each octave (16, 24, 32, 48, 64, 96, 128, ...), so padding never adds more
+    than half a row (a pure doubling ladder pads a 65-token batch to 128) for one extra compile per
+    octave; `multiple` steps by `bucket_multiple` from `min_bucket` (64, 128, 192, ...). The last
+    bucket is always `max_length`."""
+    min_bucket: int = 16
     """The shortest bucket."""
     bucket_multiple: int = 64
     """Step between buckets when `buckets` is `multiple`."""
@@ -98,8 +100,8 @@ class BatchingConfig:
     """Token id written into padding positions (never trained: its mask is 0)."""
 
     def __post_init__(self):
-        if self.buckets not in ("pow2", "multiple"):
-            raise ValueError(f"BatchingConfig.buckets must be 'pow2' or 'multiple', got {self.buckets!r}")
+        if self.buckets not in ("geometric", "multiple"):
+            raise ValueError(f"BatchingConfig.buckets must be 'geometric' or 'multiple', got {self.buckets!r}")
         for name in ("max_length", "min_bucket", "bucket_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BatchingConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -115,7 +117,11 @@ class BatchingConfig:
         length = self.min_bucket
         while length < self.max_length:
             lengths.append(length)
-            length = length * 2 if self.buckets == "pow2" else length + self.bucket_multiple
+            if self.buckets == "multiple":
+                length += self.bucket_multiple
+            else:  # the next of 2^k and 1.5 * 2^k above `length`
+                octave = 1 << (length.bit_length() - 1)
+                length = octave * 3 // 2 if length < octave * 3 // 2 else octave * 2
         lengths.append(self.max_length)
         return tuple(lengths)
 
