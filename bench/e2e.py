@@ -66,7 +66,7 @@ def job_config(mode: str, steps: int, root: str) -> RLJobConfig:
     lesson = LessonConfig(lesson_id="echo14", env=EnvConfig("echo", {"alphabet_size": 26, "length": 14}),
                           max_tokens=32, temperature=1.0, graduate_at=None)
     llama = LlamaConfig(seq_len=64, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
-                        gradient_checkpointing=False, tie_word_embeddings=False)
+                        gradient_checkpointing=False, tie_word_embeddings=False, scan_layers=False)
     return RLJobConfig(
         run_id=f"e2e-{mode}", run_root=root,
         model=ModelConfig(model=llama, vocab_size=512, seed=0, init_std=0.02, dtype="float32"),

@@ -26,12 +26,14 @@ token) ends them early, sampler logprobs near log(1/512) with the spread of the 
 that they can be compared pairwise; medians with min and max over steps 3..--steps (1-based). Then one
 JSON line per mode (see ../shared/BENCHMARK.md).
 
-A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run:
-`bucket<N>` (BatchingConfig(min_bucket=N): `bucket48` packs the 48-token rows without padding; the
-default bucket is 64) and `unrolled` (LlamaConfig(scan_layers=False)). For example:
+A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run. The
+defaults are what marinrl ships: the geometric bucket ladder (48-token rows stay 48) and unrolled layers
+(`scan_layers=False`, as `models._reference_llama`). Variants: `bucket<N>` (BatchingConfig(min_bucket=N):
+`bucket64` pads the rows to 64 as the old pow2-from-64 ladder did) and `scanned` (LlamaConfig
+scan_layers=True, Levanter's default). For example:
 
     python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
-    python bench/train_step.py --modes kl_0.04,kl_0.04+bucket48+unrolled
+    python bench/train_step.py --modes kl_0.04,kl_0.04+bucket64+scanned
 
 `--devices N` runs on N fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, as the test
 harness does with 4); the default is one device, what a TrainWorker on this machine has. Other XLA flags
@@ -52,7 +54,7 @@ def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per mode; medians over steps 3..steps")
     parser.add_argument("--modes", default="kl_0.04,kl_0",
-                        help="comma-separated kl_<beta>[+bucket<N>][+unrolled], e.g. kl_0.04,kl_0.04+bucket48")
+                        help="comma-separated kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04,kl_0.04+bucket64+scanned")
     parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
     parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
                         help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
@@ -102,7 +104,7 @@ STOP_TOKEN = 1
 FIRST_MEASURED = 3  # 1-based: steps 1 and 2 are warm-up
 
 
-def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = True) -> ModelConfig:
+def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = False) -> ModelConfig:
     """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds)."""
     backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
     llama = LlamaConfig(seq_len=256, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
@@ -174,15 +176,15 @@ class Mode:
     def parse(cls, spec: str, args) -> "Mode":
         head, *variants = spec.split("+")
         if not head.startswith("kl_"):
-            raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+unrolled], e.g. kl_0.04")
-        batching, scan_layers = BatchingConfig(), True
+            raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")
+        batching, scan_layers = BatchingConfig(), False
         for v in variants:
             if v.startswith("bucket") and v[6:].isdigit():
                 batching = BatchingConfig(min_bucket=int(v[6:]))
-            elif v == "unrolled":
-                scan_layers = False
+            elif v == "scanned":
+                scan_layers = True
             else:
-                raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected bucket<N> or unrolled")
+                raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected bucket<N> or scanned")
         model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers)
         return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
 

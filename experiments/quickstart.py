@@ -50,7 +50,8 @@ class QuickstartConfig:
         return RLJobConfig(
             run_id=self.run_id, run_root=self.run_root,
             model=ModelConfig(model=LlamaConfig(seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2,
-                                                num_heads=4, num_kv_heads=4, gradient_checkpointing=False),
+                                                num_heads=4, num_kv_heads=4, gradient_checkpointing=False,
+                                                scan_layers=False),
                               vocab_size=512, seed=self.seed),
             curriculum=CurriculumConfig(lessons=(echo,)),
             num_train_steps=self.num_train_steps, groups_per_step=self.groups_per_step,
