@@ -52,7 +52,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
-    srv = InferenceServer(InferenceServerConfig(engine=ENGINE), model, tokenizer, weight_step=0).start()
+    # the endpoint through Levanter's engine (tests/test_openai_env.py covers it through the scan sampler)
+    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, http_backend="engine"), model, tokenizer,
+                          weight_step=0).start()
     srv.wait_until_ready()
     yield srv
     srv.shutdown()

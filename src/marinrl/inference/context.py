@@ -44,7 +44,9 @@ class Generation:
 
 
 class InferenceContext(Protocol):
-    """The inference surface an environment sees."""
+    """The inference surface an environment sees. A context that also serves the OpenAI-compatible
+    endpoint has a `url` attribute (its base URL, `http://host:port/v1`); environments that speak
+    that protocol read it with `endpoint_url(ctx)`."""
 
     @property
     def tokenizer(self):  # a transformers PreTrainedTokenizerBase
@@ -55,6 +57,19 @@ class InferenceContext(Protocol):
     ) -> list[list[Generation]]:
         """`n` samples for each prompt, all prompts in one engine call; result[i][j] is sample j of prompt i."""
         ...
+
+
+def endpoint_url(ctx) -> str:
+    """The base URL of `ctx`'s OpenAI-compatible endpoint; ValueError, saying how to get one, if it has none."""
+    try:
+        url = getattr(ctx, "url", None)
+    except RuntimeError as e:  # InferenceServer.url when the endpoint is not running
+        raise ValueError(f"the inference context has no OpenAI endpoint: {e}; set "
+                         "InferenceServerConfig.serve_http=True (YAML: inference.serve_http: true)") from e
+    if not url:
+        raise ValueError(f"the inference context {type(ctx).__name__} has no `url` (no OpenAI endpoint); "
+                         "environments over HTTP need an InferenceServer with serve_http=True")
+    return str(url)
 
 
 # ---------------------------------------------------------------- chat-template helpers (for any context)

@@ -1,5 +1,12 @@
 """The OpenAI-compatible HTTP endpoint (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/health`) over the Levanter engine, for environments and evaluators that speak that protocol.
+`/health`), for environments and evaluators that speak that protocol.
+
+The endpoint needs one thing from the server behind it: a function that generates for token prompts,
+`generate(list[TokenRequest]) -> list[list[Generation]]` (`InferenceServer.generate_requests`, over
+the scan sampler or Levanter's engine). Responses carry the token ids beside the text, in vLLM's
+convention: `prompt_token_ids` (chat: on the response; completions: on each choice) and `token_ids`
+on each choice, aligned one to one with the choice's logprobs, so that agent code's calls can be
+trained on without re-tokenizing text.
 
 Ours rather than Levanter's `InferenceServer`, whose `finish_reason` is always "stop", which merges
 several `stop` strings into one sequence and ignores `top_p`. Here `finish_reason` is "length" when
@@ -7,7 +14,7 @@ several `stop` strings into one sequence and ignores `top_p`. Here `finish_reaso
 returned text ends before it (OpenAI's rule); unsupported options (`stream`, `echo`, `top_p` other than
 1, penalties, `logit_bias`, `best_of` > 1) are refused with 400, never ignored.
 
-Requests are served by one worker thread that batches whatever is queued into one engine call.
+Requests are served by one worker thread that batches whatever is queued into one `generate` call.
 Lifecycle: `start()` binds the port and starts the threads, `wait_until_ready()` blocks until uvicorn
 serves, `shutdown()` stops both threads and closes the port.
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import random
@@ -24,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
@@ -36,10 +44,25 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, ConfigDict
 
-from marinrl.inference.context import chat_prompt_tokens
-from marinrl.inference.levanter_engine import EngineJob, EngineSample, LevanterEngine, engine_key
+from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenRequest:
+    """One prompt of one HTTP request, as the endpoint hands it to its generate function."""
+
+    prompt: Sequence[int]
+    n: int
+    sampling: SamplingParams
+    seed: int
+    index: int = 0
+    """The prompt's position in its HTTP request: sample j depends on (seed, index, j) only."""
+
+
+GenerateFn = Callable[[Sequence[TokenRequest]], List[List[Generation]]]
+"""Samples of each request, in order; raises ValueError (naming the problem) for a request it cannot serve."""
 
 
 class _Request(BaseModel):
@@ -116,11 +139,12 @@ def _stop_list(stop) -> list[str]:
 class _Finished:
     """One choice after OpenAI's stop rules: text ends before the first stop string."""
 
-    def __init__(self, tokenizer, sample: EngineSample, stop_strings: Sequence[str]):
-        tokens, logprobs = list(sample.tokens), list(sample.logprobs)
+    def __init__(self, tokenizer, sample: Generation, stop_strings: Sequence[str]):
+        tokens = [int(t) for t in sample.tokens]
+        logprobs = [float(x) for x in sample.logprobs]
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         cuts = [text.find(s) for s in stop_strings if s in text]
-        finish = "stop" if sample.stopped else "length"
+        finish = sample.finish_reason
         if cuts:
             # the shortest token prefix whose text holds a stop string ("contains" grows with the prefix)
             lo, hi = 1, len(tokens)
@@ -149,11 +173,11 @@ class _Server(uvicorn.Server):
 
 
 class OpenAIEndpoint:
-    """OpenAI-compatible HTTP server over a `LevanterEngine`, on `host:port` (port 0: any free port)."""
+    """OpenAI-compatible HTTP server over a generate function, on `host:port` (port 0: any free port)."""
 
     def __init__(
         self,
-        engine: LevanterEngine,
+        generate: GenerateFn,
         tokenizer,
         *,
         host: str = "127.0.0.1",
@@ -161,7 +185,7 @@ class OpenAIEndpoint:
         model_name: str = "marinrl-policy",
         default_max_tokens: int = 256,
     ):
-        self.engine = engine
+        self.generate = generate
         self.tokenizer = tokenizer
         self.host = host
         self.model_name = model_name
@@ -196,7 +220,7 @@ class OpenAIEndpoint:
         self._socket = sock
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         self._server = _Server(config, on_started=self._ready.set)
-        self._worker_thread = threading.Thread(target=self._work, name="marinrl-openai-engine", daemon=True)
+        self._worker_thread = threading.Thread(target=self._work, name="marinrl-openai-generate", daemon=True)
         self._worker_thread.start()
         self._http_thread = threading.Thread(target=self._serve, name="marinrl-openai-http", daemon=True)
         self._http_thread.start()
@@ -232,12 +256,12 @@ class OpenAIEndpoint:
             self._jobs.put(None)
             self._worker_thread.join(timeout)
             if self._worker_thread.is_alive():
-                raise RuntimeError("OpenAI endpoint's engine thread did not stop")
+                raise RuntimeError("OpenAI endpoint's generate thread did not stop")
         if self._socket is not None:
             self._socket.close()
         self._http_thread = self._worker_thread = None
 
-    # ------------------------------------------------------------------ engine worker
+    # ------------------------------------------------------------------ generate worker
 
     def _work(self) -> None:
         while True:
@@ -252,42 +276,50 @@ class OpenAIEndpoint:
                         self._jobs.put(None)  # finish this batch, then stop
                         break
                     batch.append(nxt)
-            jobs = [job for jobs, _ in batch for job in jobs]
+            requests = [r for rs, _ in batch for r in rs]
             try:
-                results = self.engine.generate(jobs)
+                results = self.generate(requests)
+            except ValueError:
+                # a request the backend refuses: serve the others alone, so that only it gets the 400
+                for rs, fut in batch:
+                    self._serve_alone(rs, fut)
+                continue
             except BaseException as e:  # noqa: BLE001 - delivered to every waiting request
                 for _, fut in batch:
                     fut.set_exception(e)
                 continue
             start = 0
-            for jobs_i, fut in batch:
-                fut.set_result(results[start:start + len(jobs_i)])
-                start += len(jobs_i)
+            for rs, fut in batch:
+                fut.set_result(results[start:start + len(rs)])
+                start += len(rs)
 
-    async def _run(self, jobs: list[EngineJob]) -> list[list[EngineSample]]:
-        for job in jobs:
-            try:
-                self.engine.validate(job)
-            except ValueError as e:
-                raise HTTPException(status_code=400, detail=str(e)) from e
+    def _serve_alone(self, requests: list[TokenRequest], fut: concurrent.futures.Future) -> None:
+        try:
+            fut.set_result(self.generate(requests))
+        except BaseException as e:  # noqa: BLE001 - delivered to the waiting request
+            fut.set_exception(e)
+
+    async def _run(self, requests: list[TokenRequest]) -> list[list[Generation]]:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._jobs.put((jobs, fut))
+        self._jobs.put((requests, fut))
         try:
             return await asyncio.wrap_future(fut)
+        except ValueError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
         except Exception as e:
             logger.exception("generation failed")
             raise HTTPException(status_code=500, detail=f"generation failed: {e}") from e
 
-    def _jobs_for(self, prompts: list[list[int]], req: _Request, max_tokens: int, stops: list[str]) -> list[EngineJob]:
-        eos = self.tokenizer.eos_token_id
-        stop_seqs = [(eos,)] if eos is not None else []
-        stop_seqs += [tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
-        stop_seqs = tuple(s for s in stop_seqs if len(s) > 0)
+    def _requests_for(self, prompts: list[list[int]], req: _Request, max_tokens: int,
+                      stops: list[str]) -> list[TokenRequest]:
+        stop_seqs = [tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
+        try:
+            sampling = SamplingParams(temperature=req.temperature, max_tokens=max_tokens,
+                                      stop_sequences=tuple(s for s in stop_seqs if len(s) > 0))
+        except ValueError as e:
+            raise HTTPException(status_code=400, detail=str(e)) from e
         seed = req.seed if req.seed is not None else random.getrandbits(31)
-        return [
-            EngineJob(p, req.n, max_tokens, req.temperature, engine_key(seed, i), stop_seqs)
-            for i, p in enumerate(prompts)
-        ]
+        return [TokenRequest(p, req.n, sampling, seed, i) for i, p in enumerate(prompts)]
 
     # ------------------------------------------------------------------ routes
 
@@ -317,9 +349,9 @@ class OpenAIEndpoint:
             prompts = self._completion_prompts(req.prompt)
             max_tokens = req.max_tokens if req.max_tokens is not None else self.default_max_tokens
             stops = _stop_list(req.stop)
-            results = await self._run(self._jobs_for(prompts, req, max_tokens, stops))
+            results = await self._run(self._requests_for(prompts, req, max_tokens, stops))
             choices, n_out = [], 0
-            for samples in results:
+            for prompt, samples in zip(prompts, results):
                 for sample in samples:
                     done = _Finished(self.tokenizer, sample, stops)
                     logprobs = None
@@ -330,7 +362,8 @@ class OpenAIEndpoint:
                         )
                     choices.append(
                         CompletionChoice(
-                            index=len(choices), text=done.text, finish_reason=done.finish_reason, logprobs=logprobs
+                            index=len(choices), text=done.text, finish_reason=done.finish_reason, logprobs=logprobs,
+                            prompt_token_ids=[int(t) for t in prompt], token_ids=done.tokens,
                         )
                     )
                     n_out += len(done.tokens)
@@ -354,7 +387,7 @@ class OpenAIEndpoint:
                 raise HTTPException(status_code=400, detail=f"chat template failed: {e}") from e
             max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
             stops = _stop_list(req.stop)
-            (samples,) = await self._run(self._jobs_for([prompt], req, max_tokens, stops))
+            (samples,) = await self._run(self._requests_for([prompt], req, max_tokens, stops))
             choices, n_out = [], 0
             for sample in samples:
                 done = _Finished(self.tokenizer, sample, stops)
@@ -374,10 +407,12 @@ class OpenAIEndpoint:
                         message=ChatCompletionMessage(role="assistant", content=done.text),
                         finish_reason=done.finish_reason,
                         logprobs=logprobs,
+                        token_ids=done.tokens,
                     )
                 )
                 n_out += len(done.tokens)
             return ChatCompletion(
+                prompt_token_ids=prompt,
                 id=f"chatcmpl-{uuid.uuid4().hex}",
                 object="chat.completion",
                 created=int(time.time()),

@@ -83,14 +83,23 @@ def sample(
     stop_sequences: Sequence[Sequence[int]],
     seed: int,
     max_cache_bytes: int = 1 << 30,
+    prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
 
     All prompts go to one device call unless their KV cache would exceed `max_cache_bytes`; then they
     are split into equal chunks that share one compiled shape. Sample j of prompt i depends only on
-    (seed, i, j), the prompt and the model: not on the other prompts, nor on how they were chunked."""
+    (seed, i, j), the prompt and the model: not on the other prompts, nor on how they were chunked.
+    `prompt_keys[i] = (seed_i, index_i)` replaces (seed, i) for prompt i, so that prompts of several
+    HTTP requests, each with its own seed, share one device call and still get their own samples."""
     n_prompts = len(prompts)
+    if prompt_keys is None:
+        prompt_keys = [(seed, i) for i in range(n_prompts)]
+    if len(prompt_keys) != n_prompts:
+        raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {n_prompts} prompts")
+    key_seeds = np.array([k[0] % (1 << 32) for k in prompt_keys], dtype=np.uint32)
+    key_index = np.array([k[1] for k in prompt_keys], dtype=np.int32)
     if n_prompts == 0:
         return SampleOutput(
             np.zeros((0, max_tokens), np.int32), np.zeros((0, max_tokens), np.float32),
@@ -113,7 +122,7 @@ def sample(
         stops[k, stops.shape[1] - len(s):] = np.asarray(s, dtype=np.int32)
         stop_valid[k] = True
     shared = (jnp.asarray(stops), jnp.asarray(stop_valid), jnp.asarray(max_tokens, dtype=jnp.int32),
-              jnp.asarray(temperature, dtype=jnp.float32), jnp.asarray(seed % (1 << 32), dtype=jnp.uint32))
+              jnp.asarray(temperature, dtype=jnp.float32))
 
     pieces = []
     for start in range(0, n_prompts, chunk):
@@ -124,9 +133,13 @@ def sample(
         part_lens = np.ones((chunk,), dtype=np.int32)
         part_lens[:len(part)] = lens[start:start + len(part)]
         active = np.arange(chunk) < len(part)
+        part_seeds = np.zeros((chunk,), dtype=np.uint32)
+        part_seeds[:len(part)] = key_seeds[start:start + len(part)]
+        part_index = np.zeros((chunk,), dtype=np.int32)
+        part_index[:len(part)] = key_index[start:start + len(part)]
         out = _generate(
             model, jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
-            jnp.asarray(start, dtype=jnp.int32), n=n, max_new=t_len,
+            jnp.asarray(part_seeds), jnp.asarray(part_index), n=n, max_new=t_len,
         )
         tokens, logprobs, lengths, stopped = jax.device_get(out)
         rows = len(part) * n
@@ -302,7 +315,7 @@ def _pick(logits, temperature, u):
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_new"))
-def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, seed, prompt_offset, *, n,
+def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
               max_new):
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
@@ -331,10 +344,9 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
     caches = [(expand(kc), expand(vc)) for kc, vc in caches]
     logits, pad, lens, active = expand(logits), expand(pad), expand(lens), expand(active)
-    base = jax.random.PRNGKey(seed)
-    prompt_idx = prompt_offset + jnp.arange(rows) // n
     sample_idx = jnp.arange(rows) % n
-    keys = jax.vmap(lambda i, j: jax.random.fold_in(jax.random.fold_in(base, i), j))(prompt_idx, sample_idx)
+    keys = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), j))(
+        expand(key_seeds), expand(key_index), sample_idx)
     uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_new,)))(keys)  # [rows, max_new]
 
     # Output buffer with stop_len - 1 filler columns in front, so the window of the last stop_len tokens

@@ -8,8 +8,9 @@
     server.shutdown()                           # no thread or port left behind
 
 `generate` runs the scan sampler (`sampler.py`) by default, or Levanter's engine with
-`backend="engine"`; the HTTP endpoint always runs Levanter's engine. Both see the same weights:
-`reload` swaps them for both at once.
+`backend="engine"`; the HTTP endpoint runs `http_backend` (by default the same as `generate`). Both
+go through `generate_requests`, the one seam between the endpoint and a sampler, and see the same
+weights: `reload` swaps them for both at once.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import numpy as np
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
-from marinrl.inference.openai_api import OpenAIEndpoint
+from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
 from marinrl.models import ModelConfig, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class InferenceServerConfig:
     """What `generate` runs: our scan sampler (fast for rollout batches), or Levanter's engine."""
     serve_http: bool = True
     """Start the OpenAI-compatible endpoint."""
+    http_backend: Optional[Literal["scan", "engine"]] = None
+    """What the endpoint runs; None: the same as `backend`. The scan sampler batches the requests that
+    are queued together into one device call; Levanter's engine adds continuous batching (an
+    accelerator's choice for ragged traffic), at 3-4x the CPU cost per token here."""
     host: str = "127.0.0.1"
     port: int = 0
     """0: any free port (read it from `server.url`)."""
@@ -54,6 +59,9 @@ class InferenceServerConfig:
     def __post_init__(self):
         if self.backend not in ("scan", "engine"):
             raise ValueError(f"InferenceServerConfig.backend must be 'scan' or 'engine', got {self.backend!r}")
+        if self.http_backend not in (None, "scan", "engine"):
+            raise ValueError(
+                f"InferenceServerConfig.http_backend must be None, 'scan' or 'engine', got {self.http_backend!r}")
         if self.scan_max_cache_bytes < 1:
             raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
 
@@ -63,7 +71,8 @@ class InferenceServer:
     from several threads, and `reload` waits for nothing but a running engine call."""
 
     def __init__(self, config: InferenceServerConfig, model, tokenizer, *, weight_step: int = 0):
-        if config.backend == "scan":
+        self._http_backend = config.http_backend or config.backend
+        if config.backend == "scan" or (config.serve_http and self._http_backend == "scan"):
             scan_sampler.check_supported(model)
         self.config = config
         self._tokenizer = tokenizer
@@ -91,11 +100,13 @@ class InferenceServer:
         """Build the engine (if anything uses it) and start the endpoint. Returns self."""
         if self._started:
             return self
-        if self.config.serve_http or self.config.backend == "engine":
+        http = self.config.serve_http
+        if self.config.backend == "engine" or (http and self._http_backend == "engine"):
             self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
-        if self.config.serve_http:
+        if http:
+            backend = self._http_backend
             self._endpoint = OpenAIEndpoint(
-                self._engine,
+                lambda requests: self.generate_requests(requests, backend=backend),
                 self._tokenizer,
                 host=self.config.host,
                 port=self.config.port,
@@ -169,21 +180,44 @@ class InferenceServer:
         A sample ends at EOS or at the first occurrence, in its own tokens, of any of
         `sampling.stop_sequences` (finish_reason "stop", the stopping tokens included), or after
         `sampling.max_tokens` tokens (finish_reason "length"). Same seed, same samples."""
-        if not self._started:
-            raise RuntimeError("InferenceServer.start() was not called")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
-        if not prompts:
+        return self.generate_requests([TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)])
+
+    def generate_requests(
+        self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None
+    ) -> list[list[Generation]]:
+        """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
+        with equal sampling settings share one device call; sample j of a request depends only on
+        (its seed, its index, j), its prompt and the weights. ValueError names a bad request."""
+        if not self._started:
+            raise RuntimeError("InferenceServer.start() was not called")
+        requests = [
+            dataclasses.replace(r, prompt=self._check_prompt(k, r.prompt)) for k, r in enumerate(requests)
+        ]
+        for k, r in enumerate(requests):
+            if r.n < 1:
+                raise ValueError(f"request {k}: n must be >= 1, got {r.n}")
+        if not requests:
             return []
-        eos = self._tokenizer.eos_token_id
-        stops = ((eos,),) if eos is not None else ()
-        stops = stops + tuple(tuple(int(t) for t in s) for s in sampling.stop_sequences)
+        if (backend or self.config.backend) == "engine":
+            return self._generate_engine(requests)
         with self._lock:
             model = self._model
-        if self.config.backend == "scan":
-            return self._generate_scan(model, prompts, n, sampling, stops, seed)
-        return self._generate_engine(prompts, n, sampling, stops, seed)
+        by_settings: dict = {}
+        for k, r in enumerate(requests):
+            by_settings.setdefault((r.n, r.sampling), []).append(k)
+        out: list = [None] * len(requests)
+        for (n, sampling), ks in by_settings.items():
+            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling)
+            for k, row in zip(ks, rows):
+                out[k] = row
+        return out
+
+    def _stops(self, sampling: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        eos = self._tokenizer.eos_token_id
+        stops = ((eos,),) if eos is not None else ()
+        return stops + tuple(tuple(int(t) for t in s) for s in sampling.stop_sequences)
 
     def _check_prompt(self, i: int, prompt) -> list[int]:
         p = [int(t) for t in np.asarray(prompt).reshape(-1).tolist()]
@@ -194,19 +228,20 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
-    def _generate_scan(self, model, prompts, n, sampling, stops, seed):
+    def _generate_scan(self, model, requests, n, sampling):
         out = scan_sampler.sample(
             model,
-            prompts,
+            [r.prompt for r in requests],
             n=n,
             temperature=sampling.temperature,
             max_tokens=sampling.max_tokens,
-            stop_sequences=stops,
-            seed=seed,
+            stop_sequences=self._stops(sampling),
+            seed=0,
             max_cache_bytes=self.config.scan_max_cache_bytes,
+            prompt_keys=[(r.seed, r.index) for r in requests],
         )
         result = []
-        for i in range(len(prompts)):
+        for i in range(len(requests)):
             row = []
             for j in range(n):
                 r = i * n + j
@@ -221,10 +256,13 @@ class InferenceServer:
             result.append(row)
         return result
 
-    def _generate_engine(self, prompts, n, sampling, stops, seed):
+    def _generate_engine(self, requests):
+        if self._engine is None:
+            raise RuntimeError("the Levanter engine is not built (backend and http_backend are 'scan')")
         jobs = [
-            EngineJob(p, n, sampling.max_tokens, sampling.temperature, engine_key(seed, i), stops)
-            for i, p in enumerate(prompts)
+            EngineJob(r.prompt, r.n, r.sampling.max_tokens, r.sampling.temperature, engine_key(r.seed, r.index),
+                      self._stops(r.sampling))
+            for r in requests
         ]
         return [
             [
