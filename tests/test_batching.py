@@ -138,10 +138,12 @@ def test_errors_name_the_problem():
     ok = rollout([1], [2, 3])
     with pytest.raises(ValueError, match="3 rollouts do not fit a batch of 2 rows"):
         pack_rollouts([ok] * 3, [0.0] * 3, batch_size=2, config=SMALL)
-    with pytest.raises(ValueError, match=r"advantages must have shape \(1,\)"):
+    with pytest.raises(ValueError, match=r"advantages must have one entry per rollout \(1\), got 2"):
         pack_rollouts([ok], [0.0, 1.0], batch_size=2, config=SMALL)
-    with pytest.raises(ValueError, match="advantages must be finite"):
+    with pytest.raises(ValueError, match=r"advantages\[0\] must be finite"):
         pack_rollouts([ok], [np.nan], batch_size=2, config=SMALL)
+    with pytest.raises(ValueError, match=r"advantages\[0\] must be a number or 2 per-token values"):
+        pack_rollouts([ok], [np.zeros(3)], batch_size=2, config=SMALL)
     with pytest.raises(ValueError, match="empty prompt"):
         pack_rollouts([rollout([], [2, 3])], [0.0], batch_size=2, config=SMALL)
     with pytest.raises(ValueError, match=r"group 'long'\) has 17 tokens \(7 prompt \+ 10 response\)"):

@@ -226,7 +226,7 @@ def test_off_policy_uses_each_group_once():
 
 def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
     strategy = ReplaySamplingConfig(staleness=3, uses=1, recency_decay=0.5)
-    candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32),
+    candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32), advantage_scale=1.0,
                                 rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool), env_name="math",
                                 weight_step=w, created_at=1000.0, seq=seq, source=None)
                   for seq, (gid, w) in enumerate([("new", 3), ("old", 0)])]
@@ -333,6 +333,54 @@ def test_advantages_are_computed_per_group_at_ingestion(kind):
     np.testing.assert_allclose(s.groups[0].advantages, group_advantages(np.array([0, 1, 1, 0.5]), kind), rtol=1e-6)
     np.testing.assert_allclose(s.groups[1].advantages, group_advantages(np.array([2.0, 0]), kind), rtol=1e-6)
     assert s.advantages.shape == (6,) and s.advantages.dtype == np.float32
+
+
+def two_turn_group(gid: str, turn_rewards) -> RolloutGroup:
+    """Episodes of two one-token turns with one environment token between them (mask 1, 0, 1); each
+    turn's reward on its own token."""
+    rollouts = []
+    for r1, r2 in turn_rewards:
+        rollouts.append(Rollout(
+            prompt_tokens=np.array([1]), response_tokens=np.array([5, 9, 6]), response_logprobs=np.full(3, -0.5),
+            temperature=1.0, loss_mask=np.array([1, 0, 1]), token_rewards=np.array([r1, 0.0, r2]),
+            episode_reward=r1 + r2, finish_reason="stop", env_name="game", lesson_id="game", group_id=gid,
+            metadata=RolloutMetadata("w0", 0, 1000.0)))
+    return RolloutGroup(tuple(rollouts))
+
+
+@pytest.mark.parametrize("kind", ["group_std", "group_mean", "rloo"])
+def test_multi_turn_credit_reaches_the_batch_per_token(kind):
+    # Returns 1, 0, 2, 1: turn 1 of episode "a" earned 1, its turn 2 nothing; "c" earned in both turns.
+    turns = [(1.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, 1.0)]
+    buf = ReplayConfig(advantage=kind).build(clock=Clock())
+    buf.ingest([make_batch([two_turn_group("g", turns)])])
+    s = buf.sample(0, 1, timeout_s=0)
+    returns = np.array([a + b for a, b in turns])
+    episode = group_advantages(returns, kind)
+    scale = returns.std() + 1e-6 if kind == "group_std" else 1.0
+    # Token t is credited with the rewards from its own turn on: turn 2 loses what turn 1 earned.
+    expected_turn2 = episode - np.array([a for a, _ in turns]) / scale
+    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=4))
+    adv = np.asarray(batch.advantages.array)
+    # Prompt of one token: the response's tokens are targets at positions 0, 1, 2 (1 is the env token).
+    np.testing.assert_allclose(adv[:, 0], episode, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(adv[:, 1], 0.0)
+    np.testing.assert_allclose(adv[:, 2], expected_turn2, rtol=1e-5, atol=1e-6)
+    if kind == "group_std":  # the same as reward-to-go against the group's baseline
+        np.testing.assert_allclose(adv[:, 2], (np.array([b for _, b in turns]) - returns.mean()) / scale, atol=1e-5)
+    # A single-turn group (reward on the last token) is unchanged: every token gets the episode advantage.
+    buf.ingest([make_batch([make_group("single", [0, 1, 1, 0.5])])])
+    single = buf.sample(0, 1, timeout_s=0)
+    packed = np.asarray(single.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=8))
+                        .advantages.array)
+    np.testing.assert_allclose(packed[:, 1:4], np.repeat(single.advantages[:, None], 3, axis=1), rtol=1e-6)
+
+
+def test_a_zero_variance_multi_turn_group_contributes_nothing():
+    buf = ReplayConfig(advantage="group_mean").build(clock=Clock())
+    buf.ingest([make_batch([two_turn_group("tie", [(1.0, 0.0), (0.0, 1.0)])])])  # equal returns, different turns
+    batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4))
+    assert np.all(np.asarray(batch.advantages.array) == 0)
 
 
 def test_reward_fn_reshapes_rewards_before_filters_and_advantages():

@@ -1,11 +1,15 @@
 """Group-relative advantages and reward shaping: pure NumPy functions, applied once when a group enters
-the replay buffer (first `overlong_shaping`, then `group_advantages` on the shaped rewards).
+the replay buffer (first `overlong_shaping`, then `group_advantages` on the shaped rewards), and the
+per-token credit of multi-turn episodes (`token_advantages`), applied when a batch is packed.
 
-Notation (DESIGN.md §3): a group of G responses to one prompt with rewards R_1..R_G.
+Notation (DESIGN.md §3): a group of G responses to one prompt with rewards R_1..R_G; r_{i,t} the
+reward a multi-turn environment placed on token t of response i (the last token of the turn that
+earned it; `Rollout.token_rewards`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -37,6 +41,31 @@ def group_advantages(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps
         g = r.size
         return centered * (g / (g - 1)) if g > 1 else np.zeros_like(r)
     raise ValueError(f"unknown advantage kind {kind!r}; expected one of group_std, group_mean, rloo")
+
+
+def advantage_scale(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps: float = 1e-6) -> float:
+    """The divisor `group_advantages` applies to centred rewards (std + eps for `group_std`, 1 for the
+    others), or inf for a group whose rewards are all equal: such a group carries no relative signal,
+    and `token_advantages` then leaves its zero advantages untouched."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.size == 0 or np.all(r == r[0]):
+        return math.inf
+    return float(r.std() + eps) if kind == "group_std" else 1.0
+
+
+def token_advantages(advantage: float, token_rewards: np.ndarray, scale: float) -> np.ndarray:
+    """Per-token advantages of one response: A_{i,t} = A_i − (Σ_{s<t} r_{i,s}) / scale.
+
+    Token t is credited only with the rewards earned at or after it (reward-to-go against the group's
+    baseline): with group mean/std advantages, A_{i,t} = (Σ_{s≥t} r_{i,s} − mean_j R_j) / (std_j R_j + eps)
+    when R_i = Σ_s r_{i,s}. A single-turn response (its reward on the last token) gets A_i on every
+    token; in a multi-turn episode, the turns after a rewarded turn do not share its credit. The
+    per-rollout reward shaping (overlong penalty) stays on every token. `scale` = `advantage_scale`."""
+    r = np.asarray(token_rewards, dtype=np.float64)
+    earned_before = np.cumsum(r) - r
+    if not math.isfinite(scale) or not earned_before.any():
+        return np.full(r.shape, advantage, dtype=np.float64)
+    return advantage - earned_before / scale
 
 
 def overlong_shaping(

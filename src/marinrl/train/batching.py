@@ -140,18 +140,28 @@ def pack_rollouts(
 ) -> dict[str, np.ndarray]:
     """The NumPy arrays of a `TrainingBatch` (same names), following the module's alignment convention.
 
-    `advantages[i]` is rollout i's advantage; it is credited to every trained token of that rollout.
+    `advantages[i]` is rollout i's advantage, credited to every trained token of that rollout, or one
+    advantage per response token (multi-turn credit, `advantages.token_advantages`).
     `trainable[i] = False` (e.g. a truncated response under DAPO's overlong masking) keeps the row but
     masks all of its tokens out.
     Rows beyond `len(rollouts)` are padding: ids `pad_token_id`, mask 0, temperature 1,
     weight_step `PAD_ROW_WEIGHT_STEP`.
     """
     n = len(rollouts)
-    adv = np.asarray(advantages, dtype=np.float64)
-    if adv.shape != (n,):
-        raise ValueError(f"advantages must have shape ({n},) to match the rollouts, got {adv.shape}")
-    if not np.all(np.isfinite(adv)):
-        raise ValueError(f"advantages must be finite, got {adv}")
+    if len(advantages) != n:
+        raise ValueError(f"advantages must have one entry per rollout ({n}), got {len(advantages)}")
+    adv = []  # per rollout, one advantage per response token
+    for i, (r, a) in enumerate(zip(rollouts, advantages)):
+        a = np.asarray(a, dtype=np.float64)
+        size = r.response_tokens.size
+        if a.ndim == 0:
+            a = np.full(size, a)
+        elif a.shape != (size,):
+            raise ValueError(f"advantages[{i}] must be a number or {size} per-token values (group "
+                             f"{r.group_id!r}), got shape {a.shape}")
+        if not np.all(np.isfinite(a)):
+            raise ValueError(f"advantages[{i}] must be finite, got {a}")
+        adv.append(a)
     train = np.ones(n, dtype=bool) if trainable is None else np.asarray(trainable)
     if train.shape != (n,) or train.dtype != np.bool_:
         raise ValueError(f"trainable must be {n} booleans to match the rollouts, got {trainable!r}")

@@ -31,7 +31,7 @@ import draccus
 import numpy as np
 
 from marinrl.storage import RolloutStorageError, step_dir_name
-from marinrl.train.advantages import AdvantageKind, group_advantages, overlong_shaping
+from marinrl.train.advantages import AdvantageKind, advantage_scale, group_advantages, overlong_shaping, token_advantages
 from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup
 
@@ -64,6 +64,7 @@ class BufferedGroup:
 
     group: RolloutGroup
     advantages: np.ndarray  # float32 [len(group)]
+    advantage_scale: float  # advantages.advantage_scale of `rewards`: per-turn credit divides by it
     rewards: np.ndarray  # float64 [len(group)]: after reward_fn, what advantages and filters saw
     trainable: np.ndarray  # bool [len(group)]: False for rollouts whose tokens are not trained
     env_name: str
@@ -84,6 +85,7 @@ class SampledGroup:
 
     group: RolloutGroup
     advantages: np.ndarray  # float32 [len(group)]
+    advantage_scale: float
     trainable: np.ndarray  # bool [len(group)]
     env_name: str
     weight_step: int
@@ -107,6 +109,12 @@ class ReplaySample:
     def advantages(self) -> np.ndarray:
         return np.concatenate([g.advantages for g in self.groups]).astype(np.float32)
 
+    def token_advantages(self) -> list[np.ndarray]:
+        """Per rollout, the advantage of each response token (`advantages.token_advantages`): the
+        rollout's advantage, less the rewards its earlier turns already earned."""
+        return [token_advantages(float(a), r.token_rewards, g.advantage_scale)
+                for g in self.groups for a, r in zip(g.advantages, g.group.rollouts)]
+
     @property
     def trainable(self) -> np.ndarray:
         return np.concatenate([g.trainable for g in self.groups])
@@ -114,7 +122,7 @@ class ReplaySample:
     def training_batch(self, *, batch_size: int, config: BatchingConfig) -> TrainingBatch:
         """This step's `TrainingBatch`: `batch_size` rows (n_groups × n_generations; trimmed groups leave
         padding rows), rows in group order."""
-        return make_training_batch(self.rollouts, self.advantages, batch_size=batch_size, config=config,
+        return make_training_batch(self.rollouts, self.token_advantages(), batch_size=batch_size, config=config,
                                    trainable=self.trainable)
 
     def metrics(self) -> dict[str, float]:
@@ -631,6 +639,7 @@ class ReplayBuffer:
         entry = BufferedGroup(
             group=group,
             advantages=group_advantages(scored.rewards, self.config.advantage).astype(np.float32),
+            advantage_scale=advantage_scale(scored.rewards, self.config.advantage),
             rewards=scored.rewards,
             trainable=scored.trainable,
             env_name=group.rollouts[0].env_name,
@@ -829,8 +838,8 @@ class ReplayBuffer:
             g.uses += 1
             staleness = step - g.weight_step
             self._trained_staleness[staleness] += 1
-            out.append(SampledGroup(g.group, g.advantages, g.trainable, g.env_name, g.weight_step, staleness, g.uses,
-                                    g.source))
+            out.append(SampledGroup(g.group, g.advantages, g.advantage_scale, g.trainable, g.env_name, g.weight_step,
+                                    staleness, g.uses, g.source))
             if g.uses >= self._strategy.max_uses:
                 self._retire(g, "used_up")
         if quotas is not None:
