@@ -98,3 +98,21 @@ def fsspec_root(request, tmp_path) -> tuple[str, dict]:
         return f"file://{tmp_path}/root", {}
     request.getfixturevalue("gcs_emulator")
     return f"gs://{GCS_BUCKET}/{uuid.uuid4().hex[:10]}", dict(GCS_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def tiny_server():
+    """The real InferenceServer (scan sampler) with the tests' tiny random Llama (2 layers, hidden 64,
+    byte tokenizer of 512): one per session, shared by the environment tests."""
+    from levanter.models.llama import LlamaConfig
+
+    from marinrl.inference.server import InferenceServer, InferenceServerConfig
+    from marinrl.models import ModelConfig, build_model
+    from marinrl.tokenizers import byte_tokenizer
+
+    arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       gradient_checkpointing=False)
+    model = build_model(ModelConfig(model=arch, vocab_size=512, seed=0))
+    with InferenceServer(InferenceServerConfig(serve_http=False), model, byte_tokenizer(512)) as server:
+        server.wait_until_ready()
+        yield server

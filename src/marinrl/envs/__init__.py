@@ -20,7 +20,10 @@ from marinrl.envs.base import (
     registered_envs,
     safe_sample,
 )
+from marinrl.envs.episode import Feedback, MultiTurnEnv
+from marinrl.envs.games import CalculatorEnv, GuessEnv
 from marinrl.envs.math import ArithmeticEnv, MathDatasetEnv
+from marinrl.envs.multiagent import Agent, MultiAgentEnv
 from marinrl.envs.toy import EchoEnv, ParityEnv
 
 __all__ = [

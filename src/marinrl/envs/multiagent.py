@@ -1,0 +1,249 @@
+"""Multi-agent episodes: named agents take turns in a fixed order, each sees its own view of the
+episode, and each agent maps to a policy name.
+
+Every agent turn is one training rollout: its prompt is the agent's view at that turn (built from
+the task's text and other agents' moves), its response the tokens the agent sampled, its reward
+what the environment paid for that move. Rollouts are tagged with `agent_name` and `policy_name`,
+and grouped per (problem, turn, agent): the n_generations episodes of one problem at turn t form one
+group, so group-relative advantages compare the same agent in the same situation, never a solver
+with a checker. With one shared policy (agents differ only by their prompts) every agent's turns
+train that policy; the policy name in each rollout is what lets separate policies be trained later
+without changing the data format. Today one `ctx` serves every policy name.
+
+Token-in/token-out: a move quoted in another agent's view is inserted as the exact tokens the
+mover sampled (without the EOS or stop sequence that ended its turn), never re-tokenized text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence, Union
+
+import numpy as np
+
+from marinrl.envs.base import (
+    Mode,
+    Problem,
+    check_sample_args,
+    completion_text,
+    make_rollout,
+    new_group_id,
+    register_env,
+)
+from marinrl.envs.episode import Feedback
+from marinrl.inference.context import Generation, InferenceContext, SamplingParams
+from marinrl.types import DEFAULT_POLICY, Rollout, RolloutGroup
+
+
+@dataclasses.dataclass(frozen=True)
+class Agent:
+    """A participant: its name (in rollouts and metrics) and the policy that plays it."""
+
+    name: str
+    policy: str = DEFAULT_POLICY
+
+    def __post_init__(self):
+        for field in ("name", "policy"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value or "/" in value:
+                raise ValueError(f"Agent.{field} must be a non-empty string without '/', got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One agent turn: what the agent sampled (`tokens`, without the EOS or stop sequence that ended
+    it) and its text."""
+
+    agent: str
+    tokens: tuple[int, ...]
+    text: str
+
+
+Segment = Union[str, Move]
+"""A piece of an agent's view: text (encoded raw) or another move (inserted as its exact tokens)."""
+
+
+class MultiAgentEnv:
+    """Base for multi-agent tasks: subclasses give `agents` (the turn order), `problems`, `view`
+    and `judge`. An episode runs `max_rounds` rounds of every agent in order, or until `judge` says
+    done; each turn of all live episodes is one `ctx.generate` call.
+
+    Metrics: `reward_mean` over all agent turns, `episode_reward_mean`, `turns_mean` (per episode),
+    `truncated_frac` (turns cut by the token budget), `zero_variance_groups_frac`, `n_samples`
+    (rollouts), `n_episodes`, `generate_calls`; per agent `<agent>/reward_mean`, `<agent>/turns`, and
+    `<agent>/<indicator>_frac` of every indicator its judgements reported (the last value per
+    episode counts; `success` by convention)."""
+
+    env_name: str = "multi_agent"
+    indicator_names: tuple[str, ...] = ("success",)
+    """Indicators always reported for every agent (0 when none was reported), so metrics never disappear."""
+    agents: tuple[Agent, ...] = ()
+    max_rounds: int = 1
+
+    def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
+        raise NotImplementedError
+
+    def view(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Sequence[Segment]:
+        """What `agent` sees before its turn, given the moves so far; encoded after BOS."""
+        raise NotImplementedError
+
+    def judge(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Feedback:
+        """Reward of `moves[-1]`, the move `agent` just made; `done` ends the episode for everyone.
+        Observations are not used: the next agent's `view` says what it sees."""
+        raise NotImplementedError
+
+    def check_agents(self) -> None:
+        if not self.agents:
+            raise ValueError(f"{self.env_name}: no agents")
+        names = [a.name for a in self.agents]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{self.env_name}: agent names must be unique, got {names}")
+        if self.max_rounds < 1:
+            raise ValueError(f"{self.env_name}: max_rounds must be >= 1, got {self.max_rounds}")
+
+    def encode_view(self, tokenizer, segments: Sequence[Segment]) -> list[int]:
+        ids = [] if tokenizer.bos_token_id is None else [int(tokenizer.bos_token_id)]
+        for s in segments:
+            if isinstance(s, Move):
+                ids += list(s.tokens)
+            elif isinstance(s, str):
+                ids += [int(t) for t in tokenizer.encode(s, add_special_tokens=False)]
+            else:
+                raise TypeError(f"{self.env_name}: a view holds text or Moves, got {type(s).__name__}")
+        return ids
+
+    def sample(
+        self,
+        ctx: InferenceContext,
+        n_examples: int,
+        n_generations: int,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        mode: Mode,
+    ) -> tuple[list[RolloutGroup], dict[str, float]]:
+        check_sample_args(n_examples, n_generations, mode)
+        self.check_agents()
+        tokenizer = ctx.tokenizer
+        problems = self.problems(n_examples, rng, mode)
+        # episodes[i][j]: the moves of episode j of problem i; None once it is done
+        moves: list[list[list[Move]]] = [[[] for _ in range(n_generations)] for _ in problems]
+        live = [[True] * n_generations for _ in problems]
+        groups: list[RolloutGroup] = []
+        per_agent: dict[str, list[float]] = {a.name: [] for a in self.agents}
+        indicators: dict[str, list[dict[str, float]]] = {
+            a.name: [{} for _ in range(len(problems) * n_generations)] for a in self.agents}
+        episode_rewards = np.zeros((len(problems), n_generations))
+        truncated = calls = 0
+        turn = 0
+        for _ in range(self.max_rounds):
+            for agent in self.agents:
+                slots = [(i, j) for i in range(len(problems)) for j in range(n_generations) if live[i][j]]
+                if not slots:
+                    break
+                prompts = [self.encode_view(tokenizer, self.view(problems[i], agent, moves[i][j])) for i, j in slots]
+                generations = ctx.generate(prompts, 1, sampling, int(rng.integers(0, 2**31 - 1)))
+                calls += 1
+                if len(generations) != len(slots) or any(len(row) != 1 for row in generations):
+                    raise RuntimeError(f"ctx.generate returned {len(generations)} rows for {len(slots)} prompts "
+                                       "(or not one sample each)")
+                by_problem: dict[int, list[Rollout]] = {}
+                group_ids = {i: new_group_id(self.env_name, f"{problems[i].example_id}:t{turn}:{agent.name}")
+                             for i, _ in slots}
+                for (i, j), prompt, (gen,) in zip(slots, prompts, generations):
+                    move = Move(agent.name, content_tokens(tokenizer, gen, sampling),
+                                completion_text(tokenizer, gen, sampling))
+                    moves[i][j].append(move)
+                    feedback = self.judge(problems[i], agent, moves[i][j])
+                    if not isinstance(feedback, Feedback):
+                        raise TypeError(f"judge() must return a Feedback, got {type(feedback).__name__}")
+                    by_problem.setdefault(i, []).append(make_rollout(
+                        prompt, gen, reward=feedback.reward, temperature=sampling.temperature,
+                        env_name=self.env_name, group_id=group_ids[i], agent_name=agent.name,
+                        policy_name=agent.policy))
+                    per_agent[agent.name].append(float(feedback.reward))
+                    indicators[agent.name][i * n_generations + j].update(
+                        {k: float(v) for k, v in feedback.indicators.items()})
+                    episode_rewards[i, j] += feedback.reward
+                    truncated += gen.finish_reason == "length"
+                    if feedback.done or feedback.truncated:
+                        live[i][j] = False
+                groups += [RolloutGroup(tuple(rs)) for rs in by_problem.values()]
+                turn += 1
+        rewards = np.array([x for xs in per_agent.values() for x in xs])
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "episode_reward_mean": float(episode_rewards.mean()),
+            "turns_mean": float(np.mean([len(m) for row in moves for m in row])),
+            "truncated_frac": truncated / rewards.size,
+            "zero_variance_groups_frac": float(np.mean([np.all(g.rewards == g.rewards[0]) for g in groups])),
+            "n_samples": float(rewards.size),
+            "n_episodes": float(episode_rewards.size),
+            "generate_calls": float(calls),
+        }
+        for agent in self.agents:
+            if per_agent[agent.name]:
+                metrics[f"{agent.name}/reward_mean"] = float(np.mean(per_agent[agent.name]))
+            metrics[f"{agent.name}/turns"] = float(len(per_agent[agent.name]))
+            played = indicators[agent.name]
+            for k in sorted(set(self.indicator_names) | {k for d in played for k in d}):
+                metrics[f"{agent.name}/{k}_frac"] = float(np.mean([d.get(k, 0.0) for d in played]))
+        return groups, metrics
+
+
+def content_tokens(tokenizer, generation: Generation, sampling: SamplingParams) -> tuple[int, ...]:
+    """The generated tokens without the EOS or stop sequence that ended the turn."""
+    tokens = [int(t) for t in np.asarray(generation.tokens).tolist()]
+    if generation.finish_reason == "stop" and tokens:
+        if tokenizer.eos_token_id is not None and tokens[-1] == tokenizer.eos_token_id:
+            return tuple(tokens[:-1])
+        for stop in sampling.stop_sequences:
+            if len(stop) <= len(tokens) and tuple(tokens[-len(stop):]) == tuple(stop):
+                return tuple(tokens[: -len(stop)])
+    return tuple(tokens)
+
+
+@register_env("solve_check")
+class SolveCheckEnv(MultiAgentEnv):
+    """Two agents on one-digit arithmetic: a `solver` answers `a+b=` with a digit, then a `checker`
+    sees the solver's answer (its exact tokens) in `a+b=x?` and says `y` (right) or `n` (wrong).
+
+    Rewards: the solver 1 for a right answer; the checker 1 for a right verdict. Indicators (reported
+    per agent): `success` (the solver's answer is right; the checker's verdict is right), and for
+    the checker `accepted` (it said `y`). By default both agents are played by one shared policy
+    (`policy`); `policies` maps agent names to other policy names. max_tokens 1 per turn suits it."""
+
+    env_name = "solve_check"
+
+    def __init__(self, max_operand: int = 4, policies: Mapping[str, str] | None = None):
+        if not 1 <= max_operand <= 9:
+            raise ValueError(f"solve_check: max_operand must be in [1, 9], got {max_operand}")
+        policies = dict(policies or {})
+        unknown = set(policies) - {"solver", "checker"}
+        if unknown:
+            raise ValueError(f"solve_check: policies names unknown agents {sorted(unknown)}; agents: solver, checker")
+        self.max_operand = max_operand
+        self.agents = tuple(Agent(name, policies.get(name, DEFAULT_POLICY)) for name in ("solver", "checker"))
+        self.check_agents()
+
+    def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
+        out = []
+        while len(out) < n:
+            a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, 2))
+            if a + b <= 9:
+                out.append(Problem(prompt=f"{a}+{b}=", answer=str(a + b), example_id=f"{a}+{b}"))
+        return out
+
+    def view(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Sequence[Segment]:
+        if agent.name == "solver":
+            return [problem.prompt]
+        return [problem.prompt, moves[-1], "?"]
+
+    def judge(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Feedback:
+        if agent.name == "solver":
+            right = moves[-1].text == problem.answer
+            return Feedback(reward=float(right), indicators={"success": float(right)})
+        solver_right = moves[-2].text == problem.answer
+        verdict = moves[-1].text
+        right = (verdict == "y" and solver_right) or (verdict == "n" and not solver_right)
+        return Feedback(reward=float(right), done=True,
+                        indicators={"success": float(right), "accepted": float(verdict == "y")})
