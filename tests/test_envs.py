@@ -157,6 +157,24 @@ def test_echo_and_parity_problems_carry_their_answers():
     assert seen == {"0", "1"}
 
 
+def test_echo_context_and_holdout_split_the_prompts():
+    env = EchoEnv(alphabet_size=10, length=1, context=2, holdout=0.2)
+    rng = np.random.default_rng(0)
+    train = env.problems(2000, rng, "train")
+    evals = env.problems(500, rng, "eval")
+    for p in train + evals:  # the answer is the last letter; the two before it are distractors
+        assert len(p.prompt) == 4 and p.prompt[-1] == "=" and p.answer == p.prompt[-2]
+    train_ids, eval_ids = {p.example_id for p in train}, {p.example_id for p in evals}
+    assert not train_ids & eval_ids  # held out: no eval prompt is ever drawn for training
+    assert len(train_ids | eval_ids) > 800 and 0.1 < len(eval_ids) / len(train_ids | eval_ids) < 0.3
+    assert {p.answer for p in evals} == {p.answer for p in train} == set("abcdefghij")  # every answer on both sides
+    assert EchoEnv(alphabet_size=10, context=2).problems(1, np.random.default_rng(3), "eval")  # no holdout: any prompt
+    with pytest.raises(ValueError, match="holdout=0.2 of only 10 prompts"):
+        EchoEnv(alphabet_size=10, length=1, holdout=0.2)
+    with pytest.raises(ValueError, match="holdout must be in"):
+        EchoEnv(holdout=1.0)
+
+
 def test_arithmetic_answers_match_python_arithmetic():
     rng = np.random.default_rng(1)
     for difficulty in range(1, 8):

@@ -17,6 +17,8 @@ tasks never ask the same question with different answers.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from marinrl.envs.base import Grade, Mode, Problem, SingleTurnEnv, register_env
@@ -40,34 +42,58 @@ def grade_answer(response: str, answer: str) -> Grade:
 
 @register_env("echo")
 class EchoEnv(SingleTurnEnv):
-    """Copy (or reverse) a random string of `length` letters drawn from the first `alphabet_size`
-    letters. Prompt `abc=` answers `abc`; with `reverse`, `abc<` answers `cba`.
+    """Copy (or reverse) the last `length` letters of a random string drawn from the first
+    `alphabet_size` letters. Prompt `abc=` answers `abc`; with `reverse`, `abc<` answers `cba`; with
+    `context` 2 and length 1, `xyc=` answers `c` (the `context` letters before it are distractors).
 
     Difficulty grows with `alphabet_size` (2..26), `length` and `reverse`. For a first lesson:
-    alphabet_size 10, length 1, max_tokens 1, 16 generations per prompt."""
+    alphabet_size 10, length 1, max_tokens 1, 16 generations per prompt.
+
+    `holdout` reserves that fraction of all prompts for evaluation (a stable hash of the string
+    decides): train never draws them, eval draws only them, so an eval measures the rule learned, not
+    the prompts memorized. With `context` 2 and 10 letters there are 1,000 prompts, every answer
+    letter in both parts."""
 
     env_name = "echo"
 
     def __init__(self, alphabet_size: int = 10, length: int = 1, reverse: bool = False,
-                 template: str | None = None, chat: bool = False):
+                 template: str | None = None, chat: bool = False, context: int = 0, holdout: float = 0.0):
         if not 2 <= alphabet_size <= len(ALPHABET):
             raise ValueError(f"echo: alphabet_size must be in [2, {len(ALPHABET)}], got {alphabet_size}")
         if length < 1:
             raise ValueError(f"echo: length must be >= 1, got {length}")
+        if context < 0:
+            raise ValueError(f"echo: context must be >= 0, got {context}")
+        if not 0.0 <= holdout < 1.0:
+            raise ValueError(f"echo: holdout must be in [0, 1), got {holdout}")
         template = template if template is not None else ("{s}<" if reverse else "{s}=")
         if "{s}" not in template:
             raise ValueError(f"echo: template must contain '{{s}}', got {template!r}")
         self.alphabet = ALPHABET[:alphabet_size]
         self.length = length
+        self.context = context
         self.reverse = reverse
         self.template = template
         self.chat = chat
+        self.holdout = holdout
+        n_prompts = alphabet_size ** (context + length)
+        if holdout and n_prompts * min(holdout, 1 - holdout) < 10:
+            raise ValueError(f"echo: holdout={holdout} of only {n_prompts} prompts leaves fewer than 10 on one side; "
+                             "raise context or alphabet_size")
+
+    def is_held_out(self, s: str) -> bool:
+        """Whether the string `s` (context + answer letters) is reserved for evaluation."""
+        return zlib.crc32(s.encode()) % 10_000 < self.holdout * 10_000
 
     def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
         out = []
-        for _ in range(n):
-            s = "".join(self.alphabet[i] for i in rng.integers(0, len(self.alphabet), self.length))
-            out.append(Problem(prompt=self.template.format(s=s), answer=s[::-1] if self.reverse else s, example_id=s))
+        while len(out) < n:
+            s = "".join(self.alphabet[i] for i in rng.integers(0, len(self.alphabet), self.context + self.length))
+            if self.holdout and self.is_held_out(s) != (mode == "eval"):
+                continue
+            answer = s[-self.length:]
+            out.append(Problem(prompt=self.template.format(s=s), answer=answer[::-1] if self.reverse else answer,
+                               example_id=s))
         return out
 
     def grade(self, problem: Problem, response: str) -> Grade:
