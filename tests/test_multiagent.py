@@ -162,3 +162,24 @@ def test_solve_check_through_the_real_inference_server(tiny_server):
     assert len(ctx.prompts) == 64 and metrics["duo/generate_calls"] == 2
     # a random model almost never answers the sum, nor says y/n
     assert metrics["duo/solver/success_frac"] < 0.2 and metrics["duo/checker/success_frac"] < 0.2
+
+
+class PersuadeEnv(SolveCheckEnv):
+    """SolveCheckEnv, plus 0.5 for the solver, settled at the end, when the checker accepted."""
+
+    def settle(self, problem, moves):
+        accepted = moves[-1].text == "y"
+        return [Feedback(reward=0.5 * accepted, indicators={"persuaded": float(accepted)}), Feedback()]
+
+
+def test_settle_credits_earlier_moves_with_the_episodes_outcome(tokenizer):
+    # the solver always answers "2" and the checker accepts only "2": every solver move is settled +0.5
+    policy = ScriptedPolicy(tokenizer, lambda text, tokens: ("y" if text.endswith("2?") else "n")
+                            if text.endswith("?") else "2")
+    groups, metrics = PersuadeEnv().sample(policy, 3, 2, ONE, np.random.default_rng(0), "train")
+    for sg in groups[:3]:
+        right = sg.group_id.split(":")[1] in ("1+1", "0+2", "2+0")
+        for s in sg.rollouts:  # every solver move says "2"; the checker accepts it
+            assert s.episode_reward == float(right) + 0.5 and s.token_rewards.tolist() == [float(right) + 0.5]
+    assert metrics["solver/persuaded_frac"] == 1.0 and "checker/persuaded_frac" not in metrics
+    assert metrics["solver/reward_mean"] == pytest.approx(0.5 + metrics["solver/success_frac"])

@@ -92,6 +92,12 @@ class MultiAgentEnv:
         Observations are not used: the next agent's `view` says what it sees."""
         raise NotImplementedError
 
+    def settle(self, problem: Problem, moves: Sequence[Move]) -> Sequence[Feedback] | None:
+        """Credit known only when the episode has ended: one Feedback per move, whose reward is added
+        to that move's and whose indicators count for that move's agent (a speaker rewarded for what
+        its listener did). None: nothing to add."""
+        return None
+
     def check_agents(self) -> None:
         if not self.agents:
             raise ValueError(f"{self.env_name}: no agents")
@@ -125,55 +131,67 @@ class MultiAgentEnv:
         self.check_agents()
         tokenizer = ctx.tokenizer
         problems = self.problems(n_examples, rng, mode)
-        # episodes[i][j]: the moves of episode j of problem i; None once it is done
-        moves: list[list[list[Move]]] = [[[] for _ in range(n_generations)] for _ in problems]
-        live = [[True] * n_generations for _ in problems]
-        groups: list[RolloutGroup] = []
-        per_agent: dict[str, list[float]] = {a.name: [] for a in self.agents}
-        indicators: dict[str, list[dict[str, float]]] = {
-            a.name: [{} for _ in range(len(problems) * n_generations)] for a in self.agents}
-        episode_rewards = np.zeros((len(problems), n_generations))
-        truncated = calls = 0
+        n_episodes = len(problems) * n_generations
+        moves: list[list[Move]] = [[] for _ in range(n_episodes)]  # episode i * n_generations + j
+        turns: list[list[tuple]] = [[] for _ in range(n_episodes)]  # (turn, agent, prompt, generation, feedback)
+        live = [True] * n_episodes
+        calls = 0
         turn = 0
         for _ in range(self.max_rounds):
             for agent in self.agents:
-                slots = [(i, j) for i in range(len(problems)) for j in range(n_generations) if live[i][j]]
+                slots = [e for e in range(n_episodes) if live[e]]
                 if not slots:
                     break
-                prompts = [self.encode_view(tokenizer, self.view(problems[i], agent, moves[i][j])) for i, j in slots]
+                problem_of = [problems[e // n_generations] for e in slots]
+                prompts = [self.encode_view(tokenizer, self.view(p, agent, moves[e])) for p, e in zip(problem_of, slots)]
                 generations = ctx.generate(prompts, 1, sampling, int(rng.integers(0, 2**31 - 1)))
                 calls += 1
                 if len(generations) != len(slots) or any(len(row) != 1 for row in generations):
                     raise RuntimeError(f"ctx.generate returned {len(generations)} rows for {len(slots)} prompts "
                                        "(or not one sample each)")
-                by_problem: dict[int, list[Rollout]] = {}
-                group_ids = {i: new_group_id(self.env_name, f"{problems[i].example_id}:t{turn}:{agent.name}")
-                             for i, _ in slots}
-                for (i, j), prompt, (gen,) in zip(slots, prompts, generations):
-                    move = Move(agent.name, content_tokens(tokenizer, gen, sampling),
-                                completion_text(tokenizer, gen, sampling))
-                    moves[i][j].append(move)
-                    feedback = self.judge(problems[i], agent, moves[i][j])
+                for e, problem, prompt, (gen,) in zip(slots, problem_of, prompts, generations):
+                    moves[e].append(Move(agent.name, content_tokens(tokenizer, gen, sampling),
+                                         completion_text(tokenizer, gen, sampling)))
+                    feedback = self.judge(problem, agent, moves[e])
                     if not isinstance(feedback, Feedback):
                         raise TypeError(f"judge() must return a Feedback, got {type(feedback).__name__}")
-                    by_problem.setdefault(i, []).append(make_rollout(
-                        prompt, gen, reward=feedback.reward, temperature=sampling.temperature,
-                        env_name=self.env_name, group_id=group_ids[i], agent_name=agent.name,
-                        policy_name=agent.policy))
-                    per_agent[agent.name].append(float(feedback.reward))
-                    indicators[agent.name][i * n_generations + j].update(
-                        {k: float(v) for k, v in feedback.indicators.items()})
-                    episode_rewards[i, j] += feedback.reward
-                    truncated += gen.finish_reason == "length"
-                    if feedback.done or feedback.truncated:
-                        live[i][j] = False
-                groups += [RolloutGroup(tuple(rs)) for rs in by_problem.values()]
+                    turns[e].append((turn, agent, prompt, gen, feedback))
+                    live[e] = not (feedback.done or feedback.truncated)
                 turn += 1
+        # Rollouts once every episode has ended: `settle` may credit earlier moves with later outcomes.
+        by_group: dict[tuple[int, int], list[Rollout]] = {}
+        group_ids: dict[tuple[int, int], str] = {}
+        per_agent: dict[str, list[float]] = {a.name: [] for a in self.agents}
+        indicators: dict[str, list[dict[str, float]]] = {a.name: [{} for _ in range(n_episodes)] for a in self.agents}
+        episode_rewards = np.zeros(n_episodes)
+        truncated = 0
+        for e in range(n_episodes):
+            problem = problems[e // n_generations]
+            settled = self.settle(problem, moves[e])
+            if settled is not None and len(settled) != len(moves[e]):
+                raise ValueError(f"{self.env_name}: settle() returned {len(settled)} Feedbacks for {len(moves[e])} moves")
+            for k, (t, agent, prompt, gen, feedback) in enumerate(turns[e]):
+                reward = feedback.reward
+                marks = dict(feedback.indicators)
+                if settled is not None:
+                    reward += settled[k].reward
+                    marks.update(settled[k].indicators)
+                key = (t, e // n_generations)  # one group per (turn, problem): one agent in one situation
+                if key not in group_ids:
+                    group_ids[key] = new_group_id(self.env_name, f"{problem.example_id}:t{t}:{agent.name}")
+                by_group.setdefault(key, []).append(make_rollout(
+                    prompt, gen, reward=reward, temperature=sampling.temperature, env_name=self.env_name,
+                    group_id=group_ids[key], agent_name=agent.name, policy_name=agent.policy))
+                per_agent[agent.name].append(float(reward))
+                indicators[agent.name][e].update({key: float(v) for key, v in marks.items()})
+                episode_rewards[e] += reward
+                truncated += gen.finish_reason == "length"
+        groups = [RolloutGroup(tuple(by_group[key])) for key in sorted(by_group)]
         rewards = np.array([x for xs in per_agent.values() for x in xs])
         metrics = {
             "reward_mean": float(rewards.mean()),
             "episode_reward_mean": float(episode_rewards.mean()),
-            "turns_mean": float(np.mean([len(m) for row in moves for m in row])),
+            "turns_mean": float(np.mean([len(m) for m in moves])),
             "truncated_frac": truncated / rewards.size,
             "zero_variance_groups_frac": float(np.mean([np.all(g.rewards == g.rewards[0]) for g in groups])),
             "n_samples": float(rewards.size),
