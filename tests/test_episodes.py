@@ -283,3 +283,25 @@ def test_games_through_the_real_inference_server(tiny_server, env):
     assert collections.Counter(ctx.prompts) == expected
     # A random model almost never plays a valid action: most episodes end after one turn.
     assert metrics["game/turns_mean"] < 1.5 and metrics["game/reward_mean"] < 0.2
+
+
+# --------------------------------------------------------------------------- the docs example
+
+
+def run_docs_example(marker: str) -> dict:
+    """Runs the one ```python block of docs/environments.md marked `# example: <marker>`."""
+    text = (REPO / "docs" / "environments.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if f"# example: {marker}\n" in b]
+    assert len(blocks) == 1, f"docs/environments.md must hold one block marked '# example: {marker}'"
+    assert blocks[0].count("\n") < 80, f"the {marker} example must stay under 80 lines"
+    namespace: dict = {"__name__": f"docs_example_{marker}"}
+    exec(compile(blocks[0], "docs/environments.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_multi_turn_example_in_docs_environments_runs():
+    ns = run_docs_example("multi-turn")
+    assert ns["metrics"]["retry/env_failures"] == 0 and ns["metrics"]["retry/malformed_groups"] == 0
+    assert len(ns["groups"]) == 4 and all(len(g) == 8 for g in ns["groups"])
+    episode = ns["episode"]
+    assert episode.loss_mask.tolist() == [i % 2 == 0 for i in range(episode.response_tokens.size)]

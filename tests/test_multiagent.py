@@ -183,3 +183,15 @@ def test_settle_credits_earlier_moves_with_the_episodes_outcome(tokenizer):
             assert s.episode_reward == float(right) + 0.5 and s.token_rewards.tolist() == [float(right) + 0.5]
     assert metrics["solver/persuaded_frac"] == 1.0 and "checker/persuaded_frac" not in metrics
     assert metrics["solver/reward_mean"] == pytest.approx(0.5 + metrics["solver/success_frac"])
+
+
+def test_the_multi_agent_example_in_docs_environments_runs():
+    from test_episodes import run_docs_example
+
+    ns = run_docs_example("multi-agent")
+    metrics, groups = ns["metrics"], ns["groups"]
+    assert metrics["signal/env_failures"] == 0 and metrics["signal/malformed_groups"] == 0
+    assert [g.rollouts[0].agent_name for g in groups] == ["speaker"] * 4 + ["listener"] * 4
+    assert metrics["signal/speaker/success_frac"] == metrics["signal/listener/success_frac"]
+    for s, listener in zip(groups[0].rollouts, groups[4].rollouts):  # the speaker is paid what its listener earned
+        assert s.episode_reward == listener.episode_reward
