@@ -84,6 +84,7 @@ def sample(
     seed: int,
     max_cache_bytes: int = 1 << 30,
     prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
+    min_prompts: int = 1,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -92,7 +93,9 @@ def sample(
     are split into equal chunks that share one compiled shape. Sample j of prompt i depends only on
     (seed, i, j), the prompt and the model: not on the other prompts, nor on how they were chunked.
     `prompt_keys[i] = (seed_i, index_i)` replaces (seed, i) for prompt i, so that prompts of several
-    HTTP requests, each with its own seed, share one device call and still get their own samples."""
+    HTTP requests, each with its own seed, share one device call and still get their own samples.
+    `min_prompts` pads a call to at least that many prompt rows (within the cache budget): calls of
+    varying small sizes then share one compiled shape."""
     n_prompts = len(prompts)
     if prompt_keys is None:
         prompt_keys = [(seed, i) for i in range(n_prompts)]
@@ -113,7 +116,7 @@ def sample(
     cfg = model.config
     itemsize = jnp.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize
     per_prompt = n * 2 * cfg.num_layers * cfg.num_kv_heads * (p_len + t_len) * cfg.actual_head_size * itemsize
-    chunk = min(bucket(n_prompts), _floor_bucket(max(1, max_cache_bytes // per_prompt)))
+    chunk = min(bucket(max(n_prompts, min_prompts)), _floor_bucket(max(1, max_cache_bytes // per_prompt)))
 
     s_max = max((len(s) for s in stop_sequences), default=1)
     stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)

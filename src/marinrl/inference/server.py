@@ -50,6 +50,9 @@ class InferenceServerConfig:
     """The `model` the endpoint reports."""
     default_max_tokens: int = 256
     """HTTP requests without max_tokens get this budget."""
+    http_min_batch: int = 8
+    """Scan sampler behind the endpoint: a device call holds at least this many prompt rows (padding),
+    so that batches of 1..8 queued requests share one compiled shape instead of four."""
     scan_max_cache_bytes: int = 1 << 30
     """Scan sampler: KV-cache budget of one device call; a `generate` call needing more is split into
     equal chunks (same samples either way)."""
@@ -62,6 +65,8 @@ class InferenceServerConfig:
         if self.http_backend not in (None, "scan", "engine"):
             raise ValueError(
                 f"InferenceServerConfig.http_backend must be None, 'scan' or 'engine', got {self.http_backend!r}")
+        if self.http_min_batch < 1:
+            raise ValueError(f"InferenceServerConfig.http_min_batch must be >= 1, got {self.http_min_batch}")
         if self.scan_max_cache_bytes < 1:
             raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
 
@@ -104,9 +109,9 @@ class InferenceServer:
         if self.config.backend == "engine" or (http and self._http_backend == "engine"):
             self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
         if http:
-            backend = self._http_backend
+            backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
-                lambda requests: self.generate_requests(requests, backend=backend),
+                lambda requests: self.generate_requests(requests, backend=backend, min_batch=min_batch),
                 self._tokenizer,
                 host=self.config.host,
                 port=self.config.port,
@@ -185,11 +190,12 @@ class InferenceServer:
         return self.generate_requests([TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)])
 
     def generate_requests(
-        self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None
+        self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1
     ) -> list[list[Generation]]:
         """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
         with equal sampling settings share one device call; sample j of a request depends only on
-        (its seed, its index, j), its prompt and the weights. ValueError names a bad request."""
+        (its seed, its index, j), its prompt and the weights. ValueError names a bad request. The scan
+        sampler pads a device call to at least `min_batch` prompts (fewer compiled shapes)."""
         if not self._started:
             raise RuntimeError("InferenceServer.start() was not called")
         requests = [
@@ -209,7 +215,7 @@ class InferenceServer:
             by_settings.setdefault((r.n, r.sampling), []).append(k)
         out: list = [None] * len(requests)
         for (n, sampling), ks in by_settings.items():
-            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling)
+            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch)
             for k, row in zip(ks, rows):
                 out[k] = row
         return out
@@ -228,7 +234,7 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
-    def _generate_scan(self, model, requests, n, sampling):
+    def _generate_scan(self, model, requests, n, sampling, min_batch):
         out = scan_sampler.sample(
             model,
             [r.prompt for r in requests],
@@ -239,6 +245,7 @@ class InferenceServer:
             seed=0,
             max_cache_bytes=self.config.scan_max_cache_bytes,
             prompt_keys=[(r.seed, r.index) for r in requests],
+            min_prompts=min_batch,
         )
         result = []
         for i in range(len(requests)):

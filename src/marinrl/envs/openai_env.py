@@ -1,0 +1,454 @@
+"""Environments whose episodes are agent code written against the `openai` client: existing agents
+train unchanged, through the inference server's OpenAI-compatible endpoint.
+
+    class MyAgent:
+        def problems(self, n: int, rng: np.random.Generator, mode: str) -> list: ...
+        async def run_episode(self, client: openai.AsyncOpenAI, model: str, problem) -> float | Grade: ...
+
+    EnvConfig(name="openai_agent", args={"agent": "my_pkg.agents:MyAgent", "agent_args": {...}})
+
+The env gives each episode an `openai.AsyncOpenAI` whose base URL is the server's endpoint
+(`endpoint_url(ctx)`). Under that client sits one `httpx.AsyncClient` (one connection pool, sized to
+`max_concurrency`) whose transport retries and records: every chat completion an episode makes is
+kept with its `prompt_token_ids`, `token_ids`, logprobs and finish reason (the endpoint returns them;
+the transport asks for logprobs), and the episode becomes a rollout by the stitching rule:
+
+- one call: prompt + response;
+- several calls, each call's prompt extending the previous call's prompt + response (what a chat
+  template does when the history is re-rendered as it was sampled): one sequence, the tokens between
+  two responses (end of turn, the next user message, the assistant header) in the response with
+  loss_mask 0 and logprob 0;
+- a call whose prompt does not extend the sequence so far (the template re-rendered history
+  differently, a response held special tokens or broken UTF-8 that do not survive text round trips,
+  the agent edited its history): `on_mismatch="split"` (default) starts a new segment there, and
+  segment k of the episodes of one problem forms group k of that problem, each segment carrying the
+  episode reward; `on_mismatch="fail"` drops the episode (`episodes_unusable`). Both are counted
+  (`episodes_split`).
+
+Episodes run on one asyncio loop, at most `max_concurrency` at a time: a task is created only when a
+slot frees up (a semaphore in front of a streaming task pool). A request is retried with exponential
+backoff and jitter on connection errors, timeouts, 429 and 5xx; an episode that raises is counted in
+`episodes_failed`, one that outlives `episode_timeout` is cancelled and counted in
+`episodes_timed_out`; the batch returns with the others. (An agent that blocks the event loop
+without awaiting cannot be cut: agents must use the async client.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import dataclasses
+import importlib
+import json
+import logging
+import random
+import time
+from typing import Any, Literal, Mapping, Optional, Sequence
+
+import httpx
+import numpy as np
+import openai
+
+from marinrl.envs.base import Grade, Mode, check_sample_args, make_rollout, new_group_id, register_env
+from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_url
+from marinrl.types import RolloutGroup
+
+logger = logging.getLogger(__name__)
+
+RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenAIEnvConfig:
+    """How an `OpenAIAgentEnv` talks to the endpoint."""
+
+    max_concurrency: int = 32
+    """Episodes in flight at once (and connections in the shared pool)."""
+    request_timeout: float = 120.0
+    """Seconds one HTTP request may take before it is retried."""
+    max_retries: int = 3
+    """Retries of one request after a connection error, a timeout, 408, 429 or 5xx."""
+    backoff_initial: float = 0.5
+    """Seconds before the first retry; doubled for each next one, up to `backoff_max`, times a
+    random factor in [0.5, 1] (jitter, so that failed requests do not come back together)."""
+    backoff_max: float = 8.0
+    episode_timeout: float = 600.0
+    """Seconds one episode may take; it is cancelled and counted after that."""
+    enforce_sampling: bool = True
+    """Requests are sampled at the lesson's temperature (the agent's is replaced), and get the lesson's
+    max_tokens when the agent gives none; the lesson's token stop sequences do not apply (EOS does)."""
+    on_mismatch: Literal["split", "fail"] = "split"
+    """A call whose prompt does not extend the episode so far: start a new segment, or drop the episode."""
+    model_name: str = "marinrl-policy"
+    """The `model` handed to the agent (the endpoint serves its policy whatever the name)."""
+
+    def __post_init__(self):
+        if self.max_concurrency < 1:
+            raise ValueError(f"OpenAIEnvConfig.max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in ("request_timeout", "episode_timeout", "backoff_max"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"OpenAIEnvConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.backoff_initial < 0:
+            raise ValueError(f"OpenAIEnvConfig.backoff_initial must be >= 0, got {self.backoff_initial}")
+        if self.max_retries < 0:
+            raise ValueError(f"OpenAIEnvConfig.max_retries must be >= 0, got {self.max_retries}")
+        if self.on_mismatch not in ("split", "fail"):
+            raise ValueError(f"OpenAIEnvConfig.on_mismatch must be 'split' or 'fail', got {self.on_mismatch!r}")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before retry `attempt` + 1 (attempt 0 is the first retry)."""
+        return min(self.backoff_max, self.backoff_initial * 2**attempt) * random.uniform(0.5, 1.0)
+
+
+# ------------------------------------------------------------------------------ recording calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One chat completion an episode made, as the endpoint sampled it."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    temperature: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """Consecutive calls stitched into one sequence: a rollout's prompt and response."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    finish_reason: str
+
+
+def stitch(calls: Sequence[Call]) -> list[Segment]:
+    """The segments of an episode's calls (module docstring): a call extends the current segment when
+    its prompt starts with the segment's prompt + response; otherwise it starts a new segment."""
+    segments: list[Segment] = []
+    full: list[int] = []
+    for call in calls:
+        prompt = list(call.prompt)
+        if segments and len(prompt) >= len(full) and prompt[: len(full)] == full:
+            seg = segments[-1]
+            between = prompt[len(full):]
+            seg.tokens.extend(between + list(call.tokens))
+            seg.logprobs.extend([0.0] * len(between) + list(call.logprobs))
+            seg.loss_mask.extend([0] * len(between) + [1] * len(call.tokens))
+            segments[-1] = dataclasses.replace(seg, finish_reason=call.finish_reason)
+        else:
+            segments.append(Segment(prompt, list(call.tokens), list(call.logprobs), [1] * len(call.tokens),
+                                    call.finish_reason))
+        full = prompt + list(call.tokens)
+    return segments
+
+
+class _Unusable(Exception):
+    """An episode whose calls cannot become rollouts (the message says why)."""
+
+
+class _Episode:
+    """What one episode sent and got back; the transport finds it through `_CURRENT`."""
+
+    def __init__(self, seed: int, sampling: SamplingParams, enforce: bool):
+        self.seed = seed
+        self.sampling = sampling
+        self.enforce = enforce
+        self.calls: list[Call] = []
+        self.problems: list[str] = []
+
+    def rewrite(self, request: httpx.Request) -> httpx.Request:
+        """Ask for logprobs, give the lesson's sampling settings and a seed per call."""
+        body = json.loads(request.content)
+        body["logprobs"] = True
+        if self.enforce:
+            body["temperature"] = self.sampling.temperature
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                body["max_tokens"] = self.sampling.max_tokens
+        if body.get("seed") is None:
+            body["seed"] = (self.seed + len(self.calls) + len(self.problems)) % (1 << 31)
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
+        return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode(),
+                             extensions=request.extensions)
+
+    def record(self, request: httpx.Request, body: bytes) -> None:
+        sent, got = json.loads(request.content), json.loads(body)
+        try:
+            prompt = tuple(int(t) for t in got["prompt_token_ids"])
+            choices = got["choices"]
+            if len(choices) != 1:
+                raise _Unusable(f"a call asked for n={len(choices)} choices; an episode can train on n=1 only")
+            (choice,) = choices
+            tokens = tuple(int(t) for t in choice["token_ids"])
+            logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
+        except (KeyError, TypeError) as e:
+            raise _Unusable(f"the response has no token ids or logprobs ({e!r}): is this a marinrl endpoint?") from e
+        if len(tokens) != len(logprobs):
+            raise _Unusable(f"the response has {len(tokens)} token ids but {len(logprobs)} logprobs")
+        self.calls.append(Call(prompt, tokens, logprobs, choice["finish_reason"], float(sent.get("temperature", 1.0))))
+
+
+_CURRENT: contextvars.ContextVar[Optional[_Episode]] = contextvars.ContextVar("marinrl_openai_episode", default=None)
+
+
+@dataclasses.dataclass
+class _Counts:
+    requests: int = 0
+    requests_retried: int = 0
+    requests_failed: int = 0
+
+
+class _AgentTransport(httpx.AsyncBaseTransport):
+    """The shared pool's transport: retries with backoff, and records the current episode's chat
+    completions (requests outside an episode pass through unrecorded)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, config: OpenAIEnvConfig, counts: _Counts):
+        self._inner = inner
+        self._config = config
+        self._counts = counts
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        episode = _CURRENT.get()
+        chat = episode is not None and request.method == "POST" and request.url.path.endswith("/chat/completions")
+        if chat:
+            request = episode.rewrite(request)
+        response = await self._send(request)
+        if not (chat and response.status_code == 200):
+            return response
+        body = await response.aread()
+        await response.aclose()
+        try:
+            episode.record(request, body)
+        except _Unusable as e:
+            episode.problems.append(str(e))
+        headers = [(k, v) for k, v in response.headers.multi_items()
+                   if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
+        return httpx.Response(response.status_code, headers=headers, content=body, request=request,
+                              extensions={k: v for k, v in response.extensions.items() if k != "network_stream"})
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        self._counts.requests += 1
+        for attempt in range(self._config.max_retries + 1):
+            last = attempt == self._config.max_retries
+            try:
+                response = await self._inner.handle_async_request(request)
+            except httpx.TransportError:  # connection errors and timeouts
+                if last:
+                    self._counts.requests_failed += 1
+                    raise
+            else:
+                if response.status_code not in RETRY_STATUS:
+                    return response
+                if last:
+                    self._counts.requests_failed += 1
+                    return response
+                await response.aclose()
+            self._counts.requests_retried += 1
+            await asyncio.sleep(self._config.backoff(attempt))
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+# ---------------------------------------------------------------------------------- the env
+
+
+@dataclasses.dataclass
+class _Outcome:
+    problem: int
+    status: Literal["ok", "failed", "timed_out", "unusable"]
+    grade: Optional[Grade] = None
+    segments: tuple[Segment, ...] = ()
+    temperature: float = 0.0
+    calls: int = 0
+    seconds: float = 0.0
+
+
+def load_agent(agent: Any, agent_args: Optional[Mapping[str, Any]] = None) -> Any:
+    """`agent` itself, or the object a dotted path (`pkg.mod:Class`, `pkg.mod.Class`) names, called with
+    `agent_args`. It must have `problems(n, rng, mode)` and `async run_episode(client, model, problem)`."""
+    if isinstance(agent, str):
+        module_name, _, attr = agent.partition(":") if ":" in agent else agent.rpartition(".")
+        if not module_name or not attr:
+            raise ValueError(f"openai_agent: agent {agent!r} must look like 'package.module:Class'")
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"openai_agent: cannot import module {module_name!r} of agent {agent!r}: {e}") from e
+        for part in attr.split("."):
+            if not hasattr(obj, part):
+                raise ValueError(f"openai_agent: module {module_name!r} has no attribute {attr!r}")
+            obj = getattr(obj, part)
+        agent = obj(**dict(agent_args or {}))
+    elif agent_args:
+        raise ValueError("openai_agent: agent_args is only for an agent given as a dotted path")
+    for method in ("problems", "run_episode"):
+        if not callable(getattr(agent, method, None)):
+            raise TypeError(f"openai_agent: agent {type(agent).__name__} has no {method}() method")
+    if not asyncio.iscoroutinefunction(agent.run_episode):
+        raise TypeError(f"openai_agent: {type(agent).__name__}.run_episode must be `async def` (it gets an "
+                        "openai.AsyncOpenAI client)")
+    return agent
+
+
+@register_env("openai_agent")
+class OpenAIAgentEnv:
+    """Runs an agent's episodes through the OpenAI-compatible endpoint and trains on what it sampled
+    (module docstring). Metrics: `reward_mean`, `reward_std`, `<indicator>_frac` (over usable
+    episodes), `episodes`, `episodes_ok`, `episodes_failed`, `episodes_timed_out`, `episodes_unusable`,
+    `episodes_split`, `requests`, `requests_retried`, `requests_failed`, `calls_per_episode_mean`,
+    `response_tokens_mean`, `truncated_frac`, `episode_seconds_mean`, `n_samples`."""
+
+    def __init__(self, agent: Any, agent_args: Optional[Mapping[str, Any]] = None, env_name: str = "openai_agent",
+                 **settings):
+        self.agent = load_agent(agent, agent_args)
+        self.env_name = env_name
+        try:
+            self.config = OpenAIEnvConfig(**settings)
+        except TypeError as e:
+            fields = [f.name for f in dataclasses.fields(OpenAIEnvConfig)]
+            raise ValueError(f"openai_agent: unknown setting in {sorted(settings)}; settings are {fields}") from e
+
+    def sample(
+        self,
+        ctx: InferenceContext,
+        n_examples: int,
+        n_generations: int,
+        sampling: SamplingParams,
+        rng: np.random.Generator,
+        mode: Mode,
+    ) -> tuple[list[RolloutGroup], dict[str, float]]:
+        check_sample_args(n_examples, n_generations, mode)
+        url = endpoint_url(ctx)
+        problems = list(self.agent.problems(n_examples, rng, mode))
+        jobs = [(i, p, int(rng.integers(0, 2**31 - 1))) for i, p in enumerate(problems) for _ in range(n_generations)]
+        counts = _Counts()
+        started = time.perf_counter()
+        outcomes = _run_coroutine(lambda: self._run_all(url, jobs, sampling, counts))
+        elapsed = time.perf_counter() - started
+        return self._groups(problems, outcomes), self._metrics(outcomes, counts, elapsed)
+
+    # -------------------------------------------------------------- running episodes
+
+    async def _run_all(self, url: str, jobs, sampling: SamplingParams, counts: _Counts) -> list[_Outcome]:
+        k = self.config.max_concurrency
+        pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=k, max_keepalive_connections=k))
+        transport = _AgentTransport(pool, self.config, counts)
+        async with httpx.AsyncClient(transport=transport, timeout=self.config.request_timeout) as http:
+            client = openai.AsyncOpenAI(base_url=url, api_key="marinrl", http_client=http, max_retries=0,
+                                        timeout=self.config.request_timeout)
+            slots = asyncio.Semaphore(k)
+            tasks = []
+            for problem_index, problem, seed in jobs:
+                await slots.acquire()  # a task exists only while it holds a slot
+                task = asyncio.create_task(self._episode(client, problem_index, problem, seed, sampling))
+                task.add_done_callback(lambda _: slots.release())
+                tasks.append(task)
+            return list(await asyncio.gather(*tasks))
+
+    async def _episode(self, client, problem_index: int, problem, seed: int, sampling: SamplingParams) -> _Outcome:
+        episode = _Episode(seed, sampling, self.config.enforce_sampling)
+        _CURRENT.set(episode)  # this task's context only; asyncio.wait_for's task inherits it
+        started = time.perf_counter()
+        out = _Outcome(problem_index, "failed")
+        try:
+            result = await asyncio.wait_for(
+                self.agent.run_episode(client, self.config.model_name, problem), self.config.episode_timeout)
+            grade = result if isinstance(result, Grade) else Grade(reward=_reward(result))
+            out.grade = grade
+            out.status, out.segments, out.temperature = "ok", *self._usable(episode)
+        except asyncio.TimeoutError:
+            out.status = "timed_out"
+            logger.warning("%s: episode of problem %d cut after %.1f s", self.env_name, problem_index,
+                           self.config.episode_timeout)
+        except _Unusable as e:
+            out.status = "unusable"
+            logger.warning("%s: episode of problem %d not trainable: %s", self.env_name, problem_index, e)
+        except Exception:
+            logger.exception("%s: episode of problem %d failed", self.env_name, problem_index)
+        out.calls, out.seconds = len(episode.calls), time.perf_counter() - started
+        return out
+
+    def _usable(self, episode: _Episode) -> tuple[tuple[Segment, ...], float]:
+        if episode.problems:
+            raise _Unusable(episode.problems[0])
+        if not episode.calls:
+            raise _Unusable("the episode made no chat completion")
+        temperatures = {c.temperature for c in episode.calls}
+        if len(temperatures) > 1:
+            raise _Unusable(f"calls sampled at several temperatures {sorted(temperatures)}; a rollout has one")
+        segments = stitch(episode.calls)
+        if len(segments) > 1 and self.config.on_mismatch == "fail":
+            raise _Unusable(f"a call's prompt does not extend the episode so far ({len(segments)} segments)")
+        return tuple(segments), temperatures.pop()
+
+    # -------------------------------------------------------------- rollouts and metrics
+
+    def _groups(self, problems: list, outcomes: list[_Outcome]) -> list[RolloutGroup]:
+        by_key: dict[tuple[int, int], list] = {}
+        for out in outcomes:
+            if out.status != "ok":
+                continue
+            for k, seg in enumerate(out.segments):
+                by_key.setdefault((out.problem, k), []).append((seg, out))
+        groups = []
+        for (i, k), members in sorted(by_key.items()):
+            example = _example_id(problems[i])
+            group_id = new_group_id(self.env_name, f"{example}#{k}" if k else example)
+            rollouts = []
+            for seg, out in members:
+                gen = Generation(tokens=np.asarray(seg.tokens, np.int32), logprobs=np.asarray(seg.logprobs, np.float32),
+                                 finish_reason=seg.finish_reason)
+                rollouts.append(make_rollout(seg.prompt, gen, reward=out.grade.reward, temperature=out.temperature,
+                                             env_name=self.env_name, group_id=group_id,
+                                             loss_mask=np.asarray(seg.loss_mask, bool)))
+            groups.append(RolloutGroup(tuple(rollouts)))
+        return groups
+
+    def _metrics(self, outcomes: list[_Outcome], counts: _Counts, elapsed: float) -> dict[str, float]:
+        ok = [o for o in outcomes if o.status == "ok"]
+        m: dict[str, float] = {f"episodes_{s}": float(sum(o.status == s for o in outcomes))
+                               for s in ("ok", "failed", "timed_out", "unusable")}
+        m.update(episodes=float(len(outcomes)), episodes_split=float(sum(len(o.segments) > 1 for o in ok)),
+                 requests=float(counts.requests), requests_retried=float(counts.requests_retried),
+                 requests_failed=float(counts.requests_failed),
+                 calls_per_episode_mean=float(np.mean([o.calls for o in outcomes])),
+                 episode_seconds_mean=float(np.mean([o.seconds for o in outcomes])),
+                 episodes_per_second=len(outcomes) / max(elapsed, 1e-9), n_samples=float(len(ok)))
+        if ok:
+            rewards = [o.grade.reward for o in ok]
+            segs = [s for o in ok for s in o.segments]
+            m.update(reward_mean=float(np.mean(rewards)), reward_std=float(np.std(rewards)),
+                     response_tokens_mean=float(np.mean([sum(s.loss_mask) for s in segs])),
+                     truncated_frac=float(np.mean([o.segments[-1].finish_reason == "length" for o in ok])))
+            for name in sorted({k for o in ok for k in o.grade.indicators}):
+                m[f"{name}_frac"] = float(np.mean([o.grade.indicators.get(name, 0.0) for o in ok]))
+        return m
+
+
+def _reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not np.isfinite(value):
+        raise TypeError(f"run_episode must return a finite number or a Grade, got {value!r}")
+    return float(value)
+
+
+def _example_id(problem: Any) -> str:
+    if isinstance(problem, Mapping):
+        return str(problem.get("example_id", ""))
+    return str(getattr(problem, "example_id", "") or "")
+
+
+def _run_coroutine(make):
+    """Run `make()` to completion from synchronous code: on a fresh loop in this thread, or, when this
+    thread already runs a loop (a notebook, an async caller), on a fresh loop in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="marinrl-openai-env") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
