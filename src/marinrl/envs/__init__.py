@@ -23,6 +23,7 @@ from marinrl.envs.base import (
 from marinrl.envs.episode import Feedback, MultiTurnEnv
 from marinrl.envs.games import CalculatorEnv, GuessEnv
 from marinrl.envs.math import ArithmeticEnv, MathDatasetEnv
+from marinrl.envs.openai_env import OpenAIAgentEnv
 from marinrl.envs.multiagent import Agent, MultiAgentEnv
 from marinrl.envs.toy import EchoEnv, ParityEnv
 
