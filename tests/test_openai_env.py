@@ -341,3 +341,16 @@ def test_a_context_without_endpoint_and_bad_settings_are_clear_errors(server):
 
     with pytest.raises(TypeError, match="async def"):
         OpenAIAgentEnv(SyncAgent())
+
+
+def test_the_http_example_in_docs_environments_runs():
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "environments.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "# example: http\n" in b]
+    assert len(blocks) == 1, "docs/environments.md must hold one block marked '# example: http'"
+    namespace: dict = {"__name__": "docs_example_http"}
+    exec(compile(blocks[0], "docs/environments.md", "exec"), namespace)
+    m = namespace["metrics"]
+    assert m["capital/env_failures"] == 0 and m["capital/episodes_ok"] == 8 and len(namespace["groups"]) >= 1
