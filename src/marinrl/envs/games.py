@@ -81,15 +81,17 @@ class GuessEnv(MultiTurnEnv):
 class CalculatorEnv(MultiTurnEnv):
     """Tool use: answer `a+b` or `a-b` (one-digit result) after asking a calculator.
 
-    Prompt `3+4:`. The model calls the tool by writing `call` (default `@`); the tool answers `=7;`
-    (the value, then `;`) and the model answers with the digit. An episode reads `3+4:@=7;7`.
+    Prompt `3+4:`. The model calls the tool by writing `call` (default `@`); the tool answers `=7`
+    and the model answers with the digit. An episode reads `3+4:@=7` + `7`.
     Rewards: `call_reward` on the first call (tool use is right for every prompt), 1 on a right
     answer; a wrong answer earns 0; both end the episode. A second call is answered again without
     reward. Indicators: `success` (right answer), `called` (the tool was called before the answer).
 
-    The model could learn the arithmetic itself, but copying the tool's digit (an `echo` of one
-    letter, which a tiny model learns in tens of steps) is far easier. For a first lesson:
-    max_operand 9, max_tokens 1 per turn, max_turns 3, 16 generations per prompt."""
+    The model could learn the arithmetic itself, but repeating the tool's digit is far easier: the
+    tool's answer ends with the digit, so the answer is the token the model just read, a bigram a
+    tiny model learns in tens of steps (measured: with a `;` after the digit, so that the answer had
+    to be fetched one token back past the operands, it did not learn in 150 steps). For a first
+    lesson: max_operand 9, max_tokens 1 per turn, max_turns 2, 16 generations per prompt."""
 
     env_name = "calculator"
     indicator_names = ("success", "called")
@@ -111,21 +113,29 @@ class CalculatorEnv(MultiTurnEnv):
         self.check_budgets()
 
     def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
+        """The answer is drawn uniformly (then operands that give it): with answers as skewed as
+        random operands make them (`a-b` is 0 ten times as often as 9), answering the commonest digit
+        to every prompt pays, and a policy collapses onto it instead of reading the tool."""
         out = []
-        while len(out) < n:
-            a, b = (int(x) for x in rng.integers(0, self.max_operand + 1, 2))
+        m = self.max_operand
+        for _ in range(n):
             op = self.ops[int(rng.integers(0, len(self.ops)))]
-            value = a + b if op == "+" else a - b
-            if 0 <= value <= 9:  # one-digit answers: one-token actions
-                expr = f"{a}{op}{b}"
-                out.append(Problem(prompt=f"{expr}:", answer=str(value), example_id=expr))
+            if op == "+":
+                value = int(rng.integers(0, min(9, 2 * m) + 1))
+                a = int(rng.integers(max(0, value - m), min(value, m) + 1))
+                b = value - a
+            else:
+                value = int(rng.integers(0, m + 1))
+                b = int(rng.integers(0, m - value + 1))
+                a = value + b
+            out.append(Problem(prompt=f"{a}{op}{b}:", answer=str(value), example_id=f"{a}{op}{b}"))
         return out
 
     def step(self, problem: Problem, actions: Sequence[str]) -> Feedback:
         action = actions[-1]
         called = any(a == self.call for a in actions[:-1])
         if action == self.call:
-            return Feedback(reward=0.0 if called else self.call_reward, observation=f"={problem.answer};",
+            return Feedback(reward=0.0 if called else self.call_reward, observation=f"={problem.answer}",
                             indicators={"called": 1.0})
         right = action == problem.answer
         return Feedback(reward=float(right), done=True,
