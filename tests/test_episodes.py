@@ -155,8 +155,8 @@ def test_turn_budget_truncates_and_drops_the_last_observation(tokenizer):
     answer = str(eval(value, {"__builtins__": {}}))  # our own "a+b" / "a-b" string
     assert text_of(tokenizer, r.response_tokens) == f"@={answer}@={answer}@"
     assert r.loss_mask.tolist() == [1, 0, 0, 1, 0, 0, 1]
-    assert r.token_rewards.tolist() == pytest.approx([0.2] + [0.0] * 6)  # only the first call pays
-    assert r.finish_reason == "length" and r.episode_reward == pytest.approx(0.2)
+    assert r.token_rewards.tolist() == pytest.approx([0.2, 0, 0, -0.2, 0, 0, -0.2])  # only the first call pays
+    assert r.finish_reason == "length" and r.episode_reward == pytest.approx(-0.2)
     assert metrics["truncated_frac"] == 1.0 and metrics["turns_mean"] == 3.0 and metrics["success_frac"] == 0.0
     assert metrics["called_frac"] == 1.0 and len(policy.calls) == 3
 
@@ -214,7 +214,7 @@ def test_calculator_rules():
     env = CalculatorEnv(call_reward=0.2)
     p = Problem(prompt="3+4:", answer="7", example_id="3+4")
     assert env.step(p, ["@"]) == Feedback(reward=0.2, observation="=7", indicators={"called": 1.0})
-    assert env.step(p, ["@", "@"]).reward == 0.0
+    assert env.step(p, ["@", "@"]).reward == -0.2
     assert env.step(p, ["@", "7"]) == Feedback(reward=1.0, done=True, indicators={"success": 1.0, "called": 1.0})
     assert env.step(p, ["7"]) == Feedback(reward=1.0, done=True, indicators={"success": 1.0, "called": 0.0})
     assert env.step(p, ["@", "8"]).reward == 0.0 and env.step(p, ["@", "8"]).done

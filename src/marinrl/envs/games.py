@@ -84,8 +84,10 @@ class CalculatorEnv(MultiTurnEnv):
     Prompt `3+4:`. The model calls the tool by writing `call` (default `@`); the tool answers `=7`
     and the model answers with the digit. An episode reads `3+4:@=7` + `7`.
     Rewards: `call_reward` on the first call (tool use is right for every prompt), 1 on a right
-    answer; a wrong answer earns 0; both end the episode. A second call is answered again without
-    reward. Indicators: `success` (right answer), `called` (the tool was called before the answer).
+    answer; a wrong answer earns 0; both end the episode. A second call is answered again and costs
+    `call_reward` (calling twice nets nothing): without that cost a policy that has just learned to
+    call keeps calling where it should answer, which pays as much as a wrong answer and explores no
+    digit. Indicators: `success` (right answer), `called` (the tool was called before the answer).
 
     The model could learn the arithmetic itself, but repeating the tool's digit is far easier: the
     tool's answer ends with the digit, so the answer is the token the model just read, a bigram a
@@ -135,8 +137,8 @@ class CalculatorEnv(MultiTurnEnv):
         action = actions[-1]
         called = any(a == self.call for a in actions[:-1])
         if action == self.call:
-            return Feedback(reward=0.0 if called else self.call_reward, observation=f"={problem.answer}",
-                            indicators={"called": 1.0})
+            return Feedback(reward=-self.call_reward if called else self.call_reward,
+                            observation=f"={problem.answer}", indicators={"called": 1.0})
         right = action == problem.answer
         return Feedback(reward=float(right), done=True,
                         indicators={"success": float(right), "called": float(called)})

@@ -143,7 +143,8 @@ class MultiAgentEnv:
                 if not slots:
                     break
                 problem_of = [problems[e // n_generations] for e in slots]
-                prompts = [self.encode_view(tokenizer, self.view(p, agent, moves[e])) for p, e in zip(problem_of, slots)]
+                prompts = [self.encode_view(tokenizer, self.view(p, agent, moves[e]))
+                           for p, e in zip(problem_of, slots)]
                 generations = ctx.generate(prompts, 1, sampling, int(rng.integers(0, 2**31 - 1)))
                 calls += 1
                 if len(generations) != len(slots) or any(len(row) != 1 for row in generations):
@@ -169,7 +170,8 @@ class MultiAgentEnv:
             problem = problems[e // n_generations]
             settled = self.settle(problem, moves[e])
             if settled is not None and len(settled) != len(moves[e]):
-                raise ValueError(f"{self.env_name}: settle() returned {len(settled)} Feedbacks for {len(moves[e])} moves")
+                raise ValueError(f"{self.env_name}: settle() returned {len(settled)} Feedbacks for "
+                                 f"{len(moves[e])} moves")
             for k, (t, agent, prompt, gen, feedback) in enumerate(turns[e]):
                 reward = feedback.reward
                 marks = dict(feedback.indicators)
