@@ -194,3 +194,81 @@ def test_two_node_cluster_places_trainer_and_rollout_worker_by_resource(tmp_path
     assert out["trainer_node"] and rollout_node and out["trainer_node"] != rollout_node
     assert out["trainer_node"] == out["head"]  # the only node with the "trainer" resource
     assert rollout_node == out["rollout_node"]  # the only node with the "rollout" resource
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process under `pid` (from /proc), zombies excluded."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+_CTRL_C_JOB = """
+run_id: job
+run_root: {root}
+model:
+  model: {{type: llama, seq_len: 32, hidden_dim: 32, intermediate_dim: 64, num_layers: 2, num_heads: 2,
+          num_kv_heads: 2, gradient_checkpointing: false, scan_layers: false}}
+  vocab_size: 512
+curriculum:
+  lessons:
+    - {{lesson_id: echo, env: {{name: echo, args: {{alphabet_size: 10}}}}, max_tokens: 1, graduate_at: null}}
+num_train_steps: 100000
+groups_per_step: 4
+n_generations: 4
+eval_every: 100000
+eval_examples: 4
+batching: {{max_length: 32, min_bucket: 8}}
+"""
+
+
+def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
+    """`marinrl train` in its own session, SIGINT to the whole process group as a terminal's Ctrl-C
+    sends it: the trainer saves a resumable checkpoint, the command exits 130, and every process it
+    started (Ray's GCS, raylet, workers, actors) is gone."""
+    config = tmp_path / "job.yaml"
+    config.write_text(_CTRL_C_JOB.format(root=tmp_path))
+    log = tmp_path / "train.log"
+    proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(config)], stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        rollouts = tmp_path / "job" / "rollouts"
+        _poll(lambda: proc.poll() is not None or len(list(rollouts.glob("step=*"))) >= 3, "three trainer steps' rollouts",
+              deadline_s=240)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        started = _descendants(proc.pid)
+        assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
+        os.killpg(proc.pid, 2)  # SIGINT
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    out = log.read_text()
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped at step" in out and "run the same config again to resume" in out, out[-3000:]
+    (ckpt,) = (tmp_path / "job" / "checkpoints").glob("step-*")
+    sidecar = json.loads((ckpt / SIDECAR).read_text())
+    assert sidecar["step"] >= 1 and (ckpt / "metadata.json").exists()
+    _poll(lambda: not any(_alive(p) for p in started), "every process the job started to exit", deadline_s=30)

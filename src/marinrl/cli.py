@@ -167,7 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # what was worth saying (the checkpoint to resume from) is printed already
+        print("[marinrl] interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

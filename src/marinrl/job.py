@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import pathlib
+import sys
 import time
 from typing import Any, Optional
 
@@ -45,6 +46,8 @@ class RayJobConfig:
     rollout_resources: dict = dataclasses.field(default_factory=dict)
     """Custom Ray resources each rollout worker needs."""
     max_rollout_restarts: int = 5
+    stop_timeout_s: float = 120.0
+    """On Ctrl-C, how long the trainer may take to finish its step and save a checkpoint."""
 
 
 @dataclasses.dataclass
@@ -290,23 +293,28 @@ class RLJob:
             summaries: list[dict] = [{} for _ in rollouts]
             pending = {ref: i for i, ref in enumerate(refs)}
             bar = _ProgressBar(cfg.num_train_steps)
-            while True:
-                ready, _ = ray.wait([train_ref, *pending], num_returns=1, timeout=1.0)
-                bar.update(trainer)
-                if train_ref in ready:
-                    train = self._train_result(train_ref)
-                    break
-                for ref in ready:
-                    i = pending.pop(ref)
-                    try:
-                        summaries[i] = ray.get(ref)
-                    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                        if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
-                            raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
-                        restarts += 1
-                        logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
-                        rollouts[i] = self._rollout_actor(i, curriculum_name, namespace)
-                        pending[rollouts[i].run.remote()] = i
+            try:
+                while True:
+                    ready, _ = ray.wait([train_ref, *pending], num_returns=1, timeout=1.0)
+                    bar.update(trainer)
+                    if train_ref in ready:
+                        train = self._train_result(train_ref)
+                        break
+                    for ref in ready:
+                        i = pending.pop(ref)
+                        try:
+                            summaries[i] = ray.get(ref)
+                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                            if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
+                                raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
+                            restarts += 1
+                            logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
+                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace)
+                            pending[rollouts[i].run.remote()] = i
+            except KeyboardInterrupt:
+                bar.close()
+                self._stop_trainer(trainer, train_ref)
+                raise
             for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
                 try:
                     summaries[i] = ray.get(ref, timeout=120)
@@ -317,6 +325,27 @@ class RLJob:
             return JobResult(train, summaries, restarts, time.time() - started, curriculum_step)
         finally:
             self.shutdown()
+
+    def _stop_trainer(self, trainer, train_ref) -> None:
+        """Ctrl-C: the trainer finishes its step and saves a checkpoint (the job resumes from it), for
+        at most `ray.stop_timeout_s`; a second Ctrl-C gives up waiting. `run`'s cleanup follows."""
+        timeout = self.config.ray.stop_timeout_s
+        print(f"\n[marinrl] interrupted: the trainer checkpoints and stops (up to {timeout:.0f} s; Ctrl-C again "
+              "to quit now)", file=sys.stderr, flush=True)
+        try:
+            trainer.stop.remote()
+            ready, _ = ray.wait([train_ref], timeout=timeout)
+            if ready:
+                result = ray.get(train_ref)
+                print(f"[marinrl] stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the "
+                      "same config again to resume", file=sys.stderr, flush=True)
+            else:
+                print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
+                      file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            print("[marinrl] quitting without a final checkpoint", file=sys.stderr, flush=True)
+        except Exception as e:  # the trainer is gone already: nothing more to save
+            print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
         name = "curriculum"
