@@ -4,6 +4,7 @@ and `safe_sample`'s failure isolation with deliberately broken environments."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -518,3 +519,13 @@ def test_the_example_in_docs_environments_runs():
     namespace: dict = {"__name__": "docs_example"}
     exec(compile(example[0], "docs/environments.md", "exec"), namespace)
     assert namespace["groups"] and namespace["metrics"]["upper/env_failures"] == 0
+
+
+def test_a_lesson_that_drives_the_openai_endpoint_turns_it_on():
+    from marinrl.envs.base import with_endpoint_if_needed
+    from marinrl.inference.server import InferenceServerConfig
+
+    off = InferenceServerConfig(serve_http=False)
+    assert with_endpoint_if_needed(off, [EnvConfig("echo")]) is off
+    on = with_endpoint_if_needed(off, [EnvConfig("echo"), EnvConfig("openai_agent", {"agent": "x.y"})])
+    assert on.serve_http and dataclasses.replace(on, serve_http=False) == off

@@ -33,7 +33,7 @@ import numpy as np
 import yaml
 
 from marinrl.curriculum import CurriculumConfig, LessonConfig
-from marinrl.envs.base import Env, EnvConfig
+from marinrl.envs.base import Env, EnvConfig, with_endpoint_if_needed
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import MODEL_CONFIG_FILE, ModelConfig
 
@@ -312,7 +312,8 @@ def run(prepared: Prepared) -> dict:
                                          "temperature": sampling.temperature, "max_tokens": sampling.max_tokens}
     writer = RolloutWriter(f"{prepared.output}/{ROLLOUTS_DIR}") if prepared.output else None
     sizes = [min(config.batch_size, config.n_examples - i) for i in range(0, config.n_examples, config.batch_size)]
-    server = InferenceServer(config.inference, model, tokenizer, weight_step=step).start()
+    inference = with_endpoint_if_needed(config.inference, [lesson.env for lesson in config.lessons])
+    server = InferenceServer(inference, model, tokenizer, weight_step=step).start()
     try:
         server.wait_until_ready()
         manager = RolloutManager(server, runtimes, curriculum=None)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import ray
 
 from marinrl.curriculum import CurriculumClient, CurriculumConfig, curriculum_actor
+from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import ModelConfig
 from marinrl.rollout.worker import RolloutWorkerConfig
@@ -203,7 +204,8 @@ class RolloutActor:
         from marinrl.rollout.worker import RolloutWorker
 
         tokenizer = build_tokenizer(job.model)
-        server = InferenceServer(job.inference, build_model(job.model), tokenizer).start()
+        inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
+        server = InferenceServer(inference, build_model(job.model), tokenizer).start()
         server.wait_until_ready()
         lessons = {
             lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,

@@ -128,6 +128,20 @@ class EnvConfig:
     def build(self) -> Env:
         return make_env(self)
 
+    def needs_endpoint(self) -> bool:
+        """Whether the environment talks to the OpenAI-compatible endpoint (class attribute
+        `needs_endpoint`), so the server that runs it must serve HTTP."""
+        return bool(getattr(_resolve(self.name), "needs_endpoint", False))
+
+
+def with_endpoint_if_needed(inference, envs):
+    """`inference` (an InferenceServerConfig) with `serve_http` turned on when one of `envs` (EnvConfigs)
+    drives the OpenAI endpoint: a lesson of such an environment never fails for a missing flag."""
+    if inference.serve_http or not any(env.needs_endpoint() for env in envs):
+        return inference
+    logger.info("serving the OpenAI endpoint: a lesson's environment drives it")
+    return dataclasses.replace(inference, serve_http=True)
+
 
 def make_env(config: EnvConfig) -> Env:
     """The environment `config` names, constructed with `config.args`. Errors name the environment."""

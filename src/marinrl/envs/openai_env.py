@@ -304,6 +304,9 @@ class OpenAIAgentEnv:
     `episodes_split`, `requests`, `requests_retried`, `requests_failed`, `calls_per_episode_mean`,
     `response_tokens_mean`, `truncated_frac`, `episode_seconds_mean`, `n_samples`."""
 
+    needs_endpoint = True
+    """The server running this env serves HTTP (`envs.base.with_endpoint_if_needed`), whatever its config says."""
+
     def __init__(self, agent: Any, agent_args: Optional[Mapping[str, Any]] = None, env_name: str = "openai_agent",
                  **settings):
         self.agent = load_agent(agent, agent_args)
