@@ -87,7 +87,7 @@ class ChatterEnv(MultiTurnEnv):
 
 def test_guess_episode_layout_masks_rewards_and_logprobs(tokenizer):
     policy = ScriptedPolicy(tokenizer, binary_search)
-    env = GuessEnv(n_values=10, max_turns=4, turn_penalty=0.1, valid_reward=0.1)
+    env = GuessEnv(n_values=10, max_turns=4, turn_penalty=0.1, valid_reward=0.1, higher="+", lower="-")
     groups, metrics = env.sample(policy, 10, 2, SamplingParams(max_tokens=1), np.random.default_rng(0), "train")
     seen = set()
     for g in groups:
@@ -135,7 +135,7 @@ def test_each_turn_prompt_is_exactly_the_tokens_so_far(tokenizer):
 def test_each_turn_of_all_live_episodes_is_one_generate_call(tokenizer):
     # hidden digits differ in how many bisection turns they take: later calls hold fewer prompts
     policy = ScriptedPolicy(tokenizer, binary_search)
-    env = GuessEnv(max_turns=4)
+    env = GuessEnv(max_turns=4, higher="+", lower="-")
     groups, metrics = env.sample(policy, 8, 4, SamplingParams(max_tokens=1), np.random.default_rng(1), "train")
     turns = [int(r.loss_mask.sum()) for g in groups for r in g.rollouts]
     assert [len(c["prompts"]) for c in policy.calls] == [sum(t > k for t in turns) for k in range(max(turns))]
@@ -198,7 +198,7 @@ def test_budgets_and_arguments_are_checked():
 
 
 def test_guess_rules():
-    env = GuessEnv(n_values=10, turn_penalty=0.1, valid_reward=0.1)
+    env = GuessEnv(n_values=10, turn_penalty=0.1, valid_reward=0.1, higher="+", lower="-")
     p = Problem(prompt="?", answer="3", example_id="3")
     assert env.step(p, ["5"]) == Feedback(reward=0.1, observation="-")
     assert env.step(p, ["1"]) == Feedback(reward=0.1, observation="+")
@@ -208,6 +208,12 @@ def test_guess_rules():
     assert env.step(p, ["x"]).truncated and env.step(p, ["33"]).truncated
     assert GuessEnv(n_values=4).step(p, ["7"]).truncated  # outside 0..3
     assert make_env(EnvConfig("guess", {"n_values": 4})).n_values == 4
+    lettered = GuessEnv()  # default: one byte names the direction and the guess
+    assert lettered.step(p, ["5"]).observation == "F" and lettered.step(p, ["1"]).observation == "b"
+    with pytest.raises(ValueError, match="one symbol or ten"):
+        GuessEnv(higher="ab")
+    with pytest.raises(ValueError, match="share no symbol"):
+        GuessEnv(higher="+", lower="+")
 
 
 def test_calculator_rules():

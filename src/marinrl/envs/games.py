@@ -24,8 +24,16 @@ DIGITS = "0123456789"
 @register_env("guess")
 class GuessEnv(MultiTurnEnv):
     """Find a hidden digit in `max_turns` guesses. Prompt `?`; each turn is one digit; the
-    environment answers `higher` (`+`: the hidden digit is larger), `lower` (`-`) or ends the
-    episode when the guess is right. An episode reads `?5-2+3` (hidden 3).
+    environment answers "higher" (the hidden digit is larger), "lower", or ends the episode when the
+    guess is right. An answer is one byte that names the direction and the guess: `higher[g]` /
+    `lower[g]` for guess g, by default `abcdefghij` / `ABCDEFGHIJ` ("higher than 4" is `e`), so an
+    episode reads `?4E1b2c3` (hidden 3). Give one symbol each (`higher="+"`, `lower="-"`) for the
+    same answer to every guess: `?4-1+2+3`.
+
+    Why one byte for both: in a binary search each digit is guessed at most once, so "higher than
+    g" alone decides the next guess, and a tiny model learns that as a bigram (last token -> next
+    guess). With `+`/`-` the next guess depends on the guess two tokens back as well; measured:
+    the policy ignored the answers and collapsed onto guessing `0 9 0 9` (see docs/environments.md).
 
     Rewards: `1 - turn_penalty * k` on the guess that finds the digit at turn k (0-based), so fewer
     turns is better; `valid_reward` on each other guess that is a digit consistent with the answers
@@ -38,11 +46,15 @@ class GuessEnv(MultiTurnEnv):
     env_name = "guess"
 
     def __init__(self, n_values: int = 10, max_turns: int = 4, turn_penalty: float = 0.1,
-                 valid_reward: float = 0.1, higher: str = "+", lower: str = "-", max_episode_tokens: int = 32):
+                 valid_reward: float = 0.1, higher: str = "abcdefghij", lower: str = "ABCDEFGHIJ",
+                 max_episode_tokens: int = 32):
         if not 2 <= n_values <= 10:
             raise ValueError(f"guess: n_values must be in [2, 10], got {n_values}")
-        if not higher or not lower or higher == lower:
-            raise ValueError(f"guess: higher and lower must be distinct non-empty strings, got {higher!r}, {lower!r}")
+        for name, symbols in (("higher", higher), ("lower", lower)):
+            if len(symbols) not in (1, 10):
+                raise ValueError(f"guess: {name} must be one symbol or ten (one per digit), got {symbols!r}")
+        if set(higher) & set(lower) or set(higher + lower) & set(DIGITS):
+            raise ValueError(f"guess: higher {higher!r} and lower {lower!r} must share no symbol and hold no digit")
         self.n_values = n_values
         self.max_turns = max_turns
         self.turn_penalty = turn_penalty
@@ -64,7 +76,8 @@ class GuessEnv(MultiTurnEnv):
             return Feedback(reward=1.0 - self.turn_penalty * turn, done=True, indicators={"success": 1.0})
         low, high = self.possible(hidden, actions[:-1])
         valid = self.valid_reward if low <= int(guess) <= high else 0.0
-        return Feedback(reward=valid, observation=self.higher if hidden > int(guess) else self.lower)
+        symbols = self.higher if hidden > int(guess) else self.lower
+        return Feedback(reward=valid, observation=symbols[int(guess) % len(symbols)])
 
     def possible(self, hidden: int, guesses: Sequence[str]) -> tuple[int, int]:
         """The range of digits that earlier answers (to `guesses`) leave possible."""
