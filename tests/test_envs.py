@@ -170,6 +170,12 @@ def test_echo_context_and_holdout_split_the_prompts():
     assert len(train_ids | eval_ids) > 800 and 0.1 < len(eval_ids) / len(train_ids | eval_ids) < 0.3
     assert {p.answer for p in evals} == {p.answer for p in train} == set("abcdefghij")  # every answer on both sides
     assert EchoEnv(alphabet_size=10, context=2).problems(1, np.random.default_rng(3), "eval")  # no holdout: any prompt
+    digits = EchoEnv(alphabet_size=10, context=2, context_alphabet="0123456789", holdout=0.2)
+    for p in digits.problems(200, rng, "eval"):  # digits as distractors: `37c=` answers `c`
+        assert p.prompt[:2].isdigit() and p.answer == p.prompt[2] and p.answer in "abcdefghij"
+        assert digits.is_held_out(p.example_id)
+    with pytest.raises(ValueError, match="context_alphabet must be distinct"):
+        EchoEnv(context=1, context_alphabet="00")
     with pytest.raises(ValueError, match="holdout=0.2 of only 10 prompts"):
         EchoEnv(alphabet_size=10, length=1, holdout=0.2)
     with pytest.raises(ValueError, match="holdout must be in"):

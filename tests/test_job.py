@@ -100,3 +100,27 @@ def test_replay_job_reuses_rollouts_and_reward_rises(tmp_path, ray_session):
     early = np.mean([h["batch/reward_mean"] for h in history[:3]])
     late = np.mean([h["batch/reward_mean"] for h in history[-3:]])
     assert late > early + 0.1, (early, late)
+
+
+def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("quickstart", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    sys.modules["quickstart"] = quickstart  # dataclasses look their module up there
+    spec.loader.exec_module(quickstart)
+    config = quickstart.QuickstartConfig.from_args(["--max_staleness", "0", "--target_eval_reward", "0.9"])
+    job = config.job
+    job.validate()
+    assert job.max_staleness == 0 and config.target_eval_reward == 0.9
+    assert job.run_id.startswith("quickstart-")  # a rerun starts fresh instead of resuming the last run
+    assert quickstart.QuickstartConfig.from_args(["--run_id", "mine"]).job.run_id == "mine"
+    (lesson,) = job.curriculum.lessons
+    env = lesson.env.build()
+    rng = np.random.default_rng(0)
+    train = {p.example_id for p in env.problems(500, rng, "train")}
+    evals = {p.example_id for p in env.problems(100, rng, "eval")}
+    assert evals and not train & evals  # the eval reward is measured on prompts never trained on

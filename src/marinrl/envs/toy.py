@@ -51,19 +51,22 @@ class EchoEnv(SingleTurnEnv):
 
     `holdout` reserves that fraction of all prompts for evaluation (a stable hash of the string
     decides): train never draws them, eval draws only them, so an eval measures the rule learned, not
-    the prompts memorized. With `context` 2 and 10 letters there are 1,000 prompts, every answer
-    letter in both parts."""
+    the prompts memorized. With `context` 2 and 10 letters (or 10 digits as context) there are 1,000
+    prompts, every answer letter in both parts."""
 
     env_name = "echo"
 
     def __init__(self, alphabet_size: int = 10, length: int = 1, reverse: bool = False,
-                 template: str | None = None, chat: bool = False, context: int = 0, holdout: float = 0.0):
+                 template: str | None = None, chat: bool = False, context: int = 0,
+                 context_alphabet: str | None = None, holdout: float = 0.0):
         if not 2 <= alphabet_size <= len(ALPHABET):
             raise ValueError(f"echo: alphabet_size must be in [2, {len(ALPHABET)}], got {alphabet_size}")
         if length < 1:
             raise ValueError(f"echo: length must be >= 1, got {length}")
         if context < 0:
             raise ValueError(f"echo: context must be >= 0, got {context}")
+        if context_alphabet is not None and (not context_alphabet or len(set(context_alphabet)) != len(context_alphabet)):
+            raise ValueError(f"echo: context_alphabet must be distinct characters, got {context_alphabet!r}")
         if not 0.0 <= holdout < 1.0:
             raise ValueError(f"echo: holdout must be in [0, 1), got {holdout}")
         template = template if template is not None else ("{s}<" if reverse else "{s}=")
@@ -72,11 +75,12 @@ class EchoEnv(SingleTurnEnv):
         self.alphabet = ALPHABET[:alphabet_size]
         self.length = length
         self.context = context
+        self.context_alphabet = context_alphabet if context_alphabet is not None else self.alphabet
         self.reverse = reverse
         self.template = template
         self.chat = chat
         self.holdout = holdout
-        n_prompts = alphabet_size ** (context + length)
+        n_prompts = len(self.context_alphabet) ** context * alphabet_size ** length
         if holdout and n_prompts * min(holdout, 1 - holdout) < 10:
             raise ValueError(f"echo: holdout={holdout} of only {n_prompts} prompts leaves fewer than 10 on one side; "
                              "raise context or alphabet_size")
@@ -88,7 +92,8 @@ class EchoEnv(SingleTurnEnv):
     def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
         out = []
         while len(out) < n:
-            s = "".join(self.alphabet[i] for i in rng.integers(0, len(self.alphabet), self.context + self.length))
+            s = "".join(self.context_alphabet[i] for i in rng.integers(0, len(self.context_alphabet), self.context))
+            s += "".join(self.alphabet[i] for i in rng.integers(0, len(self.alphabet), self.length))
             if self.holdout and self.is_held_out(s) != (mode == "eval"):
                 continue
             answer = s[-self.length:]
