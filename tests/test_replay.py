@@ -327,7 +327,7 @@ def test_filters_compose_in_order():
 
 @pytest.mark.parametrize("kind", ["group_std", "group_mean", "rloo"])
 def test_advantages_are_computed_per_group_at_ingestion(kind):
-    buf = ReplayConfig(advantage=kind).build(clock=Clock())
+    buf = ReplayConfig().build(clock=Clock(), advantage=kind)
     buf.ingest([make_batch([make_group("a", [0, 1, 1, 0.5]), make_group("b", [2, 0])])])
     s = buf.sample(0, 2, timeout_s=0)
     np.testing.assert_allclose(s.groups[0].advantages, group_advantages(np.array([0, 1, 1, 0.5]), kind), rtol=1e-6)
@@ -352,7 +352,7 @@ def two_turn_group(gid: str, turn_rewards) -> RolloutGroup:
 def test_multi_turn_credit_reaches_the_batch_per_token(kind):
     # Returns 1, 0, 2, 1: turn 1 of episode "a" earned 1, its turn 2 nothing; "c" earned in both turns.
     turns = [(1.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, 1.0)]
-    buf = ReplayConfig(advantage=kind).build(clock=Clock())
+    buf = ReplayConfig().build(clock=Clock(), advantage=kind)
     buf.ingest([make_batch([two_turn_group("g", turns)])])
     s = buf.sample(0, 1, timeout_s=0)
     returns = np.array([a + b for a, b in turns])
@@ -377,7 +377,7 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
 
 
 def test_a_zero_variance_multi_turn_group_contributes_nothing():
-    buf = ReplayConfig(advantage="group_mean").build(clock=Clock())
+    buf = ReplayConfig().build(clock=Clock(), advantage="group_mean")
     buf.ingest([make_batch([two_turn_group("tie", [(1.0, 0.0), (0.0, 1.0)])])])  # equal returns, different turns
     batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4))
     assert np.all(np.asarray(batch.advantages.array) == 0)
@@ -419,19 +419,20 @@ def truncated_group(gid, rewards, lengths):
 def test_a_loss_preset_sets_advantages_dynamic_sampling_and_overlong_masking():
     dapo = LossConfig(**LOSS_PRESETS["dapo"])
     config = ReplayConfig(filters=[RewardMeanFilter(high=0.9)]).for_loss(dapo)
-    assert config.advantage == dapo.advantage and isinstance(config.filters[0], ZeroVarianceFilter)
+    assert isinstance(config.filters[0], ZeroVarianceFilter)
     assert config.for_loss(dapo).filters == config.filters  # idempotent
-    buf = config.build(clock=Clock(), reward_fn=overlong_reward_fn(dapo))
+    buf = config.build(clock=Clock(), advantage=dapo.advantage, reward_fn=overlong_reward_fn(dapo))
     buf.ingest([make_batch([make_group("flat", [0, 0]), truncated_group("g", [0, 1, 1], [3, 3, 8])])])
     assert drops(buf) == {"zero_variance": 1}
     s = buf.sample(0, 1, timeout_s=0)
     assert s.trainable.tolist() == [True, True, False]  # the truncated response is not trained
+    np.testing.assert_allclose(s.advantages, group_advantages(np.array([0.0, 1, 1]), dapo.advantage), rtol=1e-6)
 
 
 def test_overlong_penalty_reshapes_rewards_before_advantages():
     loss = LossConfig(overlong="penalty", max_response_tokens=8, overlong_cache_tokens=4, overlong_penalty=1.0)
     assert overlong_reward_fn(LossConfig()) is None
-    buf = ReplayConfig(advantage="group_mean").build(clock=Clock(), reward_fn=overlong_reward_fn(loss))
+    buf = ReplayConfig().build(clock=Clock(), advantage="group_mean", reward_fn=overlong_reward_fn(loss))
     buf.ingest([make_batch([truncated_group("g", [1, 1, 1], [4, 6, 8])])])
     s = buf.sample(0, 1, timeout_s=0)
     # Penalty ramps from 0 at 8 - 4 = 4 tokens to -1 at 8: shaped rewards 1, 0.5, 0.
@@ -680,7 +681,6 @@ def test_config_is_draccus_friendly():
         "sampling": {"type": "replay", "uses": 3, "recency_decay": 0.8},
         "filters": [{"type": "zero_variance"}, {"type": "trim_outliers", "max_z": 2.0}],
         "env_weights": {"math": 2.0, "code": 1.0},
-        "advantage": "rloo",
     })
     assert config.sampling == ReplaySamplingConfig(uses=3, recency_decay=0.8)
     assert config.filters == [ZeroVarianceFilter(), TrimOutliersFilter(max_z=2.0)]
@@ -691,8 +691,9 @@ def test_config_is_draccus_friendly():
 
 @pytest.mark.parametrize("bad", [
     dict(env_weights={}), dict(env_weights={"a": -1.0}), dict(capacity_per_env=0), dict(max_age_s=0.0),
-    dict(advantage="nope"),
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):
         ReplayConfig(**bad)
+    with pytest.raises(ValueError, match="advantage must be group_std, group_mean or rloo, got 'nope'"):
+        ReplayConfig().build(advantage="nope")

@@ -386,8 +386,6 @@ class ReplayConfig:
 
     sampling: SamplingConfig = dataclasses.field(default_factory=OffPolicyConfig)
     """Staleness window, reuse and which usable groups a step takes: on_policy, off_policy, replay."""
-    advantage: AdvantageKind = "group_std"
-    """Advantage estimator applied per group at ingestion: group_std (GRPO), group_mean (Dr. GRPO, DAPO), rloo."""
     env_weights: dict[str, float] | None = None
     """Share of each step's groups per environment. Set: each batch is mixed by these weights
     (cumulatively exact across steps) and groups of other environments are dropped. None: groups are
@@ -408,8 +406,6 @@ class ReplayConfig:
     """Seeds the random draws of strategies (with the step, so a resumed run draws the same)."""
 
     def __post_init__(self):
-        if self.advantage not in ("group_std", "group_mean", "rloo"):
-            raise ValueError(f"ReplayConfig.advantage must be group_std, group_mean or rloo, got {self.advantage!r}")
         if self.env_weights is not None:
             if not self.env_weights:
                 raise ValueError("ReplayConfig.env_weights is empty; use None to take groups regardless of env")
@@ -427,18 +423,19 @@ class ReplayConfig:
             raise ValueError(f"ReplayConfig.max_files_per_poll must be >= 1, got {self.max_files_per_poll}")
 
     def for_loss(self, loss) -> ReplayConfig:
-        """This config with what a loss preset decides at ingestion (`losses.LossConfig`): its `advantage`,
-        and a `zero_variance` filter first when it sets `drop_zero_variance_groups`. Pair it with
-        `overlong_reward_fn(loss)` for its overlong shaping."""
+        """This config with a `zero_variance` filter first when the loss (`losses.LossConfig`) sets
+        `drop_zero_variance_groups`. The loss also decides the buffer's `advantage` (pass
+        `loss.advantage` to `build`) and its overlong shaping (`overlong_reward_fn(loss)`)."""
         filters = list(self.filters)
         if loss.drop_zero_variance_groups and not any(isinstance(f, ZeroVarianceFilter) for f in filters):
             filters.insert(0, ZeroVarianceFilter())
-        return dataclasses.replace(self, advantage=loss.advantage, filters=filters)
+        return dataclasses.replace(self, filters=filters)
 
-    def build(self, reader=None, *, reward_fn: RewardFn | None = None, max_tokens: int | None = None,
-              clock: Callable[[], float] = time.time, start_step: int = 0) -> ReplayBuffer:
-        return ReplayBuffer(self, reader, reward_fn=reward_fn, max_tokens=max_tokens, clock=clock,
-                            start_step=start_step)
+    def build(self, reader=None, *, advantage: AdvantageKind = "group_std", reward_fn: RewardFn | None = None,
+              max_tokens: int | None = None, clock: Callable[[], float] = time.time,
+              start_step: int = 0) -> ReplayBuffer:
+        return ReplayBuffer(self, reader, advantage=advantage, reward_fn=reward_fn, max_tokens=max_tokens,
+                            clock=clock, start_step=start_step)
 
 
 def overlong_reward_fn(loss) -> RewardFn | None:
@@ -494,11 +491,17 @@ class ReplayBuffer:
     `state_dict()` at checkpoints, `stop()`.
     """
 
-    def __init__(self, config: ReplayConfig, reader=None, *, reward_fn: RewardFn | None = None,
-                 max_tokens: int | None = None, clock: Callable[[], float] = time.time, start_step: int = 0):
+    def __init__(self, config: ReplayConfig, reader=None, *, advantage: AdvantageKind = "group_std",
+                 reward_fn: RewardFn | None = None, max_tokens: int | None = None,
+                 clock: Callable[[], float] = time.time, start_step: int = 0):
+        """`advantage` is the estimator applied per group at ingestion (group_std, group_mean or rloo):
+        the loss's (`LossConfig.advantage`), so it is configured in one place."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if advantage not in ("group_std", "group_mean", "rloo"):
+            raise ValueError(f"advantage must be group_std, group_mean or rloo, got {advantage!r}")
         self.config = config
+        self._advantage = advantage
         self.reader = reader
         self._strategy = config.sampling
         self._reward_fn = reward_fn
@@ -638,8 +641,8 @@ class ReplayBuffer:
         group = scored.group
         entry = BufferedGroup(
             group=group,
-            advantages=group_advantages(scored.rewards, self.config.advantage).astype(np.float32),
-            advantage_scale=advantage_scale(scored.rewards, self.config.advantage),
+            advantages=group_advantages(scored.rewards, self._advantage).astype(np.float32),
+            advantage_scale=advantage_scale(scored.rewards, self._advantage),
             rewards=scored.rewards,
             trainable=scored.trainable,
             env_name=group.rollouts[0].env_name,

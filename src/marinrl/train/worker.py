@@ -204,7 +204,7 @@ class TrainWorker:
                                    "cannot resume the rollout stream exactly")
 
             reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
-            replay = cfg.replay.for_loss(cfg.loss).build(reader, start_step=first_step,
+            replay = cfg.replay.for_loss(cfg.loss).build(reader, start_step=first_step, advantage=cfg.loss.advantage,
                                                          reward_fn=overlong_reward_fn(cfg.loss),
                                                          max_tokens=cfg.batching.max_length)
             if sidecar is not None:
