@@ -32,9 +32,10 @@ class GuessEnv(MultiTurnEnv):
 
     Why one byte for both: in a binary search each digit is guessed at most once, so "higher than
     g" alone decides the next guess (a bigram: last token -> next guess); with `+`/`-` the next guess
-    also depends on the guess two tokens back. Measured (docs/environments.md): the tiny model
-    learns valid guesses within 10 steps with either, but not yet the search in 300 steps; it
-    collapses onto a fixed sequence such as `0 9 0 0` that ignores the answers.
+    also depends on the guess two tokens back. Measured (docs/environments.md): with `valid_reward`
+    0.1 the tiny model collapses onto a fixed sequence such as `0 9 0 0` that ignores the answers
+    (that credit is the same for every hidden digit); with 0, the default, greedy success rises from
+    0 to about 0.5 in 110 steps.
 
     Rewards: `1 - turn_penalty * k` on the guess that finds the digit at turn k (0-based), so fewer
     turns is better; `valid_reward` on each other guess that is a digit consistent with the answers
@@ -47,7 +48,7 @@ class GuessEnv(MultiTurnEnv):
     env_name = "guess"
 
     def __init__(self, n_values: int = 10, max_turns: int = 4, turn_penalty: float = 0.1,
-                 valid_reward: float = 0.1, higher: str = "abcdefghij", lower: str = "ABCDEFGHIJ",
+                 valid_reward: float = 0.0, higher: str = "abcdefghij", lower: str = "ABCDEFGHIJ",
                  max_episode_tokens: int = 32):
         if not 2 <= n_values <= 10:
             raise ValueError(f"guess: n_values must be in [2, 10], got {n_values}")
