@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 
 import draccus
 import numpy as np
@@ -383,6 +384,20 @@ def test_a_zero_variance_multi_turn_group_contributes_nothing():
     assert np.all(np.asarray(batch.advantages.array) == 0)
 
 
+def test_batch_metrics_split_by_policy_and_agent():
+    def tagged(gid, rewards, agent, policy):
+        return RolloutGroup(tuple(dataclasses.replace(r, agent_name=agent, policy_name=policy)
+                                  for r in make_group(gid, rewards).rollouts))
+
+    buf = ReplayConfig().build(clock=Clock())
+    buf.ingest([make_batch([tagged("s", [1.0, 0.0], "solver", "policy"), tagged("c", [1.0, 1.0], "checker", "policy"),
+                            tagged("o", [0.0, 0.5], "opponent", "frozen")])])
+    m = buf.sample(0, 3, timeout_s=0).metrics()
+    assert m["batch/rollouts/policy/policy"] == 4 and m["batch/rollouts/policy/frozen"] == 2
+    assert m["batch/reward_mean/policy/policy"] == 0.75 and m["batch/reward_mean/policy/frozen"] == 0.25
+    assert m["batch/reward_mean/agent/policy/solver"] == 0.5 and m["batch/reward_mean/agent/policy/checker"] == 1.0
+
+
 def test_reward_fn_reshapes_rewards_before_filters_and_advantages():
     def penalize_length(group):  # a stand-in for overlong shaping
         return np.array([r.episode_reward - 0.1 * r.response_tokens.size for r in group.rollouts])
@@ -511,6 +526,19 @@ def test_background_thread_ingests_from_a_real_reader_and_stops(tmp_path):
     assert not buf.running
     assert buf.metrics()["replay/ingested_files"] == 1
     buf.stop()  # stopping twice is harmless
+
+
+def test_a_waiting_trainer_does_not_wait_for_the_idle_poll_interval(tmp_path):
+    """With an hour between idle listings, a file written while sample() waits still arrives: the
+    waiting trainer wakes the ingestion thread, which lists often until the batch is there."""
+    root = f"file://{tmp_path}/rollouts"
+    writer, reader = RolloutWriter(root), RolloutReader(root)
+    buf = ReplayConfig(poll_interval_s=3600.0).build(reader)
+    with buf:
+        time.sleep(0.2)  # the thread listed the empty root once and now sleeps its idle interval
+        threading.Timer(0.3, lambda: writer.write(batch_of(0, "a", "b"))).start()
+        s = buf.sample(0, 2, timeout_s=60)  # without the wake-up this raises ReplayTimeoutError
+        assert sorted(ids(s)) == ["a", "b"]
 
 
 class FailingReader:

@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _READER_STATE_VERSION = 1  # the RolloutReader cursor format this module knows how to edit
+WAIT_FIRST_POLL_S = 0.01
+"""First listing interval while the trainer waits for a batch (then doubling up to `poll_interval_s`)."""
 
 RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 """Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
@@ -140,6 +142,16 @@ class ReplaySample:
         }
         for env, n in collections.Counter(g.env_name for g in self.groups).items():
             out[f"batch/groups/{env}"] = float(n)
+        by_policy: dict[str, list[float]] = collections.defaultdict(list)
+        by_agent: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+        for r in self.rollouts:  # multi-agent systems: what each policy and each of its agents trained on
+            by_policy[r.policy_name].append(r.episode_reward)
+            by_agent[(r.policy_name, r.agent_name)].append(r.episode_reward)
+        for policy, rewards_of in by_policy.items():
+            out[f"batch/rollouts/policy/{policy}"] = float(len(rewards_of))
+            out[f"batch/reward_mean/policy/{policy}"] = float(np.mean(rewards_of))
+        for (policy, agent), rewards_of in by_agent.items():
+            out[f"batch/reward_mean/agent/{policy}/{agent}"] = float(np.mean(rewards_of))
         return out
 
 
@@ -399,7 +411,8 @@ class ReplayConfig:
     timeout_s: float = 600.0
     """How long `sample()` waits for a complete batch by default."""
     poll_interval_s: float = 1.0
-    """How often the reader is listed when it had nothing new."""
+    """How often the reader is listed when it had nothing new and the trainer is not waiting (while it
+    waits: right away, then from 10 ms backing off to this)."""
     max_files_per_poll: int = 64
     """Files read per poll, so the buffer stays responsive while a backlog is read."""
     seed: int = 0
@@ -537,6 +550,8 @@ class ReplayBuffer:
 
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by a waiting sample() and by stop(): poll now
+        self._waiting = 0  # sample() calls blocked on a batch (lock held to change)
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ ingestion
@@ -729,6 +744,7 @@ class ReplayBuffer:
     def stop(self, timeout_s: float = 60.0) -> None:
         """Stops the ingestion thread after its current read; raises if it does not stop in time."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout_s)
             if self._thread.is_alive():
@@ -746,6 +762,10 @@ class ReplayBuffer:
         self.stop()
 
     def _run(self) -> None:
+        """Reads new files every `poll_interval_s`; while a `sample()` waits for a batch, sooner: right
+        away, then backing off from `WAIT_FIRST_POLL_S` (an on-policy trainer waits on every step, and
+        half an interval of listing latency each time was half its step on a CPU)."""
+        interval = WAIT_FIRST_POLL_S
         while not self._stop.is_set():
             try:
                 n = self.poll()
@@ -759,8 +779,15 @@ class ReplayBuffer:
                     self._error = e
                     self._cond.notify_all()
                 return
-            if n == 0:
-                self._stop.wait(self.config.poll_interval_s)
+            if n:
+                interval = WAIT_FIRST_POLL_S
+                continue
+            if self._waiting:
+                self._wake.wait(interval)
+                interval = min(interval * 2, self.config.poll_interval_s)
+            else:
+                self._wake.wait(self.config.poll_interval_s)
+            self._wake.clear()
 
     # ------------------------------------------------------------------ sampling
 
@@ -794,7 +821,12 @@ class ReplayBuffer:
                 if remaining <= 0 and (polled or not self_polling):
                     raise ReplayTimeoutError(self._describe_wait(step, n_groups, quotas, timeout_s))
                 if not self_polling:
-                    self._cond.wait(remaining)  # ingestion notifies, and so does a dying thread
+                    self._waiting += 1
+                    self._wake.set()  # the ingestion thread lists the reader now, and often while we wait
+                    try:
+                        self._cond.wait(remaining)  # ingestion notifies, and so does a dying thread
+                    finally:
+                        self._waiting -= 1
                     continue
             # No thread: read ourselves (at least once, even with no time left), and list again after
             # an interval when nothing new came.

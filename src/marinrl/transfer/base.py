@@ -244,7 +244,7 @@ class WeightTransferServer(abc.ABC):
 # ----------------------------------------------------------------------------- client
 
 WAIT_FIRST_INTERVAL_S = 0.01
-WAIT_MAX_INTERVAL_S = 0.5
+WAIT_MAX_INTERVAL_S = 0.05  # a waiting rollout worker sees new weights within 50 ms (on-policy waits every step)
 
 
 class WeightTransferClient(abc.ABC):
