@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 STATE_VERSION = 1
 _READER_STATE_VERSION = 1  # the RolloutReader cursor format this module knows how to edit
 WAIT_FIRST_POLL_S = 0.01
-"""First listing interval while the trainer waits for a batch (then doubling up to `poll_interval_s`)."""
+WAIT_MAX_POLL_S = 0.1
+"""While the trainer waits for a batch, the reader is listed after 10 ms, then doubling up to 100 ms."""
 
 RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 """Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
@@ -412,7 +413,7 @@ class ReplayConfig:
     """How long `sample()` waits for a complete batch by default."""
     poll_interval_s: float = 1.0
     """How often the reader is listed when it had nothing new and the trainer is not waiting (while it
-    waits: right away, then from 10 ms backing off to this)."""
+    waits: right away, then from 10 ms doubling up to 100 ms)."""
     max_files_per_poll: int = 64
     """Files read per poll, so the buffer stays responsive while a backlog is read."""
     seed: int = 0
@@ -763,8 +764,8 @@ class ReplayBuffer:
 
     def _run(self) -> None:
         """Reads new files every `poll_interval_s`; while a `sample()` waits for a batch, sooner: right
-        away, then backing off from `WAIT_FIRST_POLL_S` (an on-policy trainer waits on every step, and
-        half an interval of listing latency each time was half its step on a CPU)."""
+        away, then every 10 ms doubling up to 100 ms (an on-policy trainer waits on every step, and half
+        an idle interval of listing latency each time was a third of its step on a CPU)."""
         interval = WAIT_FIRST_POLL_S
         while not self._stop.is_set():
             try:
@@ -784,7 +785,7 @@ class ReplayBuffer:
                 continue
             if self._waiting:
                 self._wake.wait(interval)
-                interval = min(interval * 2, self.config.poll_interval_s)
+                interval = min(interval * 2, WAIT_MAX_POLL_S, self.config.poll_interval_s)
             else:
                 self._wake.wait(self.config.poll_interval_s)
             self._wake.clear()
