@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -250,8 +251,11 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
     config = tmp_path / "job.yaml"
     config.write_text(_CTRL_C_JOB.format(root=tmp_path))
     log = tmp_path / "train.log"
+    # A shell's background job (CI under `cmd &`) inherits SIGINT ignored, and so would this child:
+    # give it the default disposition a terminal's foreground command has.
     proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(config)], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         rollouts = tmp_path / "job" / "rollouts"
@@ -260,11 +264,11 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
         assert proc.poll() is None, log.read_text()[-3000:]
         started = _descendants(proc.pid)
         assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
-        os.killpg(proc.pid, 2)  # SIGINT
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
     out = log.read_text()
     assert proc.returncode == 130, out[-3000:]
     assert "stopped at step" in out and "run the same config again to resume" in out, out[-3000:]
