@@ -3,6 +3,7 @@ real generation, Parquet rollout files and filesystem weight transfer, in both m
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -14,7 +15,7 @@ from marinrl.curriculum import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
-from marinrl.storage import summarize
+from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching import BatchingConfig
 
 ECHO = LessonConfig(lesson_id="echo", env=EnvConfig("echo", {"alphabet_size": 10, "length": 1}), max_tokens=1,
@@ -124,3 +125,23 @@ def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
     train = {p.example_id for p in env.problems(500, rng, "train")}
     evals = {p.example_id for p in env.problems(100, rng, "eval")}
     assert evals and not train & evals  # the eval reward is measured on prompts never trained on
+
+
+def test_a_multi_agent_job_trains_every_agents_turns_under_its_policy(tmp_path, ray_session):
+    """solve_check through the whole job: per-(problem, turn, agent) groups reach the files and the
+    trainer, each tagged with its agent and policy, and the checker runs under a second policy name."""
+    duo = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4,
+                                                                      "policies": {"checker": "critic"}}),
+                       max_tokens=2, graduate_at=None)
+    cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=(duo,)), num_train_steps=3,
+                       eval_every=3)
+    assert result.train["final_step"] == 3 and all(np.isfinite(h["loss"]) for h in result.train["history"])
+    tags = collections.Counter()
+    for batch in RolloutReader(f"{cfg.run_dir}/rollouts").read_new():
+        for group in batch.groups:
+            names = {(r.agent_name, r.policy_name) for r in group.rollouts}
+            assert len(names) == 1  # a group compares one agent's turns with each other
+            tags[names.pop()] += 1
+    assert set(tags) == {("solver", "policy"), ("checker", "critic")} and tags[("solver", "policy")] == tags[("checker", "critic")]
+    evals = [e for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
+    assert {"eval/duo/solver/success_frac", "eval/duo/checker/success_frac"} <= set(evals[-1]["metrics"])
