@@ -35,8 +35,9 @@ BATCH_KEY = b"marinrl.batch"
 QUARANTINE_DIR = "quarantine"
 _STEP_DIR = re.compile(r"^step=(\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-# Object stores whose single-object writes are atomic; everything else writes a temp name and renames.
-_ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
+ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
+"""Object stores whose single-object writes are atomic; everything else writes a temp name and renames
+(weight transfer follows the same rule)."""
 
 
 
@@ -314,7 +315,8 @@ def with_retries(fn: Callable[[], T], what: str, path: str, attempts: int = 4, b
     raise AssertionError("unreachable")
 
 
-def _open_root(root: str, storage_options: dict | None, fs: fsspec.AbstractFileSystem | None):
+def open_root(root: str, storage_options: dict | None, fs: fsspec.AbstractFileSystem | None):
+    """(filesystem, path without a trailing slash) of an fsspec URL, or of `root` on a given `fs`."""
     if fs is not None:
         return fs, fs._strip_protocol(root).rstrip("/")
     fs, path = fsspec.core.url_to_fs(root, **(storage_options or {}))
@@ -334,7 +336,8 @@ def _basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _list_names(fs, path: str) -> list[str]:
+def list_names(fs, path: str) -> list[str]:
+    """Base names under `path` (none if it does not exist), the listing retried on transient errors."""
     try:
         return [_basename(p) for p in with_retries(lambda: fs.ls(path, detail=False), "listing", path)]
     except FileNotFoundError:
@@ -343,19 +346,19 @@ def _list_names(fs, path: str) -> list[str]:
 
 def _list_steps(fs, root: str) -> list[int]:
     fs.invalidate_cache(root)
-    steps = (_parse_step(n) for n in _list_names(fs, root))
+    steps = (_parse_step(n) for n in list_names(fs, root))
     return sorted(s for s in steps if s is not None)
 
 
 def _list_files(fs, root: str, step: int) -> list[str]:
     d = f"{root}/{step_dir_name(step)}"
     fs.invalidate_cache(d)
-    return sorted(n for n in _list_names(fs, d) if n.endswith(".parquet") and not n.startswith("."))
+    return sorted(n for n in list_names(fs, d) if n.endswith(".parquet") and not n.startswith("."))
 
 
 def delete_steps_before(root: str, step: int, *, storage_options: dict | None = None, fs=None) -> list[int]:
     """Deletes whole weight-step folders below `step` (the quarantine stays); returns the steps deleted."""
-    fs, root = _open_root(root, storage_options, fs)
+    fs, root = open_root(root, storage_options, fs)
     deleted = []
     for s in _list_steps(fs, root):
         if s >= step:
@@ -383,8 +386,8 @@ class RolloutWriter:
         if retain_steps is not None and retain_steps < 0:
             raise ValueError(f"retain_steps must be >= 0 or None, got {retain_steps}")
         self.url = root
-        self._fs, self._root = _open_root(root, storage_options, fs)
-        self._atomic_put = bool(set(np.atleast_1d(self._fs.protocol)) & _ATOMIC_PUT_PROTOCOLS)
+        self._fs, self._root = open_root(root, storage_options, fs)
+        self._atomic_put = bool(set(np.atleast_1d(self._fs.protocol)) & ATOMIC_PUT_PROTOCOLS)
         self._retain_steps = retain_steps
         self._pruned_below = 0
         self._seq = 0
@@ -448,7 +451,7 @@ class RolloutReader:
 
     def __init__(self, root: str, *, storage_options: dict | None = None, fs=None):
         self.url = root
-        self._fs, self._root = _open_root(root, storage_options, fs)
+        self._fs, self._root = open_root(root, storage_options, fs)
         self._floor = 0
         self._consumed: dict[int, set[str]] = defaultdict(set)
         self.files_read = 0
@@ -547,7 +550,7 @@ class RolloutReader:
 
 def iter_files(root: str, *, storage_options: dict | None = None, fs=None) -> Iterable[tuple[int, str, bytes]]:
     """Yields (weight_step, path, bytes) for every rollout file under `root`; changes nothing."""
-    fs, root_path = _open_root(root, storage_options, fs)
+    fs, root_path = open_root(root, storage_options, fs)
     for step in _list_steps(fs, root_path):
         for name in _list_files(fs, root_path, step):
             path = f"{root_path}/{step_dir_name(step)}/{name}"
@@ -559,7 +562,7 @@ def iter_files(root: str, *, storage_options: dict | None = None, fs=None) -> It
 
 def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dict:
     """What `marinrl inspect` prints: per weight step and per environment, plus unreadable files."""
-    fs, root_path = _open_root(root, storage_options, fs)
+    fs, root_path = open_root(root, storage_options, fs)
     per_step: dict[int, dict] = {}
     per_env: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "rewards": [], "lengths": [], "finish": Counter()})
     unreadable = []

@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental.array_serialization.serialization import GlobalAsyncCheckpointManager
 from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
 
-from marinrl.storage import _ATOMIC_PUT_PROTOCOLS, _list_names, _open_root, with_retries
+from marinrl.storage import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,
@@ -102,7 +102,7 @@ class _Root:
 
     def __init__(self, config: FilesystemTransferConfig):
         self.url = config.root
-        self.fs, self.path = _open_root(config.root, config.storage_options, None)
+        self.fs, self.path = open_root(config.root, config.storage_options, None)
         self.protocols = set(np.atleast_1d(self.fs.protocol))
         self.pointer_path = f"{self.path}/{POINTER_NAME}"
 
@@ -137,7 +137,7 @@ class _Root:
 
     def write_pointer(self, pointer: dict) -> None:
         data = json.dumps(pointer, indent=1).encode()
-        if self.protocols & _ATOMIC_PUT_PROTOCOLS:
+        if self.protocols & ATOMIC_PUT_PROTOCOLS:
             with_retries(lambda: self.fs.pipe_file(self.pointer_path, data), "writing", self.pointer_path)
             return
         tmp = f"{self.path}/.{POINTER_NAME}.{uuid.uuid4().hex[:12]}.tmp"
@@ -242,7 +242,7 @@ class FilesystemWeightServer(WeightTransferServer):
         fs, root = self._root.fs, self._root.path
         fs.invalidate_cache(root)
         try:
-            names = _list_names(fs, root)
+            names = list_names(fs, root)
         except Exception as e:  # noqa: BLE001
             logger.warning("could not list %s to delete old versions: %s", self._root.url, e)
             return
