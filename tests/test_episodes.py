@@ -276,7 +276,6 @@ class RecordingContext:
                          ids=["guess", "calculator"])
 def test_games_through_the_real_inference_server(tiny_server, env):
     ctx = RecordingContext(tiny_server)
-    tokenizer = ctx.tokenizer
     groups, metrics = safe_sample(env, ctx, lesson_id="game", n_examples=8, n_generations=4,
                                   sampling=SamplingParams(temperature=1.0, max_tokens=2),
                                   rng=np.random.default_rng(0), mode="train", metadata=META)

@@ -10,7 +10,6 @@ import threading
 import uuid
 
 import numpy as np
-import pytest
 from levanter.checkpoint import CheckpointerConfig
 from levanter.models.llama import LlamaConfig
 

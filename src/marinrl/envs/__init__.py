@@ -1,5 +1,7 @@
 """Environments: the `Env` protocol and its registry (`base`), toy tasks a tiny model learns on a CPU
-(`toy`), and math with verifiable answers (`math`). Importing this package registers the built-ins."""
+(`toy`), math with verifiable answers (`math`), multi-turn episodes (`episode`, games in `games`),
+multi-agent systems (`multiagent`) and agent code over the OpenAI protocol (`openai_env`). Importing
+this package registers the built-ins."""
 
 from marinrl.envs.base import (
     MODES,
@@ -31,4 +33,5 @@ __all__ = [
     "MODES", "UNSTAMPED", "UNSTAMPED_LESSON", "Env", "EnvConfig", "Grade", "Mode", "Problem", "SingleTurnEnv",
     "completion_text", "encode_prompt", "make_env", "make_rollout", "new_group_id", "register_env",
     "registered_envs", "safe_sample", "ArithmeticEnv", "MathDatasetEnv", "EchoEnv", "ParityEnv",
+    "Feedback", "MultiTurnEnv", "CalculatorEnv", "GuessEnv", "Agent", "MultiAgentEnv", "OpenAIAgentEnv",
 ]
