@@ -24,6 +24,7 @@ def test_inspect_prints_a_table_and_json(tmp_path, capsys):
 
 def test_console_script_is_installed(tmp_path):
     script = pathlib.Path(sys.executable).parent / "marinrl"
+    (tmp_path / "empty").mkdir()  # a rollout root that does not exist is an error
     result = subprocess.run([str(script), "inspect", str(tmp_path / "empty"), "--json"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

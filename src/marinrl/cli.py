@@ -1,11 +1,29 @@
-"""`marinrl` console script. Each subcommand lives with the code it drives; this file only routes."""
+"""`marinrl` console script. Each subcommand lives with the code it drives; this file only routes.
+
+A mistake in what the user gave (a config, a path, a flag) is one or two lines on stderr,
+`marinrl <command>: <file>:<line>:<col>: <what is wrong>`, and exit status 2, as argparse's own usage
+errors; `--debug` adds the traceback. A run that fails for another reason exits 1 with its message.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import traceback
 from typing import Sequence
+
+
+class InputError(Exception):
+    """A config, path or flag the user can fix: reported as one line, exit status 2."""
+
+
+class InputExit(SystemExit):
+    """What `main` raises for an InputError once it is printed: exit status 2, the message as its text."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 2
 
 
 def _storage_options(pairs: Sequence[str]) -> dict:
@@ -13,7 +31,7 @@ def _storage_options(pairs: Sequence[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--storage-option expects KEY=VALUE, got {pair!r}")
+            raise InputError(f"--storage-option expects KEY=VALUE, got {pair!r}")
         options[key] = value
     return options
 
@@ -29,10 +47,26 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
+def _check_rollout_root(root: str, storage_options: dict) -> None:
+    """`root` exists and is a rollout root (an empty one is fine), not a run folder holding one."""
+    from marinrl.storage import list_names, open_root
+
+    fs, path = open_root(root, storage_options, None)
+    if not fs.exists(path):
+        raise InputError(f"{root}: no such rollout root")
+    if not fs.isdir(path):
+        raise InputError(f"{root}: a file, not a rollout root (a folder of step=N/ folders)")
+    names = list_names(fs, path)
+    if "rollouts" in names and not any(n.startswith("step=") for n in names):
+        raise InputError(f"{root} is a run folder, not a rollout root: inspect {root.rstrip('/')}/rollouts")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from marinrl.storage import summarize
 
-    summary = summarize(args.root, storage_options=_storage_options(args.storage_option))
+    options = _storage_options(args.storage_option)
+    _check_rollout_root(args.root, options)
+    summary = summarize(args.root, storage_options=options)
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -57,12 +91,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import draccus
-
+    from marinrl.config_errors import ConfigInputError, compose_yaml, load_job_config, locate
     from marinrl.job import RLJob, RLJobConfig
+    from marinrl.preflight import ConfigError
 
-    config = draccus.parse(RLJobConfig, config_path=args.config, args=args.overrides)
-    result = RLJob(config).run()
+    try:
+        config = load_job_config(RLJobConfig, args.config, args.overrides)
+        job = RLJob(config)  # every check that needs no Ray (marinrl.preflight)
+    except ConfigInputError as e:
+        raise InputError(str(e)) from e
+    except ConfigError as e:
+        where = locate(args.config, compose_yaml(args.config), args.overrides, e.field)
+        raise InputError(f"{where}: {e}") from e
+    except ValueError as e:  # a config class's own check, raised outside draccus
+        raise InputError(f"{args.config}: {e}") from e
+    result = job.run()
     train = result.train
     print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
           f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; rollout worker restarts {result.rollout_restarts}")
@@ -70,7 +113,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         evals = [e for e in summary.get("evals", []) if e["kind"] == "eval"]
         if evals:
             last = evals[-1]
-            rewards = {k: round(v, 3) for k, v in last["metrics"].items() if k.endswith("/reward_mean")}
+            reasons = last.get("reasons", {})  # why a reward is nan (the environment failed, every group dropped)
+            rewards = ", ".join(f"{k}: {round(v, 3)}" + (f" ({reasons[k]})" if k in reasons else "")
+                                for k, v in last["metrics"].items() if k.endswith("/reward_mean"))
             print(f"[marinrl] {summary['worker_id']} eval at weight step {last['weight_step']}: {rewards}")
     return 0
 
@@ -93,7 +138,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             progress=not args.no_progress)
         prepared = evaluation.prepare(config)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
-        raise SystemExit(f"marinrl eval: {e}")
+        raise InputError(str(e)) from e
     result = evaluation.run(prepared)
     failed = {k: v["metrics"].get("env_failures", 0) for k, v in result["lessons"].items()}
     failed = {k: int(v) for k, v in failed.items() if v}
@@ -109,11 +154,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     try:
         return report.main(args.run_dir, args.output)
     except FileNotFoundError as e:
-        raise SystemExit(f"marinrl report: {e}")
+        raise InputError(str(e)) from e
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marinrl", description="RL post-training for language models on JAX.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (allowed anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="summarize a rollout root (files, rollouts, rewards per step and env)")
@@ -166,12 +213,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs a command; returns its exit status. An input error is printed and raised as InputExit
+    (status 2), as argparse does for a usage error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # anywhere: `train` hands everything after its config to draccus
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
     try:
         return args.run(args)
     except KeyboardInterrupt:  # what was worth saying (the checkpoint to resume from) is printed already
         print("[marinrl] interrupted", file=sys.stderr)
         return 130
+    except InputError as e:
+        if debug:
+            traceback.print_exc()
+        message = f"marinrl {args.command}: {e}"
+        print(message, file=sys.stderr)
+        raise InputExit(message) from e
+    except RuntimeError as e:  # a job that failed (a trainer that died, a worker that keeps dying) says why
+        if args.command != "train":
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"marinrl {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import pathlib
 import sys
@@ -21,8 +22,10 @@ import ray
 from marinrl.curriculum import CurriculumClient, CurriculumConfig, curriculum_actor
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.inference.server import InferenceServerConfig
+from marinrl.logs import local_log_dir, log_to_file
 from marinrl.models import ModelConfig
-from marinrl.rollout.worker import RolloutWorkerConfig
+from marinrl.preflight import ConfigError, check_job
+from marinrl.rollout.worker import EnvironmentFailedError, RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
@@ -30,10 +33,6 @@ from marinrl.train.worker import TrainWorkerConfig, _default_optimizer, cpu_trai
 from marinrl.transfer.base import WeightTransferConfig
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run; the message names the field."""
 
 
 @dataclasses.dataclass
@@ -75,7 +74,11 @@ class RLJobConfig:
     """Full evaluation every this many weight steps (and at the start and the end)."""
     eval_examples: int = 32
     checkpoint_every: int = 0
-    inference: InferenceServerConfig = dataclasses.field(default_factory=lambda: InferenceServerConfig(serve_http=False))
+    checkpoint_keep: int = 2
+    """Checkpoints kept: the newest this many (older ones are deleted once a newer one is committed)."""
+    checkpoint_keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0: none."""
+    inference: InferenceServerConfig = dataclasses.field(default_factory=InferenceServerConfig)
     weights: Optional[WeightTransferConfig] = None
     """None: files under the run directory."""
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
@@ -83,31 +86,53 @@ class RLJobConfig:
     batching: BatchingConfig = dataclasses.field(default_factory=lambda: BatchingConfig(max_length=256, min_bucket=32))
     ray: RayJobConfig = dataclasses.field(default_factory=RayJobConfig)
     seed: int = 0
+    max_consecutive_env_failures: int = 5
+    """A lesson whose environment fails this many calls in a row (raises, fails to construct, or yields
+    no usable group) stops the job with an error naming the lesson, the environment and its last error."""
 
     @property
     def run_dir(self) -> str:
         return f"{self.run_root.rstrip('/')}/{self.run_id}"
 
     def validate(self) -> None:
-        """Raises ConfigError naming the first bad field, before anything starts."""
+        """Raises ConfigError naming the first bad field: every range, without touching a file (the
+        environments, model and run directory are checked by `marinrl.preflight.check_job`)."""
         def bad(field: str, problem: str):
-            raise ConfigError(f"RLJobConfig.{field}: {problem}")
+            raise ConfigError(field, problem)
 
         for name in ("num_train_steps", "groups_per_step", "n_generations", "n_rollout_workers", "eval_examples",
-                     "max_uses"):
+                     "max_uses", "max_consecutive_env_failures", "checkpoint_keep"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        if self.max_staleness < 0:
-            bad("max_staleness", f"must be >= 0, got {self.max_staleness}")
+        for name in ("max_staleness", "eval_every", "checkpoint_every", "checkpoint_keep_every", "seed"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            bad("learning_rate", f"must be finite and > 0, got {self.learning_rate} (a negative rate trains by "
+                                 "gradient ascent)")
+        if self.n_generations < 2:  # every advantage kind is relative to the prompt's group
+            bad("n_generations", f"{self.n_generations} sample per prompt with loss.advantage="
+                                 f"{self.loss.advantage!r} makes every advantage 0 (each sample is compared with "
+                                 "the others of its group): nothing would be learned; use n_generations >= 2")
+        if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
+            bad("ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
+        if self.ray.max_rollout_restarts < 0:
+            bad("ray.max_rollout_restarts", f"must be >= 0, got {self.ray.max_rollout_restarts}")
+        if not self.ray.stop_timeout_s > 0:
+            bad("ray.stop_timeout_s", f"must be > 0, got {self.ray.stop_timeout_s}")
         if self.groups_per_step % self.n_rollout_workers:
             bad("groups_per_step", f"{self.groups_per_step} prompts per step do not divide among "
                                    f"n_rollout_workers={self.n_rollout_workers}")
         if self.curriculum is None:
             bad("curriculum", "the job needs a curriculum with at least one lesson")
         for lesson in self.curriculum.lessons:  # ids, dependencies and cycles are checked by CurriculumConfig
-            if lesson.temperature <= 0:
+            if not lesson.temperature > 0:
                 bad(f"curriculum.lessons[{lesson.lesson_id}].temperature",
                     f"training needs a temperature > 0 (greedy has no logprobs to learn from), got {lesson.temperature}")
+            if lesson.max_tokens >= self.batching.max_length:
+                bad(f"curriculum.lessons[{lesson.lesson_id}].max_tokens",
+                    f"{lesson.max_tokens} new tokens do not fit a training row of batching.max_length="
+                    f"{self.batching.max_length} (prompt + response)")
         if self.max_uses > 1 and self.max_staleness < 1:
             bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
 
@@ -147,14 +172,16 @@ class RLJobConfig:
             rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model, trainer=trainer,
             optimizer=optimizer, loss=self.loss,
             replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
-            batching=self.batching, groups_per_step=self.groups_per_step, checkpoint_every=self.checkpoint_every)
+            batching=self.batching, groups_per_step=self.groups_per_step, checkpoint_every=self.checkpoint_every,
+            checkpoint_keep=self.checkpoint_keep, checkpoint_keep_every=self.checkpoint_keep_every)
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         return RolloutWorkerConfig(
             rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
             groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
             max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
-            eval_examples=self.eval_examples, seed=self.seed * 1000 + index)
+            eval_examples=self.eval_examples, seed=self.seed * 1000 + index,
+            max_consecutive_env_failures=self.max_consecutive_env_failures)
 
 
 # ---------------------------------------------------------------------- the actors
@@ -174,8 +201,12 @@ def _actor_env() -> dict[str, str]:
 
 @ray.remote(max_concurrency=2)
 class TrainerActor:
-    def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str]):
+    def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str],
+                 log_dir: Optional[str] = None):
         from marinrl.train.worker import TrainWorker
+
+        if log_dir:  # named loggers: Levanter's initialize() replaces the root logger's handlers
+            log_to_file(log_dir, "trainer", loggers=("marinrl", "levanter"))
 
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
         self.worker = TrainWorker(config, curriculum=curriculum)
@@ -197,11 +228,15 @@ class TrainerActor:
 
 @ray.remote(max_concurrency=2)
 class RolloutActor:
-    def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str]):
+    def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str],
+                 log_dir: Optional[str] = None):
         from marinrl.inference.server import InferenceServer
         from marinrl.models import build_model, build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager
         from marinrl.rollout.worker import RolloutWorker
+
+        if log_dir:  # the root logger: environments' own loggers included
+            log_to_file(log_dir, f"rollout-{index}")
 
         tokenizer = build_tokenizer(job.model)
         inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
@@ -210,7 +245,8 @@ class RolloutActor:
         lessons = {
             lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
                                             sampling=lesson.sampling_params(tokenizer, "train"),
-                                            eval_sampling=lesson.sampling_params(tokenizer, "eval"))
+                                            eval_sampling=lesson.sampling_params(tokenizer, "eval"),
+                                            env_name=lesson.env.name)
             for lesson in job.curriculum.lessons
         }
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
@@ -226,6 +262,11 @@ class RolloutActor:
 
     def stop(self) -> None:
         self.worker.stop()
+
+
+def _log_curriculum_to_file(actor, log_dir: str) -> None:
+    """Run inside the curriculum actor (through `__ray_call__`): its log goes to `curriculum.log` too."""
+    log_to_file(log_dir, "curriculum")
 
 
 def _rollout_tracker(job: RLJobConfig, index: int):
@@ -255,7 +296,7 @@ class RLJob:
     """Runs one RLJobConfig on Ray. `run()` blocks until the trainer finishes."""
 
     def __init__(self, config: RLJobConfig):
-        config.validate()
+        check_job(config)  # ranges, environments, model config, tokenizer, run_root: before Ray starts
         self.config = config
         self._started_ray = False
         self._actors: list[Any] = []
@@ -279,11 +320,14 @@ class RLJob:
     def run(self) -> JobResult:
         cfg = self.config
         started = time.time()
+        self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
         namespace = self._init_ray()
         try:
             curriculum_name = self._start_curriculum(namespace)
+            ray.get(ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
+                _log_curriculum_to_file, self._log_dir))
             trainer = TrainerActor.options(num_cpus=1, resources=cfg.ray.trainer_resources or None).remote(
-                cfg.train_worker_config(), curriculum_name, namespace)
+                cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
             self._actors.append(trainer)
             train_ref = trainer.run.remote()
             rollouts, refs = [], []
@@ -307,6 +351,12 @@ class RLJob:
                         try:
                             summaries[i] = ray.get(ref)
                         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                            if isinstance(getattr(e, "cause", None), EnvironmentFailedError):
+                                bar.close()  # restarting would repeat the failure: stop the job with it
+                                raise EnvironmentFailedError(
+                                    f"{e.cause}\nthe job stopped (rollout worker {i}; its log: {self._log_dir}/"
+                                    f"rollout-{i}.log). Fix the environment or its args, then run the same config "
+                                    "again: it resumes from the last checkpoint") from None
                             if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
                                 raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
                             restarts += 1
@@ -359,7 +409,7 @@ class RLJob:
     def _rollout_actor(self, i: int, curriculum_name, namespace):
         cfg = self.config
         actor = RolloutActor.options(num_cpus=1, resources=cfg.ray.rollout_resources or None).remote(
-            cfg, i, curriculum_name, namespace)
+            cfg, i, curriculum_name, namespace, self._log_dir)
         self._actors.append(actor)
         return actor
 
@@ -367,9 +417,7 @@ class RLJob:
         try:
             return ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            raise RuntimeError(
-                f"the trainer died: {e}\nresume with the same config: it continues from the last checkpoint "
-                f"under {self.config.run_dir}/checkpoints") from e
+            raise RuntimeError(_trainer_death_message(e, f"{self.config.run_dir}/checkpoints")) from e
 
     def shutdown(self) -> None:
         for actor in self._actors:
@@ -381,6 +429,37 @@ class RLJob:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+# Errors a rerun with the same config repeats: the config or an input it names must change first.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def _trainer_death_message(error: Exception, checkpoints: str) -> str:
+    """What the trainer died of and what to do: fix an input error; resume from a checkpoint that
+    exists (named); or know that a rerun starts from step 0."""
+    cause = getattr(error, "cause", None)  # RayTaskError: the trainer's own exception
+    what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
+    what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
+    latest = _latest_checkpoint(checkpoints)
+    if isinstance(cause, _INPUT_ERRORS):
+        advice = ("this is a config or input error: fix it, then run the config again"
+                  + (f" (it resumes from {latest})" if latest else ""))
+    elif latest:
+        advice = f"run the same config again to resume from its last checkpoint, {latest}"
+    else:
+        advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
+                  "running the config again starts from step 0")
+    return f"the trainer died: {what}\n{advice}"
+
+
+def _latest_checkpoint(checkpoints: str) -> Optional[str]:
+    from levanter.checkpoint import discover_latest_checkpoint
+
+    try:
+        return discover_latest_checkpoint(checkpoints)
+    except Exception:  # unreadable storage: say nothing rather than something wrong
+        return None
 
 
 class _ProgressBar:

@@ -1,0 +1,187 @@
+"""Checks of a job config that need no Ray, run by `RLJob.__init__` before anything starts.
+
+A mistake found here costs a second and one line naming the field; found by an actor, it costs a
+Ray start, actor restarts, a stalled trainer and thousands of tracebacks. `check_job` runs, in
+order: the field ranges (`RLJobConfig.validate`), every lesson's environment (resolved and built
+once in the driver, as `marinrl eval` does), the model's config and tokenizer (never its weights),
+and whether the run directory can be written. Each failure is a `ConfigError` whose message starts
+with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+import fsspec
+
+if TYPE_CHECKING:
+    from marinrl.curriculum import CurriculumConfig
+    from marinrl.job import RLJobConfig
+    from marinrl.models import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run. `field` is the dotted path below RLJobConfig (lessons by id:
+    `curriculum.lessons[echo].env`); the message is `RLJobConfig.<field>: <problem>`."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        self.problem = problem
+        super().__init__(f"RLJobConfig.{field}: {problem}")
+
+    def __reduce__(self):  # picklable across Ray, which re-creates exceptions from their args
+        return type(self), (self.field, self.problem)
+
+
+def check_job(config: "RLJobConfig") -> None:
+    """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
+    config.validate()
+    check_environments(config.curriculum)
+    seq_len = check_model(config.model)
+    if seq_len is not None and config.batching.max_length > seq_len:
+        raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
+                                                 f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
+    check_writable(config.run_dir, "run_root")
+
+
+def check_environments(curriculum: "CurriculumConfig") -> None:
+    """Resolve and construct every lesson's environment once: an unknown name, arguments its
+    constructor rejects or a missing data file fail here instead of in every rollout call."""
+    for lesson in curriculum.lessons:
+        where = f"curriculum.lessons[{lesson.lesson_id}].env"
+        try:
+            lesson.env.needs_endpoint()  # resolves the name (registered, or an importable class path)
+        except Exception as e:
+            raise ConfigError(f"{where}.name", _one_line(e)) from e
+        try:
+            lesson.env.build()
+        except Exception as e:
+            problem = _one_line(e)
+            if lesson.env.name not in problem:
+                problem = f"environment {lesson.env.name!r}: {problem}"
+            raise ConfigError(f"{where}.args", problem) from e
+
+
+def check_model(model: "ModelConfig") -> Optional[int]:
+    """The model's architecture and tokenizer load (its weights are not read). Returns the model's
+    number of positions when known (the longest row a training batch may have)."""
+    seq_len: Optional[int] = getattr(model.model, "seq_len", None)
+    vocab_size = model.vocab_size
+    if model.hf_checkpoint:
+        seq_len, vocab_size = _check_hf_checkpoint(model.hf_checkpoint)
+    elif model.levanter_checkpoint:
+        seq_len, vocab_size = _check_levanter_checkpoint(model.levanter_checkpoint, model)
+    tokenizer = _load_tokenizer(model)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        field = "model.tokenizer" if model.tokenizer else "model.vocab_size"
+        raise ConfigError(field, f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab_size} "
+                                 "rows of embeddings: token ids past the table would be sampled and trained")
+    return seq_len
+
+
+def check_writable(url: str, field: str) -> None:
+    """Create `url` (a directory, local or fsspec) and write and delete a probe file in it."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        path = path.rstrip("/")
+        fs.makedirs(path, exist_ok=True)
+        probe = f"{path}/.marinrl-preflight-{uuid.uuid4().hex[:8]}"
+        with fs.open(probe, "wb") as f:
+            f.write(b"ok")
+        fs.rm(probe)
+    except Exception as e:
+        raise ConfigError(field, f"cannot write under {url}: {_one_line(e)}") from e
+
+
+# ------------------------------------------------------------------------------------ models
+
+
+def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
+    from levanter.models.lm_model import LmConfig
+    from transformers import AutoConfig
+
+    from marinrl.models import _HF_TO_LEVANTER
+
+    field = "model.hf_checkpoint"
+    fs, plain = fsspec.core.url_to_fs(path)
+    plain = plain.rstrip("/")
+    if not fs.isdir(plain):
+        raise ConfigError(field, f"Hugging Face checkpoint directory not found: {path}")
+    names = [os.path.basename(n.rstrip("/")) for n in fs.ls(plain, detail=False)]
+    if "config.json" not in names:
+        raise ConfigError(field, f"{path} has no config.json: not a Hugging Face checkpoint "
+                                 f"({'empty' if not names else 'holds ' + ', '.join(sorted(names)[:5])})")
+    if not any(n.endswith(HF_WEIGHT_SUFFIXES) for n in names):
+        raise ConfigError(field, f"{path} has no weights (*.safetensors or pytorch_model*.bin)")
+    with fs.open(f"{plain}/config.json", "r") as f:
+        text = f.read()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(field, f"{path}/config.json:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from e
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(field, f"{path}/config.json has no model_type")
+    name = _HF_TO_LEVANTER.get(raw["model_type"])
+    if name is None or name not in LmConfig.get_known_choices():
+        raise ConfigError(field, f"Levanter has no model for HF model_type {raw['model_type']!r} "
+                                 f"(supported: {sorted(_HF_TO_LEVANTER)})")
+    with tempfile.TemporaryDirectory() as tmp:  # only config.json: the weights stay where they are
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            f.write(text)
+        try:
+            hf_config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+            lev_config = LmConfig.get_choice_class(name).from_hf_config(hf_config)
+        except Exception as e:
+            raise ConfigError(field, f"{path}/config.json does not describe a {raw['model_type']} model: "
+                                     f"{_one_line(e)}") from e
+    return getattr(lev_config, "seq_len", None), raw.get("vocab_size")
+
+
+def _check_levanter_checkpoint(path: str, model: "ModelConfig") -> tuple[Optional[int], Optional[int]]:
+    from levanter.checkpoint import discover_latest_checkpoint
+
+    from marinrl.models import _read_model_config
+
+    field = "model.levanter_checkpoint"
+    fs, plain = fsspec.core.url_to_fs(path)
+    if not fs.exists(plain):
+        raise ConfigError(field, f"Levanter checkpoint not found: {path}")
+    step_dir = discover_latest_checkpoint(path)
+    if step_dir is None:
+        raise ConfigError(field, f"no Levanter checkpoint (a directory with metadata.json) under {path}")
+    try:
+        saved = _read_model_config(step_dir)
+    except Exception as e:
+        raise ConfigError(field, f"cannot read the model config of {step_dir}: {_one_line(e)}") from e
+    if saved is None:  # a Trainer's checkpoint: the architecture is the config's own
+        return getattr(model.model, "seq_len", None), model.vocab_size
+    lm_config, vocab_size = saved
+    return getattr(lm_config, "seq_len", None), vocab_size
+
+
+def _load_tokenizer(model: "ModelConfig") -> Any:
+    from marinrl.models import build_tokenizer
+
+    field = "model.tokenizer" if model.tokenizer else ("model.hf_checkpoint" if model.hf_checkpoint
+                                                      else "model.vocab_size")
+    try:
+        return build_tokenizer(model)
+    except Exception as e:
+        raise ConfigError(field, f"cannot load the tokenizer: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type (for the unexpected kinds) and its message's first line."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+    if isinstance(e, (ValueError, FileNotFoundError)):
+        return text
+    return f"{type(e).__name__}: {text}"

@@ -1,0 +1,181 @@
+"""Every command turns a config or input mistake into one line on stderr and exit status 2:
+`marinrl train: <file>:<line>:<col>: <what is wrong>`; `--debug` adds the traceback."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from marinrl.cli import main
+from marinrl.storage import RolloutWriter
+
+from factories import make_batch
+
+QUICKSTART = (pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml").read_text()
+
+
+def _config(tmp_path, old: str | None = None, new: str = "", text: str | None = None) -> str:
+    """The quickstart config writing under tmp_path, with one line `old` replaced by `new`."""
+    text = QUICKSTART.replace("run_root: runs", f"run_root: {tmp_path}/runs") if text is None else text
+    if old is not None:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _fails(argv: list[str], capsys) -> str:
+    """Runs the CLI, checks exit status 2 and returns its stderr (one or two lines, no traceback)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and 1 <= len(err.strip().splitlines()) <= 2, err
+    return err.strip()
+
+
+def _line_col(path: str, needle: str) -> str:
+    """`line:col` (1-based) of the first occurrence of `needle` in the file."""
+    for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        if needle in line:
+            return f"{n}:{line.index(needle) + 1}"
+    raise AssertionError(needle)
+
+
+def test_an_unknown_key_names_its_line_column_and_the_closest_field(tmp_path, capsys):
+    path = _config(tmp_path, "max_staleness: 1", "max_stalenes: 1")
+    err = _fails(["train", path], capsys)
+    assert err == (f"marinrl train: {path}:{_line_col(path, 'max_stalenes')}: RLJobConfig.max_stalenes: unknown field "
+                   "of RLJobConfig; did you mean `max_staleness`?")
+
+
+def test_an_unknown_nested_key_without_a_close_match_lists_the_valid_ones(tmp_path, capsys):
+    path = _config(tmp_path, "loss: {kl_beta: 0.04}", "loss: {kl_beta: 0.04, zzz: 1}")
+    err = _fails(["train", path], capsys)
+    assert err.startswith(f"marinrl train: {path}:{_line_col(path, 'zzz')}: RLJobConfig.loss.zzz: unknown field of "
+                          "LossConfig; valid fields: objective, ratio_level")
+
+
+def test_a_wrong_type_names_the_value(tmp_path, capsys):
+    path = _config(tmp_path, "groups_per_step: 32", "groups_per_step: lots")
+    err = _fails(["train", path], capsys)
+    assert err == f"marinrl train: {path}:{_line_col(path, 'lots')}: RLJobConfig.groups_per_step: Couldn't parse 'lots' into an int"
+
+
+def test_a_missing_config_file(tmp_path, capsys):
+    err = _fails(["train", str(tmp_path / "nope.yaml")], capsys)
+    assert err == f"marinrl train: {tmp_path}/nope.yaml: config file not found"
+
+
+def test_invalid_yaml_gives_the_parser_line_and_column(tmp_path, capsys):
+    path = _config(tmp_path, "loss: {kl_beta: 0.04}", "loss: {kl_beta: 0.04")
+    err = _fails(["train", path], capsys)
+    next_key = _line_col(path, "eval_every")
+    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:{next_key.split(':')[0]}:\d+: invalid YAML: expected ',' or "
+                        rf"'}}', but got ':' \(while parsing a flow mapping at {_line_col(path, '{kl_beta')}\)", err), err
+    assert "TextIOWrapper" not in err
+
+
+@pytest.mark.parametrize(
+    "dependency, reason",
+    [("nope", r"lesson 'echo' depends on unknown lesson 'nope'; known: \['echo'\]"),
+     ("echo", "lesson dependencies form a cycle: echo -> echo")],
+)
+def test_a_missing_or_cyclic_dependency_gives_the_reason_first(tmp_path, capsys, dependency, reason):
+    path = _config(tmp_path, "      graduate_at: null",
+                   f"      graduate_at: null\n      dependencies: [{{lesson_id: {dependency}}}]")
+    err = _fails(["train", path], capsys)
+    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:\d+:\d+: RLJobConfig.curriculum: {reason}", err), err
+
+
+def test_a_lesson_field_check_points_at_the_lesson(tmp_path, capsys):
+    path = _config(tmp_path, "      max_tokens: 1", "      max_tokens: 0")
+    err = _fails(["train", path], capsys)
+    assert err == (f"marinrl train: {path}:{_line_col(path, 'lesson_id: echo')}: RLJobConfig.curriculum.lessons[0]: "
+                   "lesson 'echo': max_tokens must be >= 1, got 0")
+
+
+@pytest.mark.parametrize(
+    "old, new, needle, message",
+    [
+        ("holdout: 0.2}}", "holdout: 0.2, frobnicate: 3}}", "{alphabet_size",
+         r"RLJobConfig.curriculum.lessons\[echo\].env.args: environment 'echo' rejected args .*'frobnicate'"),
+        ("alphabet_size: 10,", "alphabet_size: 99,", "{alphabet_size",
+         r"RLJobConfig.curriculum.lessons\[echo\].env.args: echo: alphabet_size must be in \[2, 26\], got 99"),
+        ("{name: echo,", "{name: nope,", "nope", r"RLJobConfig.curriculum.lessons\[echo\].env.name: unknown environment 'nope'"),
+        ("learning_rate: 0.001", "learning_rate: -1", "-1", r"RLJobConfig.learning_rate: must be finite and > 0"),
+        ("n_generations: 16", "n_generations: 1", "1", r"RLJobConfig.n_generations: 1 sample per prompt .* every advantage 0"),
+        ("eval_every: 10", "eval_every: 10\ncheckpoint_every: -1", "-1", r"RLJobConfig.checkpoint_every: must be >= 0, got -1"),
+    ],
+)
+def test_a_preflight_failure_points_at_its_field(tmp_path, capsys, old, new, needle, message):
+    path = _config(tmp_path, old, new)
+    line = _line_col(path, new.splitlines()[-1]).split(":")[0]
+    col = pathlib.Path(path).read_text().splitlines()[int(line) - 1].index(needle) + 1
+    err = _fails(["train", path], capsys)
+    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:{line}:{col}: {message}.*", err), err
+
+
+def test_a_preflight_failure_of_a_default_names_the_file_and_field(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = _config(tmp_path, f"run_root: {tmp_path}/runs", "# run_root: runs")  # run_root left at its default ...
+    err = _fails(["train", path, "--run_root", str(blocker)], capsys)  # ... and set by a flag
+    assert err.startswith(f"marinrl train: --run_root {blocker}: RLJobConfig.run_root: cannot write under {blocker}/")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--max_staleness", "x"], "--max_staleness x: RLJobConfig.max_staleness: Couldn't parse 'x' into an int"),
+        (["--max_stalenes", "2"], "--max_stalenes 2: unknown flag; did you mean --max_staleness?"),
+        (["--loss.kl_beta=-1"], "--loss.kl_beta -1: RLJobConfig.loss: LossConfig.kl_beta: must be finite and >= 0, got -1.0"),
+        (["--learning_rate", "-3"], "--learning_rate -3: RLJobConfig.learning_rate: must be finite and > 0, got -3.0"),
+    ],
+)
+def test_a_bad_override_names_the_flag(tmp_path, capsys, overrides, message):
+    err = _fails(["train", _config(tmp_path), *overrides], capsys)
+    assert err.startswith(f"marinrl train: {message}"), err
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys):
+    path = _config(tmp_path, "groups_per_step: 32", "groups_per_step: lots")
+    with pytest.raises(SystemExit) as e:
+        main(["train", path, "--debug"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "DecodingError" in err
+    assert err.strip().splitlines()[-1].startswith(f"marinrl train: {path}:")
+
+
+# ------------------------------------------------------------------------- inspect, eval, report
+
+
+def test_inspect_of_a_missing_path_is_an_error(tmp_path, capsys):
+    err = _fails(["inspect", str(tmp_path / "nope")], capsys)
+    assert err == f"marinrl inspect: {tmp_path}/nope: no such rollout root"
+
+
+def test_inspect_of_a_run_folder_names_the_rollout_root_to_inspect(tmp_path, capsys):
+    RolloutWriter(str(tmp_path / "run" / "rollouts")).write(make_batch(n_groups=1, group_size=2, weight_step=0))
+    (tmp_path / "run" / "checkpoints").mkdir()
+    err = _fails(["inspect", str(tmp_path / "run")], capsys)
+    assert err == f"marinrl inspect: {tmp_path}/run is a run folder, not a rollout root: inspect {tmp_path}/run/rollouts"
+    assert main(["inspect", str(tmp_path / "run" / "rollouts")]) == 0
+    assert "1 files, 2 rollouts" in capsys.readouterr().out
+
+
+def test_inspect_of_an_existing_empty_root_is_fine(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main(["inspect", str(tmp_path / "empty")]) == 0
+    assert "0 files, 0 rollouts" in capsys.readouterr().out
+
+
+def test_eval_and_report_input_errors_exit_2(tmp_path, capsys):
+    err = _fails(["eval", "--checkpoint", str(tmp_path / "nope"), "--lessons", "echo"], capsys)
+    assert err.startswith("marinrl eval: checkpoint not found")
+    err = _fails(["report", str(tmp_path / "nope")], capsys)
+    assert err.startswith("marinrl report: ") and "nope" in err

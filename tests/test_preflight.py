@@ -1,0 +1,176 @@
+"""RLJob checks everything it can before Ray starts (marinrl.preflight): each mistake is one
+ConfigError naming the field, raised by the constructor, so no actor, trainer or Ray ever runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import time
+
+import jax.numpy as jnp
+import pytest
+import ray
+from levanter.checkpoint import save_checkpoint
+
+from marinrl.curriculum import CurriculumConfig
+from marinrl.envs.base import EnvConfig
+from marinrl.job import ConfigError, RLJob
+from marinrl.models import ModelConfig
+from marinrl.train.batching import BatchingConfig
+from marinrl.train.losses import LossConfig
+
+from test_job import ECHO, job_config
+
+QUICKSTART = pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml"
+
+
+@pytest.mark.parametrize(
+    "env, field, problem",
+    [
+        (EnvConfig("echo", {"frobnicate": 3}), "env.args", "unexpected keyword argument 'frobnicate'"),
+        (EnvConfig("echo", {"alphabet_size": 99}), "env.args", r"alphabet_size must be in \[2, 26\], got 99"),
+        (EnvConfig("echoo", {}), "env.name", "unknown environment 'echoo'; registered: .*'echo'"),
+        (EnvConfig("math", {"path": "/nonexistent/problems.jsonl"}), "env.args", "/nonexistent/problems.jsonl"),
+    ],
+)
+def test_an_environment_that_cannot_be_built_fails_in_the_constructor(tmp_path, env, field, problem):
+    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(dataclasses.replace(ECHO, env=env),)))
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.curriculum\.lessons\[echo\]\.{field}: .*{problem}"):
+        RLJob(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, field, problem",
+    [
+        (dict(learning_rate=-1.0), "learning_rate", "must be finite and > 0, got -1.0"),
+        (dict(learning_rate=float("nan")), "learning_rate", "must be finite and > 0"),
+        (dict(checkpoint_every=-1), "checkpoint_every", "must be >= 0, got -1"),
+        (dict(eval_every=-2), "eval_every", "must be >= 0"),
+        (dict(seed=-1), "seed", "must be >= 0"),
+        (dict(checkpoint_keep=0), "checkpoint_keep", "must be >= 1, got 0"),
+        (dict(checkpoint_keep_every=-1), "checkpoint_keep_every", "must be >= 0"),
+        (dict(max_consecutive_env_failures=0), "max_consecutive_env_failures", "must be >= 1"),
+        (dict(eval_examples=0), "eval_examples", "must be >= 1"),
+        (dict(n_generations=1), "n_generations", "makes every advantage 0"),
+        (dict(n_generations=1, loss=LossConfig(advantage="rloo")), "n_generations", "advantage='rloo'"),
+        (dict(batching=BatchingConfig(max_length=64, min_bucket=8)), "batching.max_length",
+         "64 is longer than the model's 32 positions"),
+    ],
+)
+def test_numbers_out_of_range_are_refused(tmp_path, overrides, field, problem):
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{field}: .*{problem}"):
+        RLJob(job_config(tmp_path, **overrides))
+
+
+def test_a_response_budget_longer_than_a_training_row_is_refused(tmp_path):
+    lesson = dataclasses.replace(ECHO, max_tokens=32)
+    with pytest.raises(ConfigError, match=r"lessons\[echo\]\.max_tokens: 32 new tokens do not fit .*max_length=32"):
+        RLJob(job_config(tmp_path, curriculum=CurriculumConfig(lessons=(lesson,))))
+
+
+def _hf_dir(tmp_path, files: dict[str, str]) -> str:
+    path = tmp_path / "hf"
+    path.mkdir()
+    for name, text in files.items():
+        (path / name).write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "files, problem",
+    [
+        (None, "Hugging Face checkpoint directory not found"),
+        ({}, r"has no config.json: not a Hugging Face checkpoint \(empty\)"),
+        ({"config.json": '{"model_type": "llama",', "model.safetensors": ""}, r"config.json:1:\d+: not valid JSON"),
+        ({"config.json": json.dumps({"model_type": "llama"})}, "has no weights"),
+        ({"config.json": json.dumps({"model_type": "bert"}), "model.safetensors": ""},
+         "Levanter has no model for HF model_type 'bert'"),
+    ],
+)
+def test_a_missing_empty_or_corrupt_hf_checkpoint_is_one_line(tmp_path, files, problem):
+    path = str(tmp_path / "missing") if files is None else _hf_dir(tmp_path, files)
+    cfg = job_config(tmp_path, model=ModelConfig(hf_checkpoint=path))
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.model\.hf_checkpoint: .*{problem}") as e:
+        RLJob(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_tokenizer_or_levanter_checkpoint_names_its_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"^RLJobConfig\.model\.tokenizer: .*tokenizer directory not found"):
+        RLJob(job_config(tmp_path, model=dataclasses.replace(job_config(tmp_path).model, tokenizer=str(tmp_path / "t"))))
+    with pytest.raises(ConfigError, match=r"^RLJobConfig\.model\.levanter_checkpoint: Levanter checkpoint not found"):
+        RLJob(job_config(tmp_path, model=ModelConfig(levanter_checkpoint=str(tmp_path / "ckpt"))))
+
+
+def test_a_run_root_that_cannot_be_written_is_refused(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.run_root: cannot write under {blocker}/job"):
+        RLJob(job_config(tmp_path, run_root=str(blocker)))
+
+
+def test_a_good_config_passes_and_leaves_only_its_run_directory(tmp_path):
+    cfg = job_config(tmp_path / "runs")
+    RLJob(cfg)  # the quickstart's config is timed in docs/configuration.md; here it only has to pass
+    assert os.listdir(tmp_path / "runs" / "job") == []  # the probe file is gone
+
+
+def test_a_good_gcs_run_root_passes(gcs_root, tmp_path):
+    RLJob(job_config(tmp_path, run_root=gcs_root))
+
+
+def test_preflight_of_the_quickstart_is_quick(tmp_path):
+    """Not a timing assertion: a report of what preflight costs, and proof it passes on the shipped config."""
+    import draccus
+
+    from marinrl.job import RLJobConfig
+
+    cfg = draccus.parse(RLJobConfig, config_path=str(QUICKSTART), args=["--run_root", str(tmp_path)])
+    started = time.perf_counter()
+    RLJob(cfg)
+    print(f"preflight of experiments/quickstart.yaml: {time.perf_counter() - started:.3f} s")
+
+
+# ------------------------------------------------------------------------- a trainer that dies
+
+
+def _trainer_death_message(error, checkpoints):
+    from marinrl.job import _trainer_death_message
+
+    return _trainer_death_message(error, checkpoints)
+
+
+def _task_error(cause: BaseException) -> ray.exceptions.RayTaskError:
+    return ray.exceptions.RayTaskError("TrainerActor.run", "Traceback (most recent call last): ...", cause)
+
+
+def test_a_dead_trainer_names_its_checkpoint_only_when_one_exists(tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")
+    message = _trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
+    assert message.startswith("the trainer died: MemoryError: out of memory\n")
+    assert "no checkpoint was written" in message and "starts from step 0" in message
+    assert "resume" not in message
+
+    save_checkpoint({"x": jnp.zeros(2)}, step=4, checkpoint_path=f"{checkpoints}/step-4")
+    message = _trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
+    assert f"resume from its last checkpoint, {checkpoints}/step-4" in message
+
+
+def test_a_trainer_killed_by_an_input_error_says_to_fix_it_not_to_resume(tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")
+    message = _trainer_death_message(_task_error(FileNotFoundError("no such file: tok.json")), checkpoints)
+    assert message.splitlines() == ["the trainer died: FileNotFoundError: no such file: tok.json",
+                                    "this is a config or input error: fix it, then run the config again"]
+    save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
+    message = _trainer_death_message(_task_error(ValueError("bad")), checkpoints)
+    assert message.endswith(f"fix it, then run the config again (it resumes from {checkpoints}/step-2)")
+
+
+@pytest.mark.parametrize("overrides, problem", [(dict(dtype="flaot32"), "ModelConfig.dtype must be a float dtype"),
+                                                (dict(dtype="int32"), "ModelConfig.dtype must be a float dtype"),
+                                                (dict(init_std=-0.02), "ModelConfig.init_std must be finite and > 0")])
+def test_a_model_config_with_a_bad_dtype_or_init_std_is_refused_when_built(overrides, problem):
+    with pytest.raises(ValueError, match=problem):
+        ModelConfig(**overrides)
