@@ -1,7 +1,8 @@
 """RLJob under faults, on a real Ray: a rollout worker killed mid-run is restarted and training
 finishes; a trainer killed mid-run ends the job with a message naming the checkpoint, and the same
 config resumes from it consuming every rollout group at most once across the lineage; a two-node
-cluster places the trainer and the rollout worker on different nodes by resource."""
+cluster places the trainer and the rollout worker on different nodes by resource; an environment that
+fails every call stops the job with its error, logged once in the run folder."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import ray
 from marinrl.job import RLJob
 from marinrl.train.worker import SIDECAR
 
+import faulty_envs
 from test_job import job_config
 
 DEADLINE_S = 150.0
@@ -45,8 +47,13 @@ def _poll(condition: Callable[[], object], what: str, deadline_s: float = DEADLI
 def _committed_checkpoint_step(ckpt_root: str) -> int:
     """The step a resume would start from (0: no committed checkpoint yet). Levanter's metadata.json
     commits a checkpoint; our sidecar in the same folder holds the step it resumes at."""
-    steps = [json.loads((d / SIDECAR).read_text())["step"]
-             for d in pathlib.Path(ckpt_root).glob("step-*") if (d / "metadata.json").exists()]
+    steps = []
+    for d in pathlib.Path(ckpt_root).glob("step-*"):
+        try:
+            if (d / "metadata.json").exists():
+                steps.append(json.loads((d / SIDECAR).read_text())["step"])
+        except FileNotFoundError:  # retention deleted this folder between the listing and the read
+            continue
     return max(steps, default=0)
 
 
@@ -152,6 +159,54 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     assert all(len(step) == cfg.groups_per_step for step in lineage)
     flat = [g for step in lineage for g in step]
     assert len(flat) == len(set(flat)), "a rollout group was trained twice across the resume"
+
+
+_BROKEN_ENV_SCRIPT = textwrap.dedent("""
+    import json, pathlib
+    from marinrl.curriculum import CurriculumConfig, LessonConfig
+    from marinrl.envs.base import EnvConfig
+    from marinrl.job import RLJob
+    from marinrl.train.replay import ReplayConfig
+    from test_job import job_config
+
+    broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,
+                          graduate_at=None)
+    # The replay timeout is the deadline: without the failure budget the trainer would wait it out.
+    cfg = job_config(pathlib.Path({root!r}), run_id="env-fails", curriculum=CurriculumConfig(lessons=(broken,)),
+                     max_consecutive_env_failures=3, replay=ReplayConfig(timeout_s={deadline}))
+    job = RLJob(cfg)
+    try:
+        job.run()
+        print("RESULT " + json.dumps(dict(error=None)))
+    except Exception as e:
+        print("RESULT " + json.dumps(dict(error=type(e).__name__, message=str(e), actors_left=len(job._actors))))
+""")
+
+
+def test_an_env_failing_every_call_stops_the_job_naming_it_and_logs_to_the_run_folder(tmp_path):
+    """Its own process and local Ray, with tests/ on PYTHONPATH: Ray's workers import the environment
+    by its dotted path, as they would a user's package."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = _BROKEN_ENV_SCRIPT.format(root=str(tmp_path), deadline=DEADLINE_S)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=2 * DEADLINE_S + 60,
+                          env=env, cwd=os.path.dirname(tests))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["error"] == "EnvironmentFailedError", out
+    message = out["message"]
+    assert "lesson 'broken'" in message and "RaisesInSample (env 'faulty_envs:RaisesInSample')" in message
+    assert f"RuntimeError: {faulty_envs.ERROR_TEXT}" in message and "3 calls in a row" in message
+    assert out["actors_left"] == 0  # stopped and cleaned up, not restarted
+
+    logs = tmp_path / "env-fails" / "logs"
+    rollout_log = (logs / "rollout-0.log").read_text()
+    assert rollout_log.count("Traceback (most recent call last)") == 1, rollout_log[-3000:]
+    assert "seen 2 times so far" in rollout_log  # a repeat is a count
+    assert "failure summary: 4 x environment RaisesInSample of lesson 'broken' failed" in rollout_log  # eval + 3
+    assert (logs / "trainer.log").exists() and (logs / "curriculum.log").exists()
 
 
 _TWO_NODE_SCRIPT = textwrap.dedent("""

@@ -136,3 +136,44 @@ def test_greedy_eval_is_deterministic_and_update_model_changes_it(server):
     _, b3 = manager.evaluate_lesson("ok", 3, "micro_eval", np.random.default_rng(1), 0, 0, "w")
     first.pop("sample_seconds"), second.pop("sample_seconds")
     assert first == second and tokens(b1) == tokens(b3) and tokens(b1) != tokens(b2)
+
+
+class NaNAfterConstruction(StartsWithA):
+    """Writes a NaN into the reward arrays of its first group after building it (a rollout cannot be
+    built with one): stamping catches it."""
+
+    def sample(self, *args):
+        groups, metrics = super().sample(*args)
+        for r in groups[0].rollouts:
+            r.token_rewards[-1] = np.nan
+        return groups, metrics
+
+
+class ConstructorRaises:
+    def __init__(self):
+        raise ValueError("alphabet_size must be <= 26, got 99")
+
+
+def test_a_nan_reward_drops_its_group_never_the_call(server):
+    import faulty_envs
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=2)
+    manager = RolloutManager(server, {"nan-after": LessonRuntime(NaNAfterConstruction, sampling),
+                                      "nan-grade": LessonRuntime(lambda: faulty_envs.NaNGrader(nan_every=2), sampling)})
+    batch, metrics = manager.sample_batch("nan-after", 3, 2, "train", np.random.default_rng(0), 0, "w")
+    assert len(batch.groups) == 2 and metrics["nan-after/malformed_groups"] == 1
+    assert metrics["nan-after/env_failures"] == 0
+    # A SingleTurnEnv grader's NaN for problems 0 and 2 drops those two groups; problem 1 and 3 stay.
+    batch, metrics = manager.sample_batch("nan-grade", 4, 2, "train", np.random.default_rng(0), 0, "w")
+    assert sorted(g.group_id.split(":")[1] for g in batch.groups) == ["1", "3"]
+    assert metrics["nan-grade/malformed_groups"] == 2 and metrics["nan-grade/env_failures"] == 0
+
+
+def test_an_env_that_fails_to_construct_is_counted_and_named(server):
+    manager = RolloutManager(server, {"bad": LessonRuntime(ConstructorRaises, SamplingParams(max_tokens=2),
+                                                           env_name="my_envs:ConstructorRaises")})
+    batch, metrics = manager.sample_batch("bad", 2, 2, "train", np.random.default_rng(0), 0, "w")
+    assert batch is None and metrics["bad/env_failures"] == 1
+    stats, batch = manager.evaluate_lesson("bad", 2, "eval", np.random.default_rng(0), 0, 0, "w")
+    assert batch is None and stats["env_failures"] == 1 and np.isnan(stats["reward_mean"])
+    assert manager.describe_env("bad") == "env 'my_envs:ConstructorRaises'"  # never built: its configured name

@@ -26,6 +26,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Sequence
 import numpy as np
 
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, chat_prompt_tokens
+from marinrl.logs import ENV_ERRORS
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, Rollout, RolloutGroup, RolloutMetadata
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ MODES: tuple[str, ...] = ("train", "eval")
 
 UNSTAMPED = RolloutMetadata(worker_id="unstamped", weight_step=0, created_at=0.0)
 """Metadata an environment puts on its rollouts; `safe_sample` replaces it with the caller's."""
+COUNTERS: tuple[str, ...] = ("env_failures", "malformed_groups", "dropped_metrics")
+"""`safe_sample` metrics that count failures in one call (a caller sums them into running totals)."""
 UNSTAMPED_LESSON = "unstamped"
 """Lesson id an environment puts on its rollouts; `safe_sample` replaces it with the caller's."""
 
@@ -269,7 +272,9 @@ class SingleTurnEnv:
     samples in one `ctx.generate` call, grades each response's text and returns one group per problem.
     Metrics: `reward_mean`, `reward_std`, `<indicator>_frac` and `<indicator>_count` for each grade
     indicator, `response_tokens_mean`, `truncated_frac` (budget ran out), `zero_variance_groups_frac`
-    (groups whose rewards are all equal: no group-relative signal), `n_samples`."""
+    (groups whose rewards are all equal: no group-relative signal), `n_samples`, and, when some were,
+    `malformed_groups` (groups dropped because `grade` gave a sample a NaN or infinite reward: the
+    other groups are kept)."""
 
     env_name: str = "single_turn"
     chat: bool = False
@@ -305,13 +310,20 @@ class SingleTurnEnv:
         lengths: list[int] = []
         truncated = 0
         zero_variance = 0
+        dropped = 0
         for problem, prompt, samples in zip(problems, prompts, generations):
             if len(samples) != n_generations:
                 raise RuntimeError(f"ctx.generate returned {len(samples)} samples, asked for {n_generations}")
             group_id = new_group_id(self.env_name, problem.example_id)
+            grades = [self.grade(problem, completion_text(tokenizer, gen, sampling)) for gen in samples]
+            bad = [g.reward for g in grades if not math.isfinite(g.reward)]
+            if bad:  # one broken grade drops its group (counted), not the whole call
+                dropped += 1
+                ENV_ERRORS.report(logger, f"{type(self).__name__}.grade returned a non-finite reward ({bad[0]!r}); "
+                                          "its group is dropped", level=logging.WARNING)
+                continue
             rollouts = []
-            for gen in samples:
-                grade = self.grade(problem, completion_text(tokenizer, gen, sampling))
+            for gen, grade in zip(samples, grades):
                 rollouts.append(make_rollout(
                     prompt, gen, reward=grade.reward, temperature=sampling.temperature, env_name=self.env_name,
                     group_id=group_id, agent_name=self.agent_name, policy_name=self.policy_name))
@@ -323,6 +335,8 @@ class SingleTurnEnv:
             group = RolloutGroup(tuple(rollouts))
             zero_variance += bool(np.all(group.rewards == group.rewards[0]))
             groups.append(group)
+        if not groups:
+            return [], {"malformed_groups": float(dropped)}
         metrics = {
             "reward_mean": float(np.mean(rewards)),
             "reward_std": float(np.std(rewards)),
@@ -331,6 +345,8 @@ class SingleTurnEnv:
             "zero_variance_groups_frac": zero_variance / len(groups),
             "n_samples": float(len(rewards)),
         }
+        if dropped:
+            metrics["malformed_groups"] = float(dropped)
         for k, values in indicators.items():
             metrics[f"{k}_frac"] = float(np.mean(values))
             metrics[f"{k}_count"] = float(np.sum(values))
@@ -359,7 +375,9 @@ def safe_sample(
     and `<lesson>/env_failures` 1. A group that is not a `RolloutGroup`, holds more than
     `n_generations` rollouts, repeats a group id, or holds a rollout that fails validation when
     stamped (a NaN reward, say) is dropped and counted in `<lesson>/malformed_groups`; the other
-    groups are returned. Every failure is logged with the lesson id. Metric keys are
+    groups are returned. Every failure is logged with the lesson id, each distinct one once with its
+    traceback and its repeats as counts (`marinrl.logs.ENV_ERRORS`, whose `last()` is the text of the
+    last one). Counters (`COUNTERS`) are this call's counts; callers keep running totals. Metric keys are
     `<lesson_id>/<name>`; environment metrics that are not finite numbers are dropped and counted in
     `<lesson>/dropped_metrics`. Arguments the caller got wrong (mode, sizes) still raise."""
     check_sample_args(n_examples, n_generations, mode)
@@ -375,18 +393,22 @@ def safe_sample(
         groups, env_metrics = result
         groups = list(groups)
         env_metrics = dict(env_metrics or {})
-    except Exception:
-        logger.exception("environment %s of lesson %r failed", type(env).__name__, lesson_id)
+    except Exception as e:
+        ENV_ERRORS.report(logger, f"environment {type(env).__name__} of lesson {lesson_id!r} failed", e)
         metrics[p + "env_failures"] = 1.0
         metrics[p + "sample_seconds"] = time.perf_counter() - started
         return [], metrics
     metrics[p + "sample_seconds"] = time.perf_counter() - started
     for k, v in env_metrics.items():
         if isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and math.isfinite(v):
-            metrics[p + str(k)] = float(v)
+            if k in COUNTERS:  # an environment's own count (e.g. groups it dropped) adds to ours
+                metrics[p + str(k)] += float(v)
+            else:
+                metrics[p + str(k)] = float(v)
         else:
             metrics[p + "dropped_metrics"] += 1.0
-            logger.warning("lesson %r: environment metric %r = %r is not a finite number; dropped", lesson_id, k, v)
+            ENV_ERRORS.report(logger, f"lesson {lesson_id!r}: environment metric {k!r} = {v!r} is not a finite "
+                                      "number; dropped", level=logging.WARNING)
     stamped: list[RolloutGroup] = []
     seen: set[str] = set()
     for i, group in enumerate(groups):
@@ -394,7 +416,8 @@ def safe_sample(
             stamped.append(_stamp(group, n_generations, metadata, lesson_id, seen))
         except Exception as e:  # malformed in any way: drop this group, keep the others
             metrics[p + "malformed_groups"] += 1.0
-            logger.warning("lesson %r: dropped malformed group #%d: %s: %s", lesson_id, i, type(e).__name__, e)
+            ENV_ERRORS.report(logger, f"lesson {lesson_id!r}: environment {type(env).__name__} returned a malformed "
+                                      f"group (dropped)", e, level=logging.WARNING, traceback=False)
     metrics[p + "groups"] = float(len(stamped))
     return stamped, metrics
 

@@ -15,7 +15,8 @@ from typing import Callable, Literal, Mapping, Optional, Protocol
 import numpy as np
 
 from marinrl.inference.context import SamplingParams
-from marinrl.envs.base import Env, safe_sample
+from marinrl.envs.base import COUNTERS, Env, safe_sample
+from marinrl.logs import ENV_ERRORS
 from marinrl.types import RolloutBatch, RolloutMetadata
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,8 @@ class LessonRuntime:
     sampling: SamplingParams
     eval_sampling: Optional[SamplingParams] = None
     """Sampling for evaluations; default: greedy with the training token budget."""
+    env_name: str = ""
+    """The environment as configured (its `EnvConfig.name`), for error messages."""
 
 
 class CurriculumStats(Protocol):
@@ -66,10 +69,25 @@ class RolloutManager:
             env = self._envs[lesson_id] = self.lessons[lesson_id].make_env()
         return env
 
+    def describe_env(self, lesson_id: str) -> str:
+        """How errors name a lesson's environment: its class (once built) and its configured name."""
+        runtime = self.lessons[lesson_id]
+        env = self._envs.get(lesson_id)
+        cls = type(env).__name__ if env is not None else None
+        if cls and runtime.env_name and runtime.env_name != cls:
+            return f"{cls} (env {runtime.env_name!r})"
+        return cls or (f"env {runtime.env_name!r}" if runtime.env_name else "its environment")
+
     def _run_env(self, lesson_id: str, n_examples: int, n_generations: int, sampling: SamplingParams,
                  rng: np.random.Generator, mode: str, weight_step: int, worker_id: str):
-        """One env call through `safe_sample`: a raising env or malformed groups are counted, never raised."""
-        return safe_sample(self._env(lesson_id), self.server, lesson_id=lesson_id, n_examples=n_examples,
+        """One env call through `safe_sample`: an env that fails to construct or raises, and malformed
+        groups, are counted (`<lesson>/env_failures`, `<lesson>/malformed_groups`), never raised."""
+        try:
+            env = self._env(lesson_id)
+        except Exception as e:  # not cached: the next call tries again
+            ENV_ERRORS.report(logger, f"building {self.describe_env(lesson_id)} of lesson {lesson_id!r} failed", e)
+            return [], {f"{lesson_id}/{k}": float(k == "env_failures") for k in COUNTERS}
+        return safe_sample(env, self.server, lesson_id=lesson_id, n_examples=n_examples,
                            n_generations=n_generations, sampling=sampling, rng=rng, mode=mode,
                            metadata=RolloutMetadata(worker_id, weight_step))
 

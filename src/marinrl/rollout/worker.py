@@ -5,6 +5,11 @@ feeds training stats to the curriculum, runs evaluations on their cadence and lo
 no model logic. It paces itself by the trainer: a batch meant for trainer step `t` is generated only
 with weights `w >= t - max_staleness`, so `max_staleness = 0` is exact on-policy (wait for the next
 weights) and `1` overlaps generation of batch N with training on batch N-1.
+
+A failing environment neither spins nor floods: consecutive failures back off (0.1 s doubling to
+5 s), each distinct error is logged once with its traceback and then as counts, and a lesson whose
+environment fails `max_consecutive_env_failures` calls in a row raises `EnvironmentFailedError`,
+which ends the job (restarting the worker would only repeat the failure).
 """
 
 from __future__ import annotations
@@ -17,12 +22,25 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from marinrl.envs.base import COUNTERS
+from marinrl.logs import ENV_ERRORS
 from marinrl.storage import RolloutStorageError, RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
+
+BACKOFF_FIRST_S = 0.1
+"""Wait after the first of consecutive failed environment calls; it doubles with each further one..."""
+BACKOFF_MAX_S = 5.0
+"""...up to this. `stop()` interrupts the wait."""
+
+
+class EnvironmentFailedError(RuntimeError):
+    """A lesson's environment failed `max_consecutive_env_failures` calls in a row. The message names
+    the lesson, the environment and its last error; the job stops with it instead of restarting the
+    worker, which would repeat the failure."""
 
 
 @dataclasses.dataclass
@@ -47,11 +65,15 @@ class RolloutWorkerConfig:
     eval_examples: int = 32
     weight_timeout_s: float = 600.0
     """How long to wait for weights the trainer owes us before giving up."""
+    max_consecutive_env_failures: int = 5
+    """A lesson whose environment fails this many calls in a row (it raises, fails to construct, or
+    yields no usable group) raises `EnvironmentFailedError`; a good batch of the lesson resets its count."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples"):
+        for name in ("groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
+                     "max_consecutive_env_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_staleness", "micro_eval_every", "eval_every", "final_step"):
@@ -97,6 +119,9 @@ class RolloutWorker:
         self._writer = RolloutWriter(config.rollout_root, storage_options=config.storage_options)
         self._client = config.weights.build_client(manager.model)
         self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
+        self._env_totals: dict[str, float] = {}  # "<lesson>/<counter>" -> running total
+        self._failure_streak = 0  # failed calls in a row, any lesson: paces the backoff
+        self._lesson_streaks: dict[str, int] = {}  # failed calls in a row per lesson: the budget
 
     def stop(self) -> None:
         self._stop.set()
@@ -153,19 +178,26 @@ class RolloutWorker:
         cfg = self.config
         lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
         started = time.perf_counter()
+        ENV_ERRORS.forget_last()
         try:
             batch, metrics = self.manager.sample_batch(
                 lesson_id, cfg.groups_per_batch, cfg.n_generations, "train", self._rng,
                 weight_step=self.weight_step, worker_id=self.worker_id)
-        except Exception:  # the manager isolates env failures; anything else is counted, not fatal
-            logger.exception("sample_batch failed for lesson %s", lesson_id)
+        except Exception as e:  # the manager isolates env failures; anything else is counted too
+            ENV_ERRORS.report(logger, f"sample_batch of lesson {lesson_id!r} failed", e)
             self.counters.sample_failures += 1
+            self._log(self._failure_metrics({}))
+            self._failed(lesson_id, ENV_ERRORS.last())
             return False
         gen_s = time.perf_counter() - started
         if batch is None:
             self.counters.empty_batches += 1
-            self._log({f"env/{k}": v for k, v in metrics.items()})
+            self._log(self._failure_metrics(metrics))
+            dropped = ", ".join(f"{k.split('/', 1)[1]}={v:g}" for k, v in metrics.items()
+                                if k.split("/", 1)[1] in COUNTERS and v)
+            self._failed(lesson_id, ENV_ERRORS.last() or f"it returned no usable group ({dropped or 'no groups'})")
             return False
+        self._failure_streak = self._lesson_streaks[lesson_id] = 0
         if not self._write(batch):
             return False
         self.manager.update_training_stats(lesson_id, batch, self.weight_step)
@@ -183,10 +215,32 @@ class RolloutWorker:
             "rollout/gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
             "rollout/batches_written": self.counters.batches_written,
             "rollout/write_failures": self.counters.write_failures,
-            "rollout/sample_failures": self.counters.sample_failures,
-            **{f"env/{k}": v for k, v in metrics.items()},
+            **self._failure_metrics(metrics),
         })
         return True
+
+    def _failure_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`metrics` of one call with its failure counters replaced by running totals, plus the worker's."""
+        out = {}
+        for key, value in metrics.items():
+            if key.split("/", 1)[-1] in COUNTERS:
+                value = self._env_totals[key] = self._env_totals.get(key, 0.0) + value
+            out[f"env/{key}"] = value
+        return {**out, "rollout/sample_failures": self.counters.sample_failures,
+                "rollout/empty_batches": self.counters.empty_batches}
+
+    def _failed(self, lesson_id: str, error: Optional[str]) -> None:
+        """One more failed call of `lesson_id`: back off, or raise once the lesson is out of budget."""
+        budget = self.config.max_consecutive_env_failures
+        self._failure_streak += 1
+        streak = self._lesson_streaks[lesson_id] = self._lesson_streaks.get(lesson_id, 0) + 1
+        if streak >= budget:
+            ENV_ERRORS.log_summary(logger)
+            message = (f"lesson {lesson_id!r}: environment {self.manager.describe_env(lesson_id)} failed {streak} "
+                       f"calls in a row (max_consecutive_env_failures={budget}); last error: {error}")
+            logger.error("%s; stopping", message)
+            raise EnvironmentFailedError(message)
+        self._stop.wait(min(BACKOFF_FIRST_S * 2 ** (self._failure_streak - 1), BACKOFF_MAX_S))
 
     def _write(self, batch: RolloutBatch, attempts: int = 3) -> bool:
         for attempt in range(attempts):
@@ -204,26 +258,31 @@ class RolloutWorker:
     def _evaluate(self, full: bool) -> None:
         cfg = self.config
         step = self.weight_step
-        try:
-            if full:
-                results = self.manager.evaluate_curriculum(
-                    cfg.eval_examples, "eval", self._rng, step=step, weight_step=step, worker_id=self.worker_id)
-            else:
-                lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
-                results = {lesson_id: self.manager.evaluate_lesson(
-                    lesson_id, cfg.micro_eval_examples, "micro_eval", self._rng, step=step, weight_step=step,
-                    worker_id=self.worker_id)}
-        except Exception:
-            logger.exception("evaluation failed at weight step %s", step)
-            self.counters.eval_failures += 1
-            return
         kind = "eval" if full else "micro_eval"
-        metrics = {}
-        for lesson_id, (stats, _) in results.items():
+        n_examples = cfg.eval_examples if full else cfg.micro_eval_examples
+        lesson_ids = (list(self.manager.lessons) if full
+                      else [self.lessons.sample_lesson(int(self._rng.integers(2**31)))])
+        metrics: dict[str, float] = {}
+        reasons: dict[str, str] = {}  # "<kind>/<lesson>/reward_mean" -> why it is nan
+        for lesson_id in lesson_ids:
+            ENV_ERRORS.forget_last()
+            try:
+                stats, _ = self.manager.evaluate_lesson(lesson_id, n_examples, kind, self._rng, step=step,
+                                                        weight_step=step, worker_id=self.worker_id)
+            except Exception as e:
+                ENV_ERRORS.report(logger, f"evaluating lesson {lesson_id!r} failed", e)
+                self.counters.eval_failures += 1
+                stats = {"reward_mean": float("nan"), "n": 0.0, "env_failures": 1.0}
             for k, v in stats.items():
                 if isinstance(v, (int, float)):
                     metrics[f"{kind}/{lesson_id}/{k}"] = float(v)
-        self.eval_history.append({"kind": kind, "weight_step": step, "metrics": metrics})
+            if not stats.get("n"):
+                last = ENV_ERRORS.last()
+                reason = (f"environment failed: {last}" if stats.get("env_failures")
+                          else f"no usable group: {last or 'the environment returned none'}")
+                reasons[f"{kind}/{lesson_id}/reward_mean"] = reason
+                logger.warning("%s of lesson %r at weight step %s has no rewards: %s", kind, lesson_id, step, reason)
+        self.eval_history.append({"kind": kind, "weight_step": step, "metrics": metrics, "reasons": reasons})
         self._log(metrics)
 
     def _log(self, metrics: dict) -> None:
