@@ -35,6 +35,7 @@ BATCH_KEY = b"marinrl.batch"
 QUARANTINE_DIR = "quarantine"
 _STEP_DIR = re.compile(r"^step=(\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_MAX_WORKER_CHARS = 64
 ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
 """Object stores whose single-object writes are atomic; everything else writes a temp name and renames
 (weight transfer follows the same rule)."""
@@ -88,7 +89,8 @@ class RolloutFormatError(ValueError):
 
 
 class UnsupportedFormatVersion(RolloutFormatError):
-    """A file written by a newer marinrl: refused, never quarantined, since it is not corrupt."""
+    """A file written by a newer marinrl: not corrupt, but this reader cannot decode it (a reader
+    quarantines it like any unreadable file, with a log line that says to upgrade marinrl)."""
 
 
 # ----------------------------------------------------------------------------- encoding
@@ -350,6 +352,15 @@ def _list_steps(fs, root: str) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
+def file_name_prefix(worker_id: str) -> str:
+    """The worker id as the start of a rollout file's name. Any id is accepted (the file holds the
+    exact id; the name only has to be unique and readable), so the prefix keeps [A-Za-z0-9_.-], never
+    starts with a dot (readers skip hidden names as writes in progress) and is at most 64 characters
+    (file systems cap a name at 255 bytes)."""
+    prefix = _UNSAFE.sub("_", worker_id)[:_MAX_WORKER_CHARS]
+    return "_" + prefix[1:] if prefix.startswith(".") else prefix
+
+
 def _list_files(fs, root: str, step: int) -> list[str]:
     d = f"{root}/{step_dir_name(step)}"
     fs.invalidate_cache(d)
@@ -402,8 +413,7 @@ class RolloutWriter:
         with self._lock:
             seq = self._seq
             self._seq += 1
-        worker = _UNSAFE.sub("_", batch.metadata.worker_id)
-        name = f"{worker}-{seq:06d}-{uuid.uuid4().hex[:12]}.parquet"
+        name = f"{file_name_prefix(batch.metadata.worker_id)}-{seq:06d}-{uuid.uuid4().hex[:12]}.parquet"
         folder = f"{self._root}/{step_dir_name(batch.weight_step)}"
         path = f"{folder}/{name}"
         if self._atomic_put:
@@ -444,9 +454,10 @@ class RolloutReader:
 
     The cursor is `state_dict()`: a floor step (files below it are never returned again) and the
     names consumed in each step at or above it. Restoring it after a restart returns exactly the
-    files not returned before the state was saved. Unparseable files are moved to
-    `ROOT/quarantine/` and counted; transient errors are retried, and a file that still fails stays
-    unconsumed for the next call.
+    files not returned before the state was saved. A file it cannot read, whatever the reason (not
+    Parquet, not ours, a newer format version, not a file at all), is moved to `ROOT/quarantine/` and
+    counted, never fatal; transient errors are retried, and a file that still fails stays unconsumed
+    for the next call.
     """
 
     def __init__(self, root: str, *, storage_options: dict | None = None, fs=None):
@@ -494,13 +505,18 @@ class RolloutReader:
                     if out:  # hand back what was read; this file is retried next call
                         return out
                     raise
+                except OSError as e:  # not transient (a folder, no permission): retrying cannot help
+                    self._quarantine(step, name, path, f"{self._display(path)}: cannot be read ({e!r})")
+                    consumed.add(name)
+                    continue
                 try:
                     batch = decode_batch(data, self._display(path))
-                except UnsupportedFormatVersion:
-                    raise
+                except UnsupportedFormatVersion as e:
+                    self._quarantine(step, name, path, f"{e} to train on it")
+                    consumed.add(name)
+                    continue
                 except RolloutFormatError as e:
-                    logger.error("quarantining unreadable rollout file: %s", e)
-                    self._quarantine(step, name, path)
+                    self._quarantine(step, name, path, str(e))
                     consumed.add(name)
                     continue
                 consumed.add(name)
@@ -513,7 +529,9 @@ class RolloutReader:
     def _display(self, path: str) -> str:
         return self._fs.unstrip_protocol(path)
 
-    def _quarantine(self, step: int, name: str, path: str) -> None:
+    def _quarantine(self, step: int, name: str, path: str, reason: str) -> None:
+        """Moves an unreadable file aside (or, if that fails too, skips it in place) and counts it."""
+        logger.error("quarantining unreadable rollout file: %s", reason)
         dest = f"{self._root}/{QUARANTINE_DIR}/{step_dir_name(step)}/{name}"
         try:
             self._fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)

@@ -546,6 +546,7 @@ class ReplayBuffer:
         self._ingested_files = 0
         self._sampled_groups = 0
         self._read_errors = 0
+        self._reader_totals_before: collections.Counter[str] = collections.Counter()  # from the checkpoint
         self._lags: collections.deque[float] = collections.deque(maxlen=1024)
         self._last_read_at: float | None = None
 
@@ -936,6 +937,7 @@ class ReplayBuffer:
             for env, groups in sorted(self._groups.items()):
                 out[f"replay/size/{env}"] = float(len(groups))
                 out[f"replay/size_rollouts/{env}"] = float(sum(len(g.group) for g in groups.values()))
+            out.update({f"replay/{k}": float(v) for k, v in self._reader_totals().items()})
             for reason, k in self._dropped.items():
                 out[f"replay/dropped/{reason}"] = float(k)
             for reason, k in self._dropped_rollouts.items():
@@ -949,6 +951,14 @@ class ReplayBuffer:
                 out["replay/ingestion_lag_s/mean"] = float(lags.mean())
                 out["replay/ingestion_lag_s/max"] = float(lags.max())
         return out
+
+    def _reader_totals(self) -> dict[str, int]:
+        """The reader's unreadable-file counts as running totals over the run, restarts included:
+        files quarantined, and file reads that failed after retries."""
+        counts = getattr(self.reader, "metrics", None) or {}
+        now = {"quarantined_files": counts.get("quarantined_files", 0),
+               "file_read_errors": counts.get("read_errors", 0)}
+        return {k: self._reader_totals_before[k] + v for k, v in now.items()}
 
     # ------------------------------------------------------------------ checkpointing
 
@@ -1010,6 +1020,7 @@ class ReplayBuffer:
                     "ingested_groups": self._ingested_groups,
                     "ingested_files": self._ingested_files,
                     "sampled_groups": self._sampled_groups,
+                    **self._reader_totals(),
                 },
             }
 
@@ -1046,6 +1057,8 @@ class ReplayBuffer:
             self._trained_staleness = collections.Counter({int(k): v for k, v in counters["trained_staleness"].items()})
             self._ingested_groups = int(counters["ingested_groups"])
             self._sampled_groups = int(counters["sampled_groups"])
+            self._reader_totals_before = collections.Counter(
+                {k: int(counters.get(k, 0)) for k in ("quarantined_files", "file_read_errors")})
             # ingested_files restarts at 0: it marks whether this buffer has read anything yet
 
 

@@ -4,7 +4,8 @@ Levanter's `Trainer` owns the mesh, the sharded optimizer step and the checkpoin
 class owns the RL loop around it — sample a batch of whole groups for the current weight step,
 take one update, publish the new weights every `sync_interval` steps, and checkpoint everything a
 resumed run needs (model, optimizer, step, the replay buffer's reader cursor and pending groups, the
-curriculum's state) so that no rollout file is trained twice or skipped.
+curriculum's state) so that no rollout file is trained twice or skipped. Resume takes the newest
+checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/checkpoints.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import haliax as hax
 import jax
 import levanter
 import levanter.tracker
-from levanter.checkpoint import discover_latest_checkpoint
 from levanter.metrics import Metric, ReductionType
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
@@ -32,6 +32,7 @@ from levanter.trainer import Trainer, TrainerConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
+from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
 from marinrl.train.replay import ReplayConfig, overlong_reward_fn
 from marinrl.transfer.base import WeightTransferConfig
@@ -39,9 +40,7 @@ from marinrl.transfer.checkpoint import FilesystemTransferConfig
 
 logger = logging.getLogger(__name__)
 
-SIDECAR = "marinrl.json"
-"""Our part of a trainer checkpoint, written into Levanter's `step-N/` folder before its
-`metadata.json` (Levanter's commit marker), so an interrupted save is never discovered."""
+__all__ = ["SIDECAR", "TrainResult", "TrainWorker", "TrainWorkerConfig", "cpu_trainer_config"]
 
 
 def cpu_trainer_config(**overrides) -> TrainerConfig:
@@ -93,6 +92,11 @@ class TrainWorkerConfig:
     """Publish weights every this many optimizer steps (and always after the last one)."""
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps; 0 saves only at the end (and on `stop()`)."""
+    checkpoint_keep: int = 2
+    """Keep this many newest checkpoints; older ones are deleted once a newer one is committed (the one
+    this run resumed from is kept until the run ends). 2 leaves a fallback if the newest does not load."""
+    checkpoint_keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none), e.g. for later evals."""
     storage_options: dict = dataclasses.field(default_factory=dict)
     """fsspec options for `rollout_root` (e.g. {"token": "anon"} for the GCS emulator)."""
 
@@ -103,6 +107,10 @@ class TrainWorkerConfig:
             raise ValueError(f"TrainWorkerConfig.sync_interval must be >= 1, got {self.sync_interval}")
         if self.checkpoint_every < 0:
             raise ValueError(f"TrainWorkerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.checkpoint_keep < 1:
+            raise ValueError(f"TrainWorkerConfig.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
+        if self.checkpoint_keep_every < 0:
+            raise ValueError(f"TrainWorkerConfig.checkpoint_keep_every must be >= 0, got {self.checkpoint_keep_every}")
         if self.replay.sampling.max_staleness > 0 and self.sync_interval > 1 + self.replay.sampling.max_staleness:
             raise ValueError(
                 f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "
@@ -161,6 +169,10 @@ class TrainResult:
     """Per step: loss, train reward, staleness and the step-time split (for summaries and plots)."""
     trained_groups: list[list[str]] = dataclasses.field(default_factory=list)
     """Per step (parallel to `history`): the group ids trained on, to audit exactly-once consumption."""
+    resumed_from: Optional[str] = None
+    """The checkpoint folder the run resumed from (None: a fresh start)."""
+    skipped_checkpoints: list[str] = dataclasses.field(default_factory=list)
+    """`<folder>: <why>` for each newer checkpoint that did not load on resume."""
 
 
 class TrainWorker:
@@ -175,6 +187,8 @@ class TrainWorker:
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[list[str]] = []
+        self._resumed_from: StepFolder | None = None
+        self._checkpoints_deleted = 0
 
     def stop(self) -> None:
         """Ends the run after the current step, with a final checkpoint."""
@@ -194,23 +208,8 @@ class TrainWorker:
 
         with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
                      add_default_hooks=False) as trainer:
-            state = trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed),
-                                          model_init=lambda: build_model(cfg.model))
+            state, replay, skipped = self._initial_state(trainer)
             first_step = self.step = int(state.step)
-            ckpt_root = trainer.checkpoint_path
-            sidecar = self._read_sidecar(ckpt_root) if first_step > 0 else None
-            if first_step > 0 and sidecar is None:
-                raise RuntimeError(f"checkpoint under {ckpt_root} at step {first_step} has no {SIDECAR}: "
-                                   "cannot resume the rollout stream exactly")
-
-            reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
-            replay = cfg.replay.for_loss(cfg.loss).build(reader, start_step=first_step, advantage=cfg.loss.advantage,
-                                                         reward_fn=overlong_reward_fn(cfg.loss),
-                                                         max_tokens=cfg.batching.max_length)
-            if sidecar is not None:
-                replay.load_state_dict(sidecar["replay"])
-                if self._curriculum is not None and sidecar.get("curriculum"):
-                    self._curriculum.load(sidecar["curriculum"])
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
 
@@ -250,6 +249,7 @@ class TrainWorker:
                         "train/step_s": t4 - t0, "train/wait_s": t1 - t0, "train/batch_s": t2 - t1,
                         "train/update_s": t3 - t2, "train/publish_s": t4 - t3 if published else 0.0,
                         **sample.metrics(), **replay.metrics(), **{f"weights/{k}": v for k, v in server.metrics.items()},
+                        **self._checkpoint_metrics(skipped),
                     }
                     if self._curriculum is not None:
                         metrics.update({f"curriculum/{k}/weight": v for k, v in self._curriculum.weights().items()})
@@ -267,7 +267,68 @@ class TrainWorker:
                 server.close()
                 checkpointer.wait_until_finished()
             levanter.tracker.current_tracker().finish()
-            return TrainResult(first_step, self.step, last_ckpt, replay.metrics(), self.history, self.trained_groups)
+            metrics = {**replay.metrics(), **self._checkpoint_metrics(skipped)}
+            return TrainResult(first_step, self.step, last_ckpt, metrics, self.history, self.trained_groups,
+                               resumed_from=self._resumed_from.path if self._resumed_from else None,
+                               skipped_checkpoints=skipped)
+
+    # ------------------------------------------------------------------ resume
+
+    def _initial_state(self, trainer: Trainer):
+        """(state, replay buffer, skipped checkpoints): from the newest checkpoint whose model, optimizer,
+        sidecar and curriculum state all load — all from that one checkpoint, or the rollout stream
+        would not match the weights — else freshly initialized."""
+        cfg = self.config
+        key = jax.random.PRNGKey(cfg.trainer.seed)
+        model_init = functools.partial(build_model, cfg.model)
+
+        def load(folder: StepFolder):
+            sidecar = read_sidecar(folder.path)
+            state = self._load_state(trainer, folder.path, key, model_init)
+            if int(sidecar["step"]) != int(state.step):
+                raise ValueError(f"{SIDECAR} is for step {sidecar['step']}, the saved state for step {int(state.step)}")
+            replay = self._build_replay(int(state.step))
+            replay.load_state_dict(sidecar["replay"])
+            if self._curriculum is not None and sidecar.get("curriculum"):
+                self._curriculum.load(sidecar["curriculum"])
+            return state, replay
+
+        resumed = load_newest(trainer.checkpoint_path, load) if cfg.trainer.load_checkpoint is not False else None
+        if resumed is not None:
+            self._resumed_from = resumed.folder
+            for line in resumed.skipped:
+                print(f"[marinrl] skipped checkpoint {line}", flush=True)
+            if resumed.skipped:
+                print(f"[marinrl] resumed from the previous checkpoint {resumed.folder.path}", flush=True)
+            return (*resumed.loaded, resumed.skipped)
+        state = trainer.initial_state(key, model_init=model_init)  # Levanter's rules: initialize_from, load_checkpoint
+        if int(state.step) > 0:
+            source = trainer.config.initialize_from or trainer.checkpoint_path
+            raise RuntimeError(f"the checkpoint Levanter loaded from {source} (step {int(state.step)}) has no "
+                               f"{SIDECAR}: cannot resume the rollout stream exactly")
+        return state, self._build_replay(0), []
+
+    @staticmethod
+    def _load_state(trainer: Trainer, folder: str, key, model_init):
+        """Levanter's `initial_state` from one given checkpoint folder (it otherwise loads only the latest).
+        `load_checkpoint=True` makes a missing checkpoint an error instead of a silent fresh start."""
+        base = trainer.config
+        trainer.config = dataclasses.replace(base, load_checkpoint=True, load_checkpoint_path=folder)
+        try:
+            return trainer.initial_state(key, model_init=model_init)
+        finally:
+            trainer.config = base
+
+    def _build_replay(self, start_step: int):
+        cfg = self.config
+        reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
+        return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
+                                                   reward_fn=overlong_reward_fn(cfg.loss),
+                                                   max_tokens=cfg.batching.max_length)
+
+    def _checkpoint_metrics(self, skipped: list[str]) -> dict[str, float]:
+        return {"checkpoint/skipped_on_resume": float(len(skipped)),
+                "checkpoint/deleted": float(self._checkpoints_deleted)}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -276,9 +337,14 @@ class TrainWorker:
         return f"{checkpointer.base_path}/step-{info.step}"
 
     def _checkpoint(self, checkpointer, info, replay) -> str:
-        """Sidecar first, then Levanter's tensorstore save, whose metadata.json commits both."""
+        """Sidecar first, then Levanter's tensorstore save, whose metadata.json commits both; then
+        retention. A folder of that name left by an older lineage (a checkpoint skipped on resume, a save
+        that never finished) is deleted first: written over, its stale commit marker and files would
+        make a half-written folder look complete."""
         folder = self._ckpt_dir(checkpointer, info)
         fs, path = fsspec.core.url_to_fs(folder)
+        if fs.exists(path):
+            remove_folder(folder, "replaced by a new checkpoint of the same step")
         fs.makedirs(path, exist_ok=True)
         sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
         if self._curriculum is not None:
@@ -289,14 +355,8 @@ class TrainWorker:
         checkpointer.on_step(info, force=True)
         checkpointer.wait_until_finished()
         logger.info("checkpoint at step %d: %s", info.next_step, folder)
+        protect = [self._resumed_from.path] if self._resumed_from is not None else []
+        deleted = apply_retention(checkpointer.base_path, keep=self.config.checkpoint_keep,
+                                  keep_every=self.config.checkpoint_keep_every, protect=protect)
+        self._checkpoints_deleted += len(deleted)
         return folder
-
-    @staticmethod
-    def _read_sidecar(ckpt_root: str) -> dict | None:
-        latest = discover_latest_checkpoint(ckpt_root)
-        if latest is None:
-            return None
-        fs, path = fsspec.core.url_to_fs(f"{latest}/{SIDECAR}")
-        if not fs.exists(path):
-            return None
-        return json.loads(fs.cat_file(path))
