@@ -53,7 +53,7 @@ def model():
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
     # the endpoint through Levanter's engine (tests/test_openai_env.py covers it through the scan sampler)
-    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, http_backend="engine"), model, tokenizer,
+    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, http_backend="engine", serve_http=True), model, tokenizer,
                           weight_step=0).start()
     srv.wait_until_ready()
     yield srv
@@ -235,7 +235,7 @@ def test_reload_changes_greedy_output_and_reverting_restores_it(server, model):
     prompts = _prompts(np.random.default_rng(6), 3)
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     before = server.generate(prompts, 1, sp, 0)
-    http = openai.OpenAI(base_url=server.url, api_key="none")
+    http = openai.OpenAI(base_url=server.url, api_key=server.api_key)
     http_before = http.completions.create(model="m", prompt=prompts[0], max_tokens=8, temperature=0.0)
     compiled = scan_sampler.compiled_shapes()
 
@@ -313,7 +313,7 @@ def test_chat_helpers(server, tokenizer):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
 
 
 def test_http_completions_with_logprobs_match_a_full_forward_pass(client, model, tokenizer):
@@ -379,7 +379,8 @@ def test_http_health_and_models(server):
 
     base = server.url.removesuffix("/v1")
     assert b"ok" in urllib.request.urlopen(f"{base}/health").read()
-    assert b"marinrl-policy" in urllib.request.urlopen(f"{server.url}/models").read()
+    models = urllib.request.Request(f"{server.url}/models", headers={"Authorization": f"Bearer {server.api_key}"})
+    assert b"marinrl-policy" in urllib.request.urlopen(models).read()
 
 
 # ------------------------------------------------------------------------------------- lifecycle
@@ -387,13 +388,13 @@ def test_http_health_and_models(server):
 
 def test_shutdown_leaves_no_thread_or_port(model, tokenizer):
     before = {t.ident for t in threading.enumerate()}
-    srv = InferenceServer(InferenceServerConfig(engine=ENGINE), model, tokenizer)
+    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, serve_http=True), model, tokenizer)
     with pytest.raises(RuntimeError, match="start"):
         srv.wait_until_ready()
     srv.start()
     srv.wait_until_ready(timeout=60)
     port = int(srv.url.rsplit(":", 1)[1].split("/")[0])
-    r = openai.OpenAI(base_url=srv.url, api_key="none").completions.create(model="m", prompt="x", max_tokens=2)
+    r = openai.OpenAI(base_url=srv.url, api_key=srv.api_key).completions.create(model="m", prompt="x", max_tokens=2)
     assert len(r.choices) == 1
     srv.shutdown()
     srv.shutdown()  # idempotent

@@ -46,7 +46,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    srv = InferenceServer(InferenceServerConfig(), build_model(ModelConfig(model=ARCH, vocab_size=VOCAB, seed=0)),
+    srv = InferenceServer(InferenceServerConfig(serve_http=True), build_model(ModelConfig(model=ARCH, vocab_size=VOCAB, seed=0)),
                           tokenizer)
     with srv:
         yield srv
@@ -61,7 +61,7 @@ def _sample(env, ctx, n_examples, n_generations, sampling=SAMPLING, seed=0):
 
 
 def test_endpoint_token_ids_and_logprobs_equal_the_scan_sampler(server, tokenizer):
-    client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+    client = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
     msgs = [{"role": "user", "content": "hello"}]
     r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.7, logprobs=True, seed=3)
     (choice,) = r.choices
@@ -242,7 +242,8 @@ class FailingProxy:
                     self._reply(503, json.dumps({"error": {"message": "overloaded", "type": "server_error"}}).encode())
                     return
                 req = urllib.request.Request(proxy.target + self.path, data=body,
-                                             headers={"Content-Type": "application/json"})
+                                             headers={"Content-Type": "application/json",
+                                                      "Authorization": self.headers["Authorization"]})
                 try:
                     with urllib.request.urlopen(req) as resp:
                         self._reply(resp.status, resp.read())
@@ -271,10 +272,10 @@ class FailingProxy:
 
 
 class Via:
-    """An inference context whose endpoint is reached through `url` (the proxy)."""
+    """An inference context whose endpoint is reached through `url` (the proxy), with the server's key."""
 
     def __init__(self, server, url):
-        self.server, self.url = server, url
+        self.server, self.url, self.api_key = server, url, server.api_key
 
     @property
     def tokenizer(self):

@@ -83,7 +83,7 @@ class EvalConfig:
     """HF tokenizer directory. None: `model.tokenizer`, else the HF checkpoint's own tokenizer, else
     the byte-level tokenizer sized to the model's vocabulary."""
     inference: InferenceServerConfig = dataclasses.field(
-        default_factory=lambda: InferenceServerConfig(serve_http=False))
+        default_factory=InferenceServerConfig)
     """How the policy is served (`backend: engine` for models the scan sampler does not run)."""
     progress: bool = True
     """Show a progress bar (on stderr)."""

@@ -8,7 +8,8 @@ train unchanged, through the inference server's OpenAI-compatible endpoint.
     EnvConfig(name="openai_agent", args={"agent": "my_pkg.agents:MyAgent", "agent_args": {...}})
 
 The env gives each episode an `openai.AsyncOpenAI` whose base URL is the server's endpoint
-(`endpoint_url(ctx)`). Under that client sits one `httpx.AsyncClient` (one connection pool, sized to
+(`endpoint_url(ctx)`) and whose API key is the endpoint's (`endpoint_api_key(ctx)`: agents never need
+to know it). Under that client sits one `httpx.AsyncClient` (one connection pool, sized to
 `max_concurrency`) whose transport retries and records: every chat completion an episode makes is
 kept with its `prompt_token_ids`, `token_ids`, logprobs and finish reason (the endpoint returns them;
 the transport asks for logprobs), and the episode becomes a rollout by the stitching rule:
@@ -51,7 +52,7 @@ import numpy as np
 import openai
 
 from marinrl.envs.base import Grade, Mode, check_sample_args, make_rollout, new_group_id, register_env
-from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_url
+from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -327,23 +328,24 @@ class OpenAIAgentEnv:
         mode: Mode,
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
         check_sample_args(n_examples, n_generations, mode)
-        url = endpoint_url(ctx)
+        url, api_key = endpoint_url(ctx), endpoint_api_key(ctx)
         problems = list(self.agent.problems(n_examples, rng, mode))
         jobs = [(i, p, int(rng.integers(0, 2**31 - 1))) for i, p in enumerate(problems) for _ in range(n_generations)]
         counts = _Counts()
         started = time.perf_counter()
-        outcomes = _run_coroutine(lambda: self._run_all(url, jobs, sampling, counts))
+        outcomes = _run_coroutine(lambda: self._run_all(url, api_key, jobs, sampling, counts))
         elapsed = time.perf_counter() - started
         return self._groups(problems, outcomes), self._metrics(outcomes, counts, elapsed)
 
     # -------------------------------------------------------------- running episodes
 
-    async def _run_all(self, url: str, jobs, sampling: SamplingParams, counts: _Counts) -> list[_Outcome]:
+    async def _run_all(self, url: str, api_key: str, jobs, sampling: SamplingParams,
+                       counts: _Counts) -> list[_Outcome]:
         k = self.config.max_concurrency
         pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=k, max_keepalive_connections=k))
         transport = _AgentTransport(pool, self.config, counts)
         async with httpx.AsyncClient(transport=transport, timeout=self.config.request_timeout) as http:
-            client = openai.AsyncOpenAI(base_url=url, api_key="marinrl", http_client=http, max_retries=0,
+            client = openai.AsyncOpenAI(base_url=url, api_key=api_key, http_client=http, max_retries=0,
                                         timeout=self.config.request_timeout)
             slots = asyncio.Semaphore(k)
             tasks = []

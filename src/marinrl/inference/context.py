@@ -45,8 +45,9 @@ class Generation:
 
 class InferenceContext(Protocol):
     """The inference surface an environment sees. A context that also serves the OpenAI-compatible
-    endpoint has a `url` attribute (its base URL, `http://host:port/v1`); environments that speak
-    that protocol read it with `endpoint_url(ctx)`."""
+    endpoint has a `url` attribute (its base URL, `http://host:port/v1`) and an `api_key` attribute (the
+    key its requests must send); environments that speak that protocol read them with `endpoint_url(ctx)`
+    and `endpoint_api_key(ctx)`."""
 
     @property
     def tokenizer(self):  # a transformers PreTrainedTokenizerBase
@@ -70,6 +71,13 @@ def endpoint_url(ctx) -> str:
         raise ValueError(f"the inference context {type(ctx).__name__} has no `url` (no OpenAI endpoint); "
                          "environments over HTTP need an InferenceServer with serve_http=True")
     return str(url)
+
+
+def endpoint_api_key(ctx) -> str:
+    """The API key `ctx`'s endpoint requires (its `api_key`, `InferenceServer.api_key`); a placeholder
+    for a context without one (an endpoint that checks no key), since OpenAI clients need some key."""
+    key = getattr(ctx, "api_key", None)
+    return str(key) if key else "none"
 
 
 # ---------------------------------------------------------------- chat-template helpers (for any context)

@@ -14,6 +14,11 @@ several `stop` strings into one sequence and ignores `top_p`. Here `finish_reaso
 returned text ends before it (OpenAI's rule); unsupported options (`stream`, `echo`, `top_p` other than
 1, penalties, `logit_bias`, `best_of` > 1) are refused with 400, never ignored.
 
+Every request but `GET /health` must carry the endpoint's API key, `Authorization: Bearer <key>` (what
+`openai.OpenAI(api_key=...)` sends); without it, or with another key, the answer is 401 in OpenAI's
+error format. The key is the one given, else a random one per endpoint (`api_key`), which in-process
+agents get from the server; it is compared in constant time and never logged.
+
 Requests are served by one worker thread that batches whatever is queued into one `generate` call.
 Lifecycle: `start()` binds the port and starts the threads, `wait_until_ready()` blocks until uvicorn
 serves, `shutdown()` stops both threads and closes the port.
@@ -25,9 +30,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import hmac
+import ipaddress
 import logging
 import queue
 import random
+import secrets
 import socket
 import threading
 import time
@@ -63,6 +71,70 @@ class TokenRequest:
 
 GenerateFn = Callable[[Sequence[TokenRequest]], List[List[Generation]]]
 """Samples of each request, in order; raises ValueError (naming the problem) for a request it cannot serve."""
+
+
+OPEN_PATHS = frozenset({"/health"})
+"""Paths served without the API key: a liveness probe, which tells nothing but the served model's name."""
+
+
+def new_api_key() -> str:
+    """A fresh random API key (256 bits), for an endpoint started without a configured one."""
+    return "marinrl-" + secrets.token_urlsafe(32)
+
+
+def check_api_key(key, name: str = "api_key") -> str:
+    """`key` if it can be an API key (non-empty, printable ASCII without spaces: it travels in an HTTP
+    header); else ValueError naming `name` (the key itself is never shown)."""
+    if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
+        raise ValueError(f"{name} must be a non-empty string of printable ASCII characters without spaces "
+                         "(it is sent as the header 'Authorization: Bearer <key>')")
+    return key
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def _error(status: int, message: str, *, code: Optional[str] = None, headers=None) -> JSONResponse:
+    """An error in OpenAI's format, so that OpenAI clients show the message."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(status_code=status, headers=headers,
+                        content={"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+class _RequireKey:
+    """ASGI middleware in front of every route: a request to a path outside OPEN_PATHS needs
+    `Authorization: Bearer <key>`, else it gets a 401 and reaches no route."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self._key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN_PATHS:
+            problem = self._problem(scope["headers"])
+            if problem is not None:
+                response = _error(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _problem(self, headers) -> Optional[str]:
+        given = next((v for k, v in headers if k == b"authorization"), None)
+        if given is None:
+            return ("missing API key: send the header 'Authorization: Bearer <key>' (openai.OpenAI(api_key=...)); "
+                    "the key is inference.api_key, or the server's api_key when none is configured")
+        scheme, _, key = given.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self._key):
+            return ("incorrect API key: send the header 'Authorization: Bearer <key>' with the key of "
+                    "inference.api_key, or the server's api_key when none is configured")
+        return None
 
 
 class _Request(BaseModel):
@@ -173,7 +245,8 @@ class _Server(uvicorn.Server):
 
 
 class OpenAIEndpoint:
-    """OpenAI-compatible HTTP server over a generate function, on `host:port` (port 0: any free port)."""
+    """OpenAI-compatible HTTP server over a generate function, on `host:port` (port 0: any free port).
+    Every request but `/health` needs `api_key` (None: a random key, read it from `api_key`)."""
 
     def __init__(
         self,
@@ -184,7 +257,9 @@ class OpenAIEndpoint:
         port: int = 0,
         model_name: str = "marinrl-policy",
         default_max_tokens: int = 256,
+        api_key: Optional[str] = None,
     ):
+        self._api_key = new_api_key() if api_key is None else check_api_key(api_key)
         self.generate = generate
         self.tokenizer = tokenizer
         self.host = host
@@ -211,10 +286,17 @@ class OpenAIEndpoint:
     @property
     def url(self) -> str:
         """Base URL for an OpenAI client: http://host:port/v1."""
-        return f"http://{self.host}:{self.port}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}/v1"
+
+    @property
+    def api_key(self) -> str:
+        """The key every request (but `/health`) must send as `Authorization: Bearer <key>`."""
+        return self._api_key
 
     def start(self) -> "OpenAIEndpoint":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._requested_port))
         self._socket = sock
@@ -325,15 +407,11 @@ class OpenAIEndpoint:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="marinrl inference")
+        app.add_middleware(_RequireKey, key=self._api_key)
 
         @app.exception_handler(HTTPException)
         async def openai_style_error(request, exc: HTTPException):
-            # OpenAI's error body, so that clients show the message
-            kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-            return JSONResponse(
-                status_code=exc.status_code,
-                content={"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}},
-            )
+            return _error(exc.status_code, str(exc.detail))
 
         @app.get("/health")
         async def health():

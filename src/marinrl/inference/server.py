@@ -1,7 +1,7 @@
 """The inference server a RolloutManager owns: the policy's current weights and weight step, the
 `InferenceContext` environments call (`generate`), and the OpenAI-compatible endpoint.
 
-    server = InferenceServer(InferenceServerConfig(), model, tokenizer, weight_step=0).start()
+    server = InferenceServer(InferenceServerConfig(serve_http=True), model, tokenizer, weight_step=0).start()
     server.wait_until_ready()
     gens = server.generate(prompts, n=8, sampling=SamplingParams(max_tokens=32), seed=0)
     server.reload(new_model, weight_step=1)     # in place, no recompile
@@ -11,6 +11,10 @@
 `backend="engine"`; the HTTP endpoint runs `http_backend` (by default the same as `generate`). Both
 go through `generate_requests`, the one seam between the endpoint and a sampler, and see the same
 weights: `reload` swaps them for both at once.
+
+The endpoint requires an API key on every request but `/health`: `config.api_key`, or a random key
+per `start()` when none is configured (`server.api_key`; in-process agents get it with the URL). A
+`host` other than loopback needs a configured key: the config refuses it otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
-from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
+from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest, check_api_key, is_loopback
 from marinrl.models import ModelConfig, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,13 +41,23 @@ class InferenceServerConfig:
 
     backend: Literal["scan", "engine"] = "scan"
     """What `generate` runs: our scan sampler (fast for rollout batches), or Levanter's engine."""
-    serve_http: bool = True
-    """Start the OpenAI-compatible endpoint."""
+    serve_http: bool = False
+    """Start the OpenAI-compatible endpoint. Off by default: rollouts need only `generate`, and a
+    lesson whose environment talks HTTP turns it on (`envs.base.with_endpoint_if_needed`). A default
+    of off also keeps a YAML override of any other `inference.*` field from starting it."""
     http_backend: Optional[Literal["scan", "engine"]] = None
     """What the endpoint runs; None: the same as `backend`. The scan sampler batches the requests that
     are queued together into one device call; Levanter's engine adds continuous batching (an
     accelerator's choice for ragged traffic), at 3-4x the CPU cost per token here."""
     host: str = "127.0.0.1"
+    """Address the endpoint listens on. Anything but loopback (127.0.0.1, localhost, ::1), e.g. 0.0.0.0,
+    lets other machines in, and then `api_key` must be set."""
+    api_key: Optional[str] = dataclasses.field(default=None, repr=False)
+    """The key every request to the endpoint must send as `Authorization: Bearer <key>` (`/health`
+    excepted). None: a random key per server start, which in-process agents get from the server
+    (`InferenceServer.api_key`) and no one else knows. Set it for agents outside the process, and for
+    any non-loopback `host`; pass it on the command line (`--inference.api_key "$KEY"`) to keep it out
+    of config files. Never logged."""
     port: int = 0
     """0: any free port (read it from `server.url`)."""
     model_name: str = "marinrl-policy"
@@ -69,6 +83,13 @@ class InferenceServerConfig:
             raise ValueError(f"InferenceServerConfig.http_min_batch must be >= 1, got {self.http_min_batch}")
         if self.scan_max_cache_bytes < 1:
             raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "inference.api_key")
+        elif not is_loopback(self.host):
+            raise ValueError(
+                f"inference.host is {self.host!r}, which other machines can reach, but inference.api_key is not set: "
+                "set inference.api_key to a secret that your agents send as 'Authorization: Bearer <key>' "
+                "(e.g. --inference.api_key \"$(openssl rand -hex 32)\"), or serve on inference.host: 127.0.0.1")
 
 
 class InferenceServer:
@@ -117,6 +138,7 @@ class InferenceServer:
                 port=self.config.port,
                 model_name=self.config.model_name,
                 default_max_tokens=self.config.default_max_tokens,
+                api_key=self.config.api_key,
             ).start()
         self._started = True
         return self
@@ -176,6 +198,13 @@ class InferenceServer:
         if self._endpoint is None:
             raise RuntimeError("the OpenAI endpoint is not running (serve_http=False or not started)")
         return self._endpoint.url
+
+    @property
+    def api_key(self) -> str:
+        """The key the OpenAI-compatible endpoint requires (`config.api_key`, or this start's random key)."""
+        if self._endpoint is None:
+            raise RuntimeError("the OpenAI endpoint is not running (serve_http=False or not started)")
+        return self._endpoint.api_key
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, seed: int
