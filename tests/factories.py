@@ -91,3 +91,26 @@ def batches(draw) -> RolloutBatch:
     groups = [RolloutGroup(tuple(draw(st.lists(rollouts(g, weight_step, worker), min_size=1, max_size=3))))
               for g in gids]
     return RolloutBatch(tuple(groups), RolloutMetadata(worker, weight_step, draw(st.floats(0, 4e9))))
+
+
+# Advantages worked out by hand (not by the code under test), for every advantage kind.
+# Group a, rewards [0, 1, 1, 0.5], G = 4: mean 2.5/4 = 0.625, centred [-0.625, 0.375, 0.375, -0.125].
+#   group_mean: the centred rewards.
+#   rloo: R_i - mean_{j≠i} R_j:  0 - (1+1+0.5)/3 = -0.8333…,  1 - (0+1+0.5)/3 = 0.5 (twice),
+#         0.5 - (0+1+1)/3 = -0.1666…  (= centred × G/(G-1) = × 4/3).
+#   group_std: population variance (0.390625 + 0.140625·2 + 0.015625)/4 = 0.171875, std 0.41457809879;
+#         centred / (std + 1e-6) = -0.625/0.41457909879 = -1.50755308…, 0.375/… = 0.90453185…,
+#         -0.125/… = -0.30151062….
+# Group b, rewards [2, 0], G = 2: mean 1, std 1; rloo 2 - 0 = 2 and 0 - 2 = -2 (centred × 2/1);
+#   group_std ±1/(1 + 1e-6) = ±0.999999.
+# A group of one, [3]: every kind gives 0 (rloo has no other response to compare with).
+# Equal rewards, [1, 1, 1]: every kind gives zeros.
+HAND_ADVANTAGES = {
+    "group_mean": {(0, 1, 1, 0.5): [-0.625, 0.375, 0.375, -0.125], (2, 0): [1.0, -1.0], (3,): [0.0],
+                   (1, 1, 1): [0.0, 0.0, 0.0]},
+    "rloo": {(0, 1, 1, 0.5): [-2.5 / 3, 0.5, 0.5, -0.5 / 3], (2, 0): [2.0, -2.0], (3,): [0.0],
+             (1, 1, 1): [0.0, 0.0, 0.0]},
+    "group_std": {(0, 1, 1, 0.5): [-1.507553087, 0.904531852, 0.904531852, -0.301510617],
+                  (2, 0): [0.999999, -0.999999], (3,): [0.0], (1, 1, 1): [0.0, 0.0, 0.0]},
+}
+"""kind -> rewards -> advantages, to ~1e-9 (the literals above carry 9-10 significant digits)."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from factories import HAND_ADVANTAGES
 from marinrl.train.advantages import group_advantages, overlong_shaping
 from marinrl.train.batching import TrainingBatch
 from marinrl.train.losses import (
@@ -514,6 +515,15 @@ def test_overlong_shaping():
         overlong_shaping(rewards, lengths, truncated, mode="penalty", max_response_tokens=100, cache_tokens=0)
     # The shaped group still has zero-sum advantages.
     assert abs(group_advantages(shaped, "group_std").sum()) < 1e-9
+
+
+@pytest.mark.parametrize("kind", sorted(HAND_ADVANTAGES))
+def test_group_advantages_equal_hand_computed_values(kind):
+    """Literal references worked out by hand in factories.HAND_ADVANTAGES (e.g. RLOO's G/(G−1) factor)."""
+    for rewards, want in HAND_ADVANTAGES[kind].items():
+        got = group_advantages(np.array(rewards, dtype=np.float64), kind)
+        # float64 arithmetic on numbers of order 1: the literals' own rounding (1e-9) dominates.
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-9, err_msg=f"{kind} {rewards}")
 
 
 # --------------------------------------------------------------------------------------------------

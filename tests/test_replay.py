@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
-import time
 
 import draccus
 import numpy as np
 import pytest
 
+from factories import HAND_ADVANTAGES
 from marinrl.storage import RolloutReader, RolloutStorageError, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.batching import BatchingConfig
@@ -331,8 +331,11 @@ def test_advantages_are_computed_per_group_at_ingestion(kind):
     buf = ReplayConfig().build(clock=Clock(), advantage=kind)
     buf.ingest([make_batch([make_group("a", [0, 1, 1, 0.5]), make_group("b", [2, 0])])])
     s = buf.sample(0, 2, timeout_s=0)
-    np.testing.assert_allclose(s.groups[0].advantages, group_advantages(np.array([0, 1, 1, 0.5]), kind), rtol=1e-6)
-    np.testing.assert_allclose(s.groups[1].advantages, group_advantages(np.array([2.0, 0]), kind), rtol=1e-6)
+    # Hand-computed references (worked out in factories.HAND_ADVANTAGES); the buffer stores float32:
+    # a relative error of a few eps32 on values of order 1.
+    eps32 = float(np.finfo(np.float32).eps)
+    np.testing.assert_allclose(s.groups[0].advantages, HAND_ADVANTAGES[kind][(0, 1, 1, 0.5)], rtol=4 * eps32, atol=1e-9)
+    np.testing.assert_allclose(s.groups[1].advantages, HAND_ADVANTAGES[kind][(2, 0)], rtol=4 * eps32, atol=1e-9)
     assert s.advantages.shape == (6,) and s.advantages.dtype == np.float32
 
 
@@ -528,17 +531,44 @@ def test_background_thread_ingests_from_a_real_reader_and_stops(tmp_path):
     buf.stop()  # stopping twice is harmless
 
 
+class ListingReader(RolloutReader):
+    """A real reader that counts its listings, so a test can wait for the ingestion thread's progress."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.listed = threading.Condition()
+        self.listings = 0
+
+    def read_new_with_paths(self, min_step=None, max_files=None):
+        out = super().read_new_with_paths(min_step, max_files)
+        with self.listed:
+            self.listings += 1
+            self.listed.notify_all()
+        return out
+
+    def wait_for_listings(self, n: int, timeout_s: float = 60.0) -> None:
+        with self.listed:
+            assert self.listed.wait_for(lambda: self.listings >= n, timeout_s), f"fewer than {n} listings"
+
+
 def test_a_waiting_trainer_does_not_wait_for_the_idle_poll_interval(tmp_path):
-    """With an hour between idle listings, a file written while sample() waits still arrives: the
-    waiting trainer wakes the ingestion thread, which lists often until the batch is there."""
+    """With an hour between idle listings, a waiting sample() gets files written while the thread idles
+    and files written while it waits: it wakes the ingestion thread, which then lists often."""
     root = f"file://{tmp_path}/rollouts"
-    writer, reader = RolloutWriter(root), RolloutReader(root)
+    writer, reader = RolloutWriter(root), ListingReader(root)
     buf = ReplayConfig(poll_interval_s=3600.0).build(reader)
     with buf:
-        time.sleep(0.2)  # the thread listed the empty root once and now sleeps its idle interval
-        threading.Timer(0.3, lambda: writer.write(batch_of(0, "a", "b"))).start()
+        reader.wait_for_listings(1)  # the thread listed the empty root and now idles for an hour
+        writer.write(batch_of(0, "a", "b"))
         s = buf.sample(0, 2, timeout_s=60)  # without the wake-up this raises ReplayTimeoutError
         assert sorted(ids(s)) == ["a", "b"]
+
+        # A file that appears only after sample() has started waiting (and the thread has listed twice since).
+        seen = reader.listings
+        late = threading.Thread(target=lambda: (reader.wait_for_listings(seen + 2), writer.write(batch_of(0, "c"))))
+        late.start()
+        assert ids(buf.sample(0, 1, timeout_s=60)) == ["c"]
+        late.join()
 
 
 class FailingReader:

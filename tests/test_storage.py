@@ -1,13 +1,17 @@
 import io
 import json
 import multiprocessing as mp
+import os
 import re
+import signal
+import threading
 
 import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -114,16 +118,19 @@ def test_malformed_cursor_is_a_clear_error():
         RolloutReader("memory://x").load_state_dict({"floor": "a"})
 
 
-def _write_many(url: str, worker: str, n: int):
+def _write_many(url: str, worker_index: int, n: int):
+    """Worker k writes batches with seeds k·n … k·n + n − 1: distinct across workers in every process
+    (`hash()` of a string is salted per process, and its seeds collided)."""
     writer = RolloutWriter(url)
     for i in range(n):
-        writer.write(make_batch(n_groups=1, group_size=2, weight_step=i % 3, worker_id=worker, seed=hash(worker) % 1000 + i))
+        writer.write(make_batch(n_groups=1, group_size=2, weight_step=i % 3, worker_id=f"w{worker_index}",
+                                seed=worker_index * n + i))
 
 
 def test_concurrent_writers_and_a_restarting_reader(tmp_path):
     url = f"file://{tmp_path}/root"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_write_many, args=(url, f"w{k}", 15)) for k in range(3)]
+    procs = [ctx.Process(target=_write_many, args=(url, k, 15)) for k in range(3)]
     for p in procs:
         p.start()
     reader = RolloutReader(url)
@@ -149,6 +156,76 @@ def test_reader_ignores_temporary_files(tmp_path):
     (tmp_path / "step=00000001").mkdir()
     (tmp_path / "step=00000001" / ".tmp-w-000000-abc.parquet").write_bytes(b"half a file")
     assert RolloutReader(str(tmp_path)).read_new() == []
+
+
+class HalfWriteFileSystem(LocalFileSystem):
+    """A real local filesystem whose `pipe_file` writes the first half of the bytes to disk, sets
+    `half_written`, and writes the rest only once `release` is set: a write stopped halfway, on demand."""
+
+    cachable = False
+
+    def __init__(self, half_written, release, **kwargs):
+        super().__init__(**kwargs)
+        self.half_written, self.release = half_written, release
+
+    def pipe_file(self, path, value, mode="overwrite", **kwargs):
+        with open(self._strip_protocol(path), "wb") as f:
+            f.write(value[: len(value) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+            self.half_written.set()
+            self.release.wait()
+            f.write(value[len(value) // 2:])
+
+
+def _assert_reader_sees_nothing_partial(root) -> RolloutReader:
+    """A fresh reader lists and reads `root`: no batch, and nothing it had to quarantine as unreadable."""
+    reader = RolloutReader(str(root))
+    assert reader.read_new() == []
+    assert reader.metrics["quarantined_files"] == 0 and not (root / "quarantine").exists()
+    return reader
+
+
+def test_a_write_stopped_halfway_is_invisible_to_readers(tmp_path):
+    root = tmp_path / "root"
+    half_written, release = threading.Event(), threading.Event()
+    writer = RolloutWriter(str(root), fs=HalfWriteFileSystem(half_written, release))
+    batch = make_batch(weight_step=3)
+    done = {}
+    thread = threading.Thread(target=lambda: done.setdefault("path", writer.write(batch)))
+    thread.start()
+    try:
+        assert half_written.wait(60), "the writer never started writing"
+        assert [p.stat().st_size > 0 for p in root.rglob("*.parquet")] == [True]  # half a file is on disk
+        reader = _assert_reader_sees_nothing_partial(root)
+    finally:
+        release.set()
+        thread.join(60)
+    (back,) = reader.read_new()  # the same reader, after the write completed: the whole batch
+    assert back.rollouts == batch.rollouts and done["path"].endswith(".parquet")
+
+
+def _write_and_hang(root: str, half_written) -> None:
+    """A writer process that stops halfway through its file and waits forever (until SIGKILLed)."""
+    RolloutWriter(root, fs=HalfWriteFileSystem(half_written, threading.Event())).write(make_batch(weight_step=1))
+
+
+def test_a_writer_killed_mid_write_leaves_no_partial_file_for_readers(tmp_path):
+    root = tmp_path / "root"
+    ctx = mp.get_context("spawn")
+    half_written = ctx.Event()
+    proc = ctx.Process(target=_write_and_hang, args=(str(root), half_written))
+    proc.start()
+    try:
+        assert half_written.wait(120), "the writer process never started writing"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert len(list(root.rglob("*.parquet"))) == 1  # the half-written file it left behind
+    reader = _assert_reader_sees_nothing_partial(root)
+    path = RolloutWriter(str(root)).write(make_batch(weight_step=1, seed=5))  # later writers are unaffected
+    assert [len(b) for b in reader.read_new()] == [8] and path.endswith(".parquet")
 
 
 def _future_version_file(batch) -> bytes:
@@ -179,13 +256,16 @@ def test_unparseable_files_are_quarantined_and_counted(fsspec_root):
     assert summary["totals"]["quarantined"] == 2 and summary["totals"]["files"] == 1
 
 
-def test_a_future_format_version_is_refused_not_quarantined():
+def test_a_future_format_version_is_refused_by_decode_and_quarantined_by_the_reader():
     url = "memory://future"
     fs, root = fsspec.core.url_to_fs(url)
-    fs.pipe_file(f"{root}/step=00000000/w-000000-future.parquet", _future_version_file(make_batch()))
+    data = _future_version_file(make_batch())
     with pytest.raises(UnsupportedFormatVersion, match="format version 99 is newer"):
-        RolloutReader(url).read_new()
-    assert fs.exists(f"{root}/step=00000000/w-000000-future.parquet")
+        decode_batch(data)
+    fs.pipe_file(f"{root}/step=00000000/w-000000-future.parquet", data)
+    reader = RolloutReader(url)
+    assert reader.read_new() == [] and reader.metrics["quarantined_files"] == 1
+    assert fs.exists(f"{root}/quarantine/step=00000000/w-000000-future.parquet")
 
 
 @settings(max_examples=60, deadline=None)

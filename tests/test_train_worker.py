@@ -48,15 +48,20 @@ def make_rollout_batch(weight_step: int, rng: np.random.Generator, worker: str =
 
 
 class Producer(threading.Thread):
-    """Writes `per_version` batches for every weight version the trainer publishes."""
+    """Writes `per_version` batches for every weight version the trainer publishes, up to weight step
+    `hold_above` (the trainer then waits at the next step until the test raises it), and keeps a copy
+    of every version's weights it received."""
 
-    def __init__(self, weights: FilesystemTransferConfig, rollout_root: str, per_version: int = 1):
+    def __init__(self, weights: FilesystemTransferConfig, rollout_root: str, per_version: int = 1,
+                 hold_above: float = float("inf")):
         super().__init__(daemon=True)
         self.client = weights.build_client(build_model(TINY))
         self.writer = RolloutWriter(rollout_root)
         self.per_version = per_version
+        self.hold_above = hold_above
         self.rng = np.random.default_rng(0)
         self.written: dict[str, int] = {}  # group_id -> weight step
+        self.received: list[tuple[int, list[np.ndarray]]] = []  # (weight step, the weights' arrays)
         self.halt = threading.Event()
 
     def run(self):
@@ -68,10 +73,54 @@ class Producer(threading.Thread):
             if update is None:
                 self.halt.wait(0.05)
                 continue
+            self.received.append((update.weight_step, model_arrays(update.model)))
+            if update.weight_step > self.hold_above:
+                continue
             for _ in range(self.per_version):
                 batch = make_rollout_batch(update.weight_step, self.rng)
                 self.writer.write(batch)
                 self.written.update({g.group_id: update.weight_step for g in batch.groups})
+
+
+def model_arrays(model) -> list[np.ndarray]:
+    import equinox as eqx
+    import jax
+
+    return [np.array(x) for x in jax.tree_util.tree_leaves(eqx.filter(jax.device_get(model), eqx.is_inexact_array))]
+
+
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def checkpoint_arrays(folder: str) -> dict[str, np.ndarray]:
+    """Every array of a Levanter checkpoint folder (model, optimizer state, step), by its path inside it,
+    read with tensorstore as Levanter wrote them (local or gs://)."""
+    import fsspec
+    import tensorstore as ts
+
+    fs, root = fsspec.core.url_to_fs(folder, **({"token": "anon"} if folder.startswith("gs://") else {}))
+    out = {}
+    for marker in sorted(fs.find(root)):
+        if not marker.endswith("/.zarray"):
+            continue
+        array_dir = marker[: -len("/.zarray")]
+        name = array_dir[len(root.rstrip("/")) + 1:]
+        url = folder.rstrip("/") + "/" + name
+        spec = {"driver": "zarr", "kvstore": url if url.startswith("gs://") else {"driver": "file", "path": url}}
+        out[name] = ts.open(spec).result().read().result()
+    return out
+
+
+def assert_same_state(got: dict[str, np.ndarray], want: dict[str, np.ndarray], what: str) -> None:
+    """Equal to float32 rounding: a few eps32 of each array's own scale (Levanter's restore is exact,
+    and the same program on the same data repeats bitwise; the slack only covers a different fusion)."""
+    assert sorted(got) == sorted(want), what
+    assert any(k.startswith("model/") for k in want) and any(k.startswith("opt_state/") for k in want), sorted(want)
+    for name, w in want.items():
+        w, g = np.asarray(w, np.float64), np.asarray(got[name], np.float64)
+        atol = 4 * EPS32 * float(np.max(np.abs(w), initial=0.0))
+        assert g.shape == w.shape and np.max(np.abs(g - w), initial=0.0) <= atol, \
+            f"{what}: {name} differs by {np.max(np.abs(g - w)):.3g} (bound {atol:.3g})"
 
 
 def worker_config(tmp: pathlib.Path, *, steps: int, sampling, run_id: str, checkpoint_every: int = 0,
@@ -140,31 +189,84 @@ def _read_log(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+class FileReplayer(threading.Thread):
+    """Plays back recorded rollout files: those of weight step `w` appear under `dest` when the trainer
+    publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet)."""
+
+    def __init__(self, weights: FilesystemTransferConfig, files: dict[int, list[pathlib.Path]], dest: pathlib.Path):
+        super().__init__(daemon=True)
+        self.client = weights.build_client(build_model(TINY))
+        self.files, self.dest = files, dest
+        self.halt = threading.Event()
+
+    def run(self):
+        while not self.halt.is_set():
+            try:
+                update = self.client.wait_for(0, timeout_s=0.5) if self.client.weight_step is None else self.client.poll()
+            except TimeoutError:
+                continue
+            if update is None:
+                self.halt.wait(0.05)
+                continue
+            for path in self.files.pop(update.weight_step, []):
+                (self.dest / path.parent.name).mkdir(parents=True, exist_ok=True)
+                (self.dest / path.parent.name / path.name).write_bytes(path.read_bytes())
+
+
+def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
+    """The rollout files whose groups were all trained, by weight step."""
+    from marinrl.storage import decode_batch
+
+    out: dict[int, list[pathlib.Path]] = {}
+    for path in sorted(rollout_root.glob("step=*/*.parquet")):
+        batch = decode_batch(path.read_bytes())
+        if {g.group_id for g in batch.groups} <= groups:
+            out.setdefault(batch.weight_step, []).append(path)
+    return out
+
+
+def uninterrupted_run(tmp: pathlib.Path, files: dict[int, list[pathlib.Path]], steps: int, **kwargs):
+    """A trainer that never stops, fed exactly the given rollout files."""
+    cfg = worker_config(tmp, steps=steps, **kwargs)
+    replayer = FileReplayer(cfg.weights, dict(files), pathlib.Path(cfg.rollout_root))
+    replayer.start()
+    try:
+        return TrainWorker(cfg).run()
+    finally:
+        replayer.halt.set()
+        replayer.join(timeout=60)
+
+
 def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
     import signal
     import time
 
     cfg = worker_config(tmp_path, steps=8, sampling=OnPolicyConfig(), run_id="killed", checkpoint_every=2)
-    producer = Producer(cfg.weights, cfg.rollout_root)
+    # Rollouts stop after weights 4: the first trainer takes step 5 (checkpoint after step 4), then waits for
+    # rollouts of weights 5 and is SIGKILLed there, between checkpoints. Every assertion below holds wherever
+    # the kill lands; the hold makes it land where the re-read of a consumed file matters.
+    producer = Producer(cfg.weights, cfg.rollout_root, hold_above=4)
     producer.start()
     first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     child = _spawn_child(tmp_path, first_log)
-    deadline = time.time() + 300
-    while not any(e.get("step", 0) >= 5 for e in _read_log(first_log)):
+    deadline = time.monotonic() + 300
+    while not (any(e.get("step", 0) >= 5 for e in _read_log(first_log)) and any(s == 5 for s, _ in producer.received)):
         assert child.poll() is None, child.stderr.read().decode()[-3000:]
-        assert time.time() < deadline, "the first trainer never reached step 5"
-        time.sleep(0.2)
-    child.send_signal(signal.SIGKILL)  # mid-run: step 5 trained, its checkpoint (step 6) not yet taken
+        assert time.monotonic() < deadline, "the first trainer never reached step 5"
+        time.sleep(0.1)  # polling a condition, not ordering: the deadline bounds it
+    child.send_signal(signal.SIGKILL)
     child.wait()
+    producer.hold_above = float("inf")
 
     resumed = _spawn_child(tmp_path, second_log)
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
     producer.halt.set()
+    producer.join(timeout=60)
     second = _read_log(second_log)
     start = second[-1]["first_step"]
-    assert second[-1]["final_step"] == 8 and start in (4, 6)
+    killed_steps = {e["step"]: e["groups"] for e in _read_log(first_log) if "step" in e}
+    assert second[-1]["final_step"] == 8 and start % 2 == 0 and 0 < start <= max(killed_steps)
 
-    killed_steps = {e["step"]: e["groups"] for e in _read_log(first_log)}
     resumed_steps = {e["step"]: e["groups"] for e in second if "step" in e}
     lineage = {**{s: g for s, g in killed_steps.items() if s <= start}, **resumed_steps}
     assert sorted(lineage) == list(range(1, 9)) and min(resumed_steps) == start + 1
@@ -173,17 +275,35 @@ def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
     for step, groups in lineage.items():  # on-policy, every step: its own weights' rollouts
         assert {w for _, w in groups} == {step - 1}
         assert all(producer.written[gid] == w for gid, w in groups)
-    # The file the killed run consumed after its last checkpoint is read again, not skipped.
-    assert {g for g, _ in resumed_steps[start + 1]} == {g for g, _ in killed_steps[start + 1]}
+    # A file the killed run consumed after its last checkpoint is read again, not skipped.
+    if start + 1 in killed_steps:
+        assert {g for g, _ in resumed_steps[start + 1]} == {g for g, _ in killed_steps[start + 1]}
+
+    # The resumed trainer restored the checkpoint's weights: what it republished for weight step `start`
+    # is what the killed trainer published (and checkpointed) there, not freshly initialized weights.
+    published = [arrays for step, arrays in producer.received if step == start]
+    assert len(published) == 2, [s for s, _ in producer.received]  # killed run, then the resumed one
+    for killed, restored in zip(*published):
+        np.testing.assert_array_equal(restored, killed)
+
+    # Model and optimizer state: the interrupted + resumed run ends where an uninterrupted run on the same
+    # rollout files ends, and trains the same groups at the same steps.
+    files = lineage_files(tmp_path / "rollouts", set(trained))
+    assert sorted(files) == list(range(8)) and all(len(f) == 1 for f in files.values())
+    result = uninterrupted_run(tmp_path / "uninterrupted", files, 8, sampling=OnPolicyConfig(), run_id="whole")
+    assert [set(g) for g in result.trained_groups] == [{g for g, _ in lineage[s]} for s in range(1, 9)]
+    assert_same_state(checkpoint_arrays(str(tmp_path / "ckpt" / "killed" / "step-7")),
+                      checkpoint_arrays(result.checkpoint), "resumed run vs uninterrupted run")
 
 
 def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):
-    """Model, optimizer and sidecar to gs:// (tensorstore and gcsfs through the emulator), then resume."""
+    """Model, optimizer and sidecar to gs:// (tensorstore and gcsfs through the emulator), then resume:
+    the restored weights are the checkpoint's, and 2 + 1 steps end where 3 uninterrupted steps end.
+    (On-policy, so which rollout file each step trains is fixed and the runs are comparable.)"""
     from levanter.checkpoint import CheckpointerConfig as Ckpt
 
     def cfg_for(steps):
-        cfg = worker_config(tmp_path, steps=steps, sampling=OffPolicyConfig(staleness=1), run_id="gcs",
-                            checkpoint_every=1)
+        cfg = worker_config(tmp_path, steps=steps, sampling=OnPolicyConfig(), run_id="gcs", checkpoint_every=1)
         cfg.trainer = dataclasses.replace(cfg.trainer, checkpointer=Ckpt(base_path=f"{gcs_root}/ckpt"))
         return cfg
 
@@ -192,6 +312,21 @@ def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):
     first = TrainWorker(cfg_for(2)).run()
     second = TrainWorker(cfg_for(3)).run()
     producer.halt.set()
+    producer.join(timeout=60)
     assert (first.first_step, first.final_step) == (0, 2)
     assert (second.first_step, second.final_step) == (2, 3)
     assert second.checkpoint.startswith(f"{gcs_root}/ckpt/gcs/step-2")
+
+    # What the resumed trainer republished for weight step 2 is what the first one published there.
+    published = [arrays for step, arrays in producer.received if step == 2]
+    assert len(published) == 2, [s for s, _ in producer.received]
+    for before, restored in zip(*published):
+        np.testing.assert_array_equal(restored, before)
+
+    trained = first.trained_groups + second.trained_groups
+    files = lineage_files(tmp_path / "rollouts", {g for groups in trained for g in groups})
+    assert sorted(files) == [0, 1, 2] and all(len(f) == 1 for f in files.values())
+    whole = uninterrupted_run(tmp_path / "uninterrupted", files, 3, sampling=OnPolicyConfig(), run_id="whole")
+    assert [set(g) for g in whole.trained_groups] == [set(g) for g in trained]
+    assert_same_state(checkpoint_arrays(second.checkpoint), checkpoint_arrays(whole.checkpoint),
+                      "resumed run on gs:// vs uninterrupted run")
