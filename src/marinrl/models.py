@@ -9,14 +9,12 @@ carry `model_config.json`, so they load without being told the architecture.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import json
 import logging
 import os
-import tempfile
 from typing import Optional
 
 import draccus
@@ -25,32 +23,20 @@ import fsspec
 import haliax as hax
 import jax
 import jax.numpy as jnp
-import numpy as np
 from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
-from levanter.compat.hf_checkpoints import HFCheckpointConverter
 from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from marinrl.hf_checkpoints import HF_TO_LEVANTER as _HF_TO_LEVANTER  # noqa: F401  (preflight reads it)
+from marinrl.hf_checkpoints import default_mesh as _default_mesh
+from marinrl.hf_checkpoints import has_tokenizer as _has_tokenizer
+from marinrl.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint
 from marinrl.tokenizers import byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 MODEL_CONFIG_FILE = "model_config.json"
-
-# Hugging Face `model_type` -> name of the Levanter config in LmConfig's registry.
-_HF_TO_LEVANTER = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "mixtral": "mixtral",
-    "qwen2": "qwen",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3_text": "gemma3",
-    "olmo2": "olmo2",
-    "gpt2": "gpt2",
-}
 
 
 def _reference_llama() -> LmConfig:
@@ -72,8 +58,8 @@ class ModelConfig:
 
     model: LmConfig = dataclasses.field(default_factory=_reference_llama)
     """Levanter architecture (draccus choice, e.g. `type: llama`). For an HF checkpoint its config.json
-    rules instead; for a Levanter checkpoint written by `save_levanter_checkpoint` its
-    `model_config.json` does."""
+    rules instead, except `gradient_checkpointing`, which is taken from here (a Levanter-only knob); for a
+    Levanter checkpoint written by `save_levanter_checkpoint` its `model_config.json` does."""
     vocab_size: int = 512
     """Size of the vocabulary axis of a model built from scratch (and of the byte-level tokenizer)."""
     seed: int = 0
@@ -95,16 +81,27 @@ class ModelConfig:
             raise ValueError("ModelConfig: set at most one of levanter_checkpoint and hf_checkpoint")
         if self.vocab_size < 1:
             raise ValueError(f"ModelConfig.vocab_size must be >= 1, got {self.vocab_size}")
+        if self.init_std is not None and not (0 < self.init_std < float("inf")):
+            raise ValueError(f"ModelConfig.init_std must be finite and > 0 (or null), got {self.init_std}")
+        try:
+            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+        except TypeError:
+            floating = False
+        if not floating:
+            raise ValueError(f"ModelConfig.dtype must be a float dtype (float32, bfloat16, float16), got {self.dtype!r}")
 
 
-def build_model(config: ModelConfig) -> LmHeadModel:
-    """The model `config` describes: loaded from its checkpoint, or initialized from its seed."""
+def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None) -> LmHeadModel:
+    """The model `config` describes: loaded from its checkpoint, or initialized from its seed. A checkpoint
+    is read straight onto `mesh` with `axis_mapping` (defaults: those in context, else one device)."""
     dtype = jnp.dtype(config.dtype)
     if config.hf_checkpoint:
-        return load_hf_checkpoint(config.hf_checkpoint, dtype=dtype)
+        return load_hf_checkpoint(config.hf_checkpoint, dtype=dtype, axis_mapping=axis_mapping, mesh=mesh,
+                                  gradient_checkpointing=getattr(config.model, "gradient_checkpointing", None))
     if config.levanter_checkpoint:
         return load_levanter_checkpoint(
-            config.levanter_checkpoint, model_config=None, vocab_size=None, dtype=dtype, fallback=config
+            config.levanter_checkpoint, model_config=None, vocab_size=None, dtype=dtype, fallback=config,
+            axis_mapping=axis_mapping, mesh=mesh,
         )
     return init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
 
@@ -214,19 +211,6 @@ def load_levanter_checkpoint(
     return _cast(model, dtype)
 
 
-@contextlib.contextmanager
-def _default_mesh(mesh=None):
-    """Levanter's checkpoint code needs a mesh. Use `mesh`, else the one in context, else a one-device
-    mesh on the default device (where an unsharded jax array would live)."""
-    if mesh is None and hax.partitioning._resolve_mesh() is not None:
-        yield
-        return
-    if mesh is None:
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    with hax.partitioning.set_mesh(mesh):
-        yield
-
-
 def _levanter_config_name(config: LmConfig) -> str:
     for name, cls in LmConfig.get_known_choices().items():
         if type(config) is cls:
@@ -260,83 +244,6 @@ def _read_model_config(step_dir: str) -> Optional[tuple[LmConfig, int]]:
                 raw = json.load(f)
             return draccus.decode(LmConfig, raw["model"]), int(raw["vocab_size"])
     return None
-
-
-# --------------------------------------------------------------------------- Hugging Face checkpoints
-
-
-def load_hf_checkpoint(path: str, *, dtype=jnp.float32, axis_mapping=None) -> LmHeadModel:
-    """Load a Hugging Face checkpoint directory (local or fsspec URL) through Levanter's converter.
-
-    The architecture comes from its config.json; the vocabulary keeps the checkpoint's size."""
-    with _local_copy(path) as local:
-        hf_config = AutoConfig.from_pretrained(local, local_files_only=True)
-        name = _HF_TO_LEVANTER.get(hf_config.model_type)
-        if name is None or name not in LmConfig.get_known_choices():
-            raise ValueError(f"{path}: Levanter has no model for HF model_type {hf_config.model_type!r}")
-        lev_config = LmConfig.get_choice_class(name).from_hf_config(hf_config)
-        if hasattr(lev_config, "gradient_checkpointing"):
-            lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
-        # The converter wants a tokenizer to size the vocabulary; we keep the checkpoint's size instead.
-        converter = HFCheckpointConverter(
-            type(lev_config), reference_checkpoint=local, HfConfigClass=type(hf_config), tokenizer=byte_tokenizer(512)
-        )
-        with _default_mesh():
-            model = converter.load_pretrained(
-                lev_config.model_type,
-                ref=local,
-                config=lev_config,
-                axis_mapping=axis_mapping,
-                resize_vocab_to_match_tokenizer=False,
-                dtype=dtype,
-            )
-    return model
-
-
-def save_hf_checkpoint(model: LmHeadModel, path: str, *, tokenizer: PreTrainedTokenizerBase) -> str:
-    """Export `model` as a Hugging Face checkpoint directory (config.json, safetensors, the tokenizer)."""
-    hf_config = model.config.to_hf_config(vocab_size=model.Vocab.size)
-    with tempfile.TemporaryDirectory() as ref:
-        # Levanter's converter copies a few keys from a reference checkpoint's config: we give it our own
-        # config, written locally, so nothing is fetched.
-        hf_config.save_pretrained(ref)
-        converter = HFCheckpointConverter(
-            type(model.config), reference_checkpoint=ref, HfConfigClass=type(hf_config), tokenizer=tokenizer
-        )
-        with _default_mesh():
-            converter.save_pretrained(model, path, save_reference_code=False, save_tokenizer=True)
-    return path
-
-
-def _has_tokenizer(path: str) -> bool:
-    fs, plain = fsspec.core.url_to_fs(path)
-    return fs.exists(os.path.join(plain, "tokenizer_config.json"))
-
-
-class _local_copy:
-    """Context manager: a local directory with the contents of `path` (itself if it is local)."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self._tmp: Optional[tempfile.TemporaryDirectory] = None
-
-    def __enter__(self) -> str:
-        fs, plain = fsspec.core.url_to_fs(self.path)
-        if not fs.isdir(plain):
-            raise FileNotFoundError(f"Hugging Face checkpoint directory not found: {self.path}")
-        if not fs.exists(os.path.join(plain, "config.json")):
-            raise FileNotFoundError(f"{self.path} has no config.json: not a Hugging Face checkpoint")
-        if "://" not in self.path or self.path.startswith("file://"):
-            return plain
-        self._tmp = tempfile.TemporaryDirectory()
-        for name in fs.ls(plain, detail=False):
-            if fs.isfile(name):
-                fs.get(name, os.path.join(self._tmp.name, os.path.basename(name)))
-        return self._tmp.name
-
-    def __exit__(self, *exc):
-        if self._tmp is not None:
-            self._tmp.cleanup()
 
 
 def model_summary(model: LmHeadModel) -> dict:

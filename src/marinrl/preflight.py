@@ -109,6 +109,7 @@ def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
     from levanter.models.lm_model import LmConfig
     from transformers import AutoConfig
 
+    from marinrl.hf_checkpoints import levanter_config
     from marinrl.models import _HF_TO_LEVANTER
 
     field = "model.hf_checkpoint"
@@ -139,7 +140,7 @@ def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
             f.write(text)
         try:
             hf_config = AutoConfig.from_pretrained(tmp, local_files_only=True)
-            lev_config = LmConfig.get_choice_class(name).from_hf_config(hf_config)
+            lev_config = levanter_config(hf_config, path)  # Levanter's from_hf_config + marinrl's fixes and checks
         except Exception as e:
             raise ConfigError(field, f"{path}/config.json does not describe a {raw['model_type']} model: "
                                      f"{_one_line(e)}") from e
