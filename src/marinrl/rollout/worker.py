@@ -167,7 +167,7 @@ class RolloutWorker:
                 "evals": self.eval_history}
 
     def _receive(self, update, waited_s: float = 0.0) -> None:
-        self.manager.update_model(update.model)
+        self.manager.update_model(update.model, update.weight_step)
         self.weight_step = update.weight_step
         self.counters.weight_updates += 1
         metrics = {f"weights/{k}": v for k, v in self._client.metrics.items()}
