@@ -19,6 +19,11 @@ at the end, the default backend (`scan`) last.
 
     python bench/generation.py [--calls 30] [--modes scan,engine] [--engine-page-size 64]
         [--engine-max-rounds 32]
+
+A mode may name the rollout mesh's model axis: `scan@4` is the scan sampler tensor-parallel over 4
+devices (`InferenceServerConfig.model_axis_size`); `--cpu-devices 4` gives the CPU 4 fake devices:
+
+    python bench/generation.py --cpu-devices 4 --modes scan,scan@4,scan@2
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--engine-page-size", type=int, default=None, help="EngineConfig.page_size (default 64)")
     parser.add_argument("--engine-max-rounds", type=int, default=32, help="EngineConfig.max_rounds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-devices", type=int, default=None,
+                        help="fake CPU devices (XLA --xla_force_host_platform_device_count)")
     args = parser.parse_args()
     if args.calls < 3:
         parser.error("--calls must be >= 3 (medians are over calls 3..calls)")
@@ -50,6 +57,9 @@ def _parse_args() -> argparse.Namespace:
 
 ARGS = _parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if ARGS.cpu_devices:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={ARGS.cpu_devices}").strip()
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import json  # noqa: E402
@@ -96,7 +106,9 @@ def main(args) -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     servers = {}
     for mode in modes:
-        cfg = InferenceServerConfig(backend=mode, serve_http=False, engine=engine_cfg)
+        backend, _, axis = mode.partition("@")
+        cfg = InferenceServerConfig(backend=backend, serve_http=False, engine=engine_cfg,
+                                    model_axis_size=int(axis) if axis else None)
         servers[mode] = InferenceServer(cfg, model, tokenizer).start()
     rng = np.random.default_rng(args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_tokens=args.new_tokens)

@@ -27,7 +27,10 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from levanter.models.llama import LlamaLMHeadModel
+
+from marinrl.inference.sharding import DATA, MODEL
 
 STOP_PAD = -1
 """Left padding of a stop sequence: matches anything."""
@@ -85,6 +88,7 @@ def sample(
     max_cache_bytes: int = 1 << 30,
     prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
     min_prompts: int = 1,
+    mesh: Optional[Mesh] = None,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -95,7 +99,11 @@ def sample(
     `prompt_keys[i] = (seed_i, index_i)` replaces (seed, i) for prompt i, so that prompts of several
     HTTP requests, each with its own seed, share one device call and still get their own samples.
     `min_prompts` pads a call to at least that many prompt rows (within the cache budget): calls of
-    varying small sizes then share one compiled shape."""
+    varying small sizes then share one compiled shape.
+
+    `mesh` (axes data, model; `sharding.rollout_mesh`): the model's weights are sharded over "model"
+    (`sharding.place`), and so are the KV cache's heads; rows go over "data" when they divide evenly.
+    The samples are those of one device: same tokens, logprobs within float32 rounding."""
     n_prompts = len(prompts)
     if prompt_keys is None:
         prompt_keys = [(seed, i) for i in range(n_prompts)]
@@ -142,7 +150,7 @@ def sample(
         part_index[:len(part)] = key_index[start:start + len(part)]
         out = _generate(
             model, jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
-            jnp.asarray(part_seeds), jnp.asarray(part_index), n=n, max_new=t_len,
+            jnp.asarray(part_seeds), jnp.asarray(part_index), n=n, max_new=t_len, mesh=mesh,
         )
         tokens, logprobs, lengths, stopped = jax.device_get(out)
         rows = len(part) * n
@@ -172,7 +180,9 @@ class _Packed(eqx.Module):
 
     Levanter keeps Linear weights out-first with named output axes; used as they are, XLA re-lays out
     every q/k/v/o weight on every decode step. Packed, each step runs four matmuls per layer (q|k|v
-    fused, o, gate|up fused, down) on weights already in place."""
+    fused, o, gate|up fused, down) on weights already in place. The fused weights keep the axis that
+    tensor parallelism splits apart, qkv [embed, kv_head, (group + 2) * head] and gate_up
+    [embed, 2, mlp], so that each device's slice holds whole heads and matching gate/up columns."""
 
     qkv: jax.Array
     qkv_bias: Optional[jax.Array]
@@ -194,20 +204,41 @@ def _in_out(linear, in_axes) -> tuple[jax.Array, Optional[jax.Array]]:
     return w.reshape(n_in, -1), bias
 
 
-def _cat(*xs):
+def _cat(xs, shape, axis):
+    """Each of `xs` reshaped to `shape`, concatenated along `axis`; None if the layer has no bias."""
     if any(x is None for x in xs):
         assert all(x is None for x in xs)
         return None
-    return jnp.concatenate(xs, axis=-1)
+    return jnp.concatenate([x.reshape(shape) for x in xs], axis=axis)
 
 
-def _pack(layer) -> _Packed:
+def _constrain(x, mesh: Optional[Mesh], *spec):
+    """`x` laid out as PartitionSpec(*spec) on `mesh`; unchanged without a mesh. A mesh axis is dropped
+    from the spec where it does not divide the dimension (e.g. 1 prompt row over a data axis of 2)."""
+    if mesh is None or x is None:
+        return x
+    spec = tuple(a if a is None or x.shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def _pack(layer, mesh: Optional[Mesh]) -> _Packed:
     attn, mlp = layer.self_attn, layer.mlp
+    n_kv = attn.config.KVHeads.size
     (q, qb), (k, kb), (v, vb) = (_in_out(p, ("embed",)) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
     o, ob = _in_out(attn.o_proj, ("heads", "head_size"))
     (g, gb), (u, ub) = (_in_out(p, ("embed",)) for p in (mlp.gate_proj, mlp.up_proj))
     d, db = _in_out(mlp.down_proj, ("mlp",))
-    return _Packed(_cat(q, k, v), _cat(qb, kb, vb), o, ob, _cat(g, u), _cat(gb, ub), d, db)
+    embed, n_mlp = g.shape
+    qkv = _cat((q, k, v), (embed, n_kv, -1), axis=2)
+    qkv_bias = _cat((qb, kb, vb), (n_kv, -1), axis=1)
+    gate_up = _cat((g, u), (embed, 1, n_mlp), axis=1)
+    gate_up_bias = _cat((gb, ub), (1, n_mlp), axis=0)
+    return _Packed(
+        _constrain(qkv, mesh, None, MODEL, None), _constrain(qkv_bias, mesh, MODEL, None),
+        _constrain(o, mesh, MODEL, None), ob,
+        _constrain(gate_up, mesh, None, None, MODEL), _constrain(gate_up_bias, mesh, None, MODEL),
+        _constrain(d, mesh, MODEL, None), db,
+    )
 
 
 def _linear(x, w, b):
@@ -237,13 +268,15 @@ def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
     n_kv, group, head = cfg.KVHeads.size, cfg.QHeadsPerGroup.size, cfg.HeadSize.size
     residual = x
     h = layer.input_layernorm(x)
-    qkv = _linear(h.array, packed.qkv, packed.qkv_bias)
+    qkv = jnp.einsum("bne,ekf->bnkf", h.array, packed.qkv)
+    if packed.qkv_bias is not None:
+        qkv = qkv + packed.qkv_bias
     b, n = qkv.shape[:2]
-    q_end, k_end = n_kv * group * head, n_kv * (group + 1) * head
+    q_end, k_end = group * head, (group + 1) * head
     q = _named(qkv[..., :q_end].reshape(b, n, n_kv, group, head),
                "batch", "position", "kv_head", "q_heads_per_group", "head_size")
-    k = _named(qkv[..., q_end:k_end].reshape(b, n, n_kv, head), "batch", "position", "kv_head", "head_size")
-    v = qkv[..., k_end:].reshape(b, n, n_kv, head)
+    k = _named(qkv[..., q_end:k_end], "batch", "position", "kv_head", "head_size")
+    v = qkv[..., k_end:]
     if attn.q_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.rot_embs is not None:
@@ -261,8 +294,10 @@ def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
     x = residual + attn_out
     residual = x
     h = layer.post_attention_layernorm(x).array
-    gate_up = _linear(h, packed.gate_up, packed.gate_up_bias)
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    gate_up = jnp.einsum("bne,etf->bntf", h, packed.gate_up)
+    if packed.gate_up_bias is not None:
+        gate_up = gate_up + packed.gate_up_bias
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
     if layer.post_mlp_layernorm is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
@@ -317,9 +352,15 @@ def _pick(logits, temperature, u):
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new"))
+def _cache_layout(caches, mesh):
+    """KV caches [rows, kv_head, slot, head]: heads over the model axis, rows over the data axis."""
+    return [(_constrain(kc, mesh, DATA, MODEL, None, None), _constrain(vc, mesh, DATA, MODEL, None, None))
+            for kc, vc in caches]
+
+
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh"))
 def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
-              max_new):
+              max_new, mesh):
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
     s_len = p_len + max_new
@@ -328,7 +369,7 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     kv_heads, head = cfg.num_kv_heads, cfg.actual_head_size
     dtype = model.embeddings.token_embeddings.weight.dtype
     layers = model.transformer.layers.unstacked()
-    packed = [_pack(layer) for layer in layers]
+    packed = [_pack(layer, mesh) for layer in layers]
     head_w = model.lm_head.weight if model.lm_head is not None else model.embeddings.token_embeddings.weight
     lm_head = head_w.rearrange(("embed", "vocab")).array
 
@@ -340,13 +381,15 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     key_ok = (kslots[None, None, :] >= pad[:, None, None]) & (kslots[None, None, :] <= slots[None, :, None])
     key_ok = key_ok | (kslots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
     empty = jnp.zeros((b_prompts, kv_heads, s_len, head), dtype)
-    caches = [(empty, empty) for _ in range(cfg.num_layers)]
+    caches = _cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
     logits, caches = _forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-    caches = [(expand(kc), expand(vc)) for kc, vc in caches]
-    logits, pad, lens, active = expand(logits), expand(pad), expand(lens), expand(active)
+    caches = _cache_layout([(expand(kc), expand(vc)) for kc, vc in caches], mesh)
+    # every device samples from whole rows of logits: the same draws as on one device
+    logits = _constrain(expand(logits), mesh, DATA, None)
+    pad, lens, active = expand(pad), expand(lens), expand(active)
     sample_idx = jnp.arange(rows) % n
     keys = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), j))(
         expand(key_seeds), expand(key_index), sample_idx)
@@ -387,6 +430,7 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
         logits, caches = _forward(
             model, layers, packed, lm_head, tok[:, None], step_pos, caches, write_at, key_ok[:, None, :]
         )
+        caches, logits = _cache_layout(caches, mesh), _constrain(logits, mesh, DATA, None)
         tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False))
         state = record(t, tok, lp, out_tokens, out_logprobs, lengths, done, stopped)
         return (t + 1, tok, caches, *state)

@@ -27,6 +27,7 @@ from typing import Literal, Optional, Sequence
 import numpy as np
 
 from marinrl.inference import sampler as scan_sampler
+from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest, check_api_key, is_loopback
@@ -72,6 +73,12 @@ class InferenceServerConfig:
     equal chunks (same samples either way)."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
+    model_axis_size: Optional[int] = None
+    """Tensor parallelism of the rollout model: how many of this host's local devices share each
+    weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local
+    device count splits generation rows. Must divide the local device count, num_kv_heads, num_heads
+    and intermediate_dim. None: all local devices on TPU/GPU (or the largest divisor that splits the
+    model); on a CPU one device and no mesh (fake CPU devices share the same cores)."""
 
     def __post_init__(self):
         if self.backend not in ("scan", "engine"):
@@ -83,6 +90,9 @@ class InferenceServerConfig:
             raise ValueError(f"InferenceServerConfig.http_min_batch must be >= 1, got {self.http_min_batch}")
         if self.scan_max_cache_bytes < 1:
             raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
+        if self.model_axis_size is not None and self.model_axis_size < 1:
+            raise ValueError(f"inference.model_axis_size must be >= 1 (or None: all local devices), "
+                             f"got {self.model_axis_size}")
         if self.api_key is not None:
             check_api_key(self.api_key, "inference.api_key")
         elif not is_loopback(self.host):
@@ -102,7 +112,8 @@ class InferenceServer:
             scan_sampler.check_supported(model)
         self.config = config
         self._tokenizer = tokenizer
-        self._model = model
+        self._mesh = sharding.rollout_mesh(model, config.model_axis_size)
+        self._model = sharding.place(model, self._mesh)
         self._weight_step = int(weight_step)
         self._lock = threading.Lock()
         self._engine: Optional[LevanterEngine] = None
@@ -128,7 +139,8 @@ class InferenceServer:
             return self
         http = self.config.serve_http
         if self.config.backend == "engine" or (http and self._http_backend == "engine"):
-            self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
+            with sharding.using(self._mesh):
+                self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
         if http:
             backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
@@ -169,7 +181,14 @@ class InferenceServer:
 
     @property
     def model(self):
+        """The served model, its weights on the rollout shardings (a weight-transfer client built from
+        it receives new weights there directly)."""
         return self._model
+
+    @property
+    def mesh(self) -> Optional[sharding.RolloutMesh]:
+        """The rollout mesh (None: one device, no sharding)."""
+        return self._mesh
 
     @property
     def weight_step(self) -> int:
@@ -178,8 +197,11 @@ class InferenceServer:
 
     def reload(self, model, weight_step: int) -> None:
         """Serve `model` (same architecture, shapes and dtypes: nothing recompiles) as `weight_step`.
-        Calls already running finish with the old weights."""
+        Calls already running finish with the old weights. Leaves not yet on the rollout shardings are
+        put there (one device_put each); leaves already there, as the weight transfer delivers them,
+        are used as they are."""
         _check_same_structure(self._model, model)
+        model = sharding.place(model, self._mesh)
         with self._lock:
             self._model = model
             self._weight_step = int(weight_step)
@@ -275,6 +297,7 @@ class InferenceServer:
             max_cache_bytes=self.config.scan_max_cache_bytes,
             prompt_keys=[(r.seed, r.index) for r in requests],
             min_prompts=min_batch,
+            mesh=None if self._mesh is None else self._mesh.mesh,
         )
         result = []
         for i in range(len(requests)):
@@ -309,8 +332,12 @@ class InferenceServer:
                 )
                 for s in samples
             ]
-            for samples in self._engine.generate(jobs)
+            for samples in self._engine_generate(jobs)
         ]
+
+    def _engine_generate(self, jobs):
+        with sharding.using(self._mesh):
+            return self._engine.generate(jobs)
 
     # ------------------------------------------------------------------ chat helpers
 
