@@ -58,6 +58,7 @@ from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
 from marinrl.train.batching import BatchingConfig  # noqa: E402
 from marinrl.train.losses import LossConfig  # noqa: E402
+from marinrl.train.trainer_config import RLAdamConfig  # noqa: E402
 
 MODES = {"on_policy": 0, "async": 1}
 
@@ -71,8 +72,8 @@ def job_config(mode: str, steps: int, root: str) -> RLJobConfig:
         run_id=f"e2e-{mode}", run_root=root,
         model=ModelConfig(model=llama, vocab_size=512, seed=0, init_std=0.02, dtype="float32"),
         curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=steps, groups_per_step=8, n_generations=8,
-        max_staleness=MODES[mode], loss=LossConfig.preset("grpo", kl_beta=0.04), learning_rate=1e-4,
-        eval_every=10_000, eval_examples=8, batching=BatchingConfig(max_length=64, min_bucket=16))
+        max_staleness=MODES[mode], loss=LossConfig.preset("grpo", kl_beta=0.04),
+        optimizer=RLAdamConfig(learning_rate=1e-4), eval_every=10_000, eval_examples=8, batching=BatchingConfig(max_length=64, min_bucket=16))
 
 
 class RssWatcher:

@@ -8,7 +8,7 @@ the fields fails), then `prepare_config` + `validate_config`. Ray leaves `node_c
 the GCP part is checked here: the fields each node kind accepts (a Compute VM or a TPU VM), TPU types
 and chips per host from Ray's own TPU tables, GPUs per machine type, and that the `resources` a node
 type declares are what the hardware has. Last, the placement marinrl asks for (`metadata.marinrl`:
-what `--ray.trainer_resources` / `--ray.rollout_resources` get) must fit a node type with an
+`RLJobConfig.ray.trainer` / `.rollout`, marinrl/placement.py) must fit a node type with an
 accelerator, and the trainer and the rollout workers on different node types.
 
 Nothing here reaches the network; GCP quota, zones, images and runtime versions are not checked.
@@ -23,9 +23,6 @@ import sys
 from typing import Any
 
 import yaml
-
-ACTOR_CPUS = 1
-"""What RLJob's TrainerActor and RolloutActor ask for besides their custom resources (num_cpus=1)."""
 
 ROLES = ("trainer", "rollout")
 
@@ -193,31 +190,61 @@ def _fits(request: dict, offered: dict) -> bool:
     return all(amount(offered.get(key, 0)) >= need for key, need in request.items())
 
 
+def placement_flags(role: str, placement: dict) -> list[str]:
+    """`metadata.marinrl.<role>` as the `marinrl train` flags that set it (`--ray.<role>.<field> <value>`)."""
+    flags = []
+    for key, value in placement.items():
+        flags += [f"--ray.{role}.{key}", json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
+
+
+def _parse_placement(raw: Any, field: str, errors: list[str]):
+    """`metadata.marinrl.<role>` as marinrl's PlacementConfig (draccus, as `marinrl train` decodes it)."""
+    import draccus
+
+    from marinrl.placement import PlacementConfig
+    from marinrl.preflight import ConfigError
+
+    if not isinstance(raw, dict) or not raw:
+        errors.append(f"{field}: must be a mapping of RLJobConfig.ray.{field.rsplit('.', 1)[-1]}'s fields "
+                      f"(num_cpus, num_gpus, tpu, accelerator_type, resources), got {raw!r}")
+        return None
+    try:
+        placement = draccus.decode(PlacementConfig, raw)
+        placement.errors(field)
+    except ConfigError as e:
+        errors.append(str(e).removeprefix("RLJobConfig."))
+        return None
+    except Exception as e:  # draccus: an unknown field or a value of the wrong type
+        errors.append(f"{field}: {type(e).__name__}: {e}")
+        return None
+    return placement
+
+
 def _placement_errors(config: dict, offered: dict[str, dict], errors: list[str]) -> None:
+    from marinrl.placement import _fmt
+
     metadata = config.get("metadata")
     marinrl = metadata.get("marinrl") if isinstance(metadata, dict) else None
     if not isinstance(marinrl, dict):
-        errors.append("metadata.marinrl: missing; it names the resources marinrl places on "
-                      "({trainer_resources: {...}, rollout_resources: {...}})")
+        errors.append("metadata.marinrl: missing; it names what marinrl places on the cluster "
+                      "({trainer: {num_gpus | tpu, resources: {...}}, rollout: {...}})")
         return
     head = config.get("head_node_type")
     homes: dict[str, set[str]] = {}
     for role in ROLES:
-        field = f"metadata.marinrl.{role}_resources"
-        resources = marinrl.get(f"{role}_resources")
-        if (not isinstance(resources, dict) or not resources
-                or not all(isinstance(v, (int, float)) and v > 0 for v in resources.values())):
-            errors.append(f"{field}: must map resource names to amounts > 0 (what --ray.{role}_resources gets), "
-                          f"got {resources!r}")
+        field = f"metadata.marinrl.{role}"
+        placement = _parse_placement(marinrl.get(role), field, errors)
+        if placement is None:
             continue
-        request = {"CPU": ACTOR_CPUS, **resources}
+        request = placement.request()
         homes[role] = {name for name, res in offered.items() if _fits(request, res)}
         if not homes[role]:
-            errors.append(f"{field}: no node type offers {request} (the {role} actor's request); "
+            errors.append(f"{field}: no node type offers {_fmt(request)} (the {role} actor's request); "
                           f"node types offer: {json.dumps(offered)}")
         for name in sorted(homes[role]):
             if not (offered[name].get("TPU") or offered[name].get("GPU")):
-                errors.append(f"{field}: {resources} fits node type {name}"
+                errors.append(f"{field}: {_fmt(request)} fits node type {name}"
                               f"{' (the head)' if name == head else ''}, which has no TPU or GPU")
     shared = homes.get("trainer", set()) & homes.get("rollout", set())
     if shared:
@@ -269,8 +296,8 @@ def main(paths: list[str]) -> int:
             failed += 1
             continue
         placement = config["metadata"]["marinrl"]
-        print(f"ok: {path}: --ray.trainer_resources '{json.dumps(placement['trainer_resources'])}' "
-              f"--ray.rollout_resources '{json.dumps(placement['rollout_resources'])}'")
+        flags = [f"'{f}'" if f.startswith("{") else f for role in ROLES for f in placement_flags(role, placement[role])]
+        print(f"ok: {path}: {' '.join(flags)}")
     return 1 if failed else 0
 
 

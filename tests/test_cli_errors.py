@@ -106,7 +106,7 @@ def test_a_lesson_field_check_points_at_the_lesson(tmp_path, capsys):
         ("alphabet_size: 10,", "alphabet_size: 99,", "{alphabet_size",
          r"RLJobConfig.curriculum.lessons\[echo\].env.args: echo: alphabet_size must be in \[2, 26\], got 99"),
         ("{name: echo,", "{name: nope,", "nope", r"RLJobConfig.curriculum.lessons\[echo\].env.name: unknown environment 'nope'"),
-        ("learning_rate: 0.001", "learning_rate: -1", "-1", r"RLJobConfig.learning_rate: must be finite and > 0"),
+        ("learning_rate: 0.001}", "learning_rate: -1}", "-1", r"RLJobConfig.optimizer.learning_rate: must be finite and > 0"),
         ("n_generations: 16", "n_generations: 1", "1", r"RLJobConfig.n_generations: 1 sample per prompt .* every advantage 0"),
         ("eval_every: 10", "eval_every: 10\ncheckpoint_every: -1", "-1", r"RLJobConfig.checkpoint_every: must be >= 0, got -1"),
     ],
@@ -133,7 +133,8 @@ def test_a_preflight_failure_of_a_default_names_the_file_and_field(tmp_path, cap
         (["--max_staleness", "x"], "--max_staleness x: RLJobConfig.max_staleness: Couldn't parse 'x' into an int"),
         (["--max_stalenes", "2"], "--max_stalenes 2: unknown flag; did you mean --max_staleness?"),
         (["--loss.kl_beta=-1"], "--loss.kl_beta -1: RLJobConfig.loss: LossConfig.kl_beta: must be finite and >= 0, got -1.0"),
-        (["--learning_rate", "-3"], "--learning_rate -3: RLJobConfig.learning_rate: must be finite and > 0, got -3.0"),
+        (["--optimizer.learning_rate", "-3"],
+         "--optimizer.learning_rate -3: RLJobConfig.optimizer.learning_rate: must be finite and > 0, got -3.0"),
     ],
 )
 def test_a_bad_override_names_the_flag(tmp_path, capsys, overrides, message):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
 import pathlib
 
 import pytest
@@ -47,19 +46,24 @@ def test_cluster_config_passes_ray_and_gcp_checks(path):
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_placement_is_what_marinrl_train_parses(path):
-    """The README's `marinrl train experiments/quickstart.yaml --ray.trainer_resources '<json>' ...` flags
-    (draccus, as `marinrl train` parses them) become exactly the config's placement."""
+    """The flags `infra/check.py` prints for a config (`marinrl train experiments/quickstart.yaml
+    --ray.trainer.tpu v5litepod-8 --ray.trainer.resources '{"trainer": 1}' ...`, parsed by draccus as
+    `marinrl train` parses them) become exactly the config's placement, and RLJob asks Ray for it."""
     import draccus
 
     from marinrl.job import RLJobConfig
+    from marinrl.placement import PlacementConfig
 
     placement = _config(path.name)["metadata"]["marinrl"]
     args = ["--ray.address", "auto"]
     for role in check.ROLES:
-        args += [f"--ray.{role}_resources", json.dumps(placement[f"{role}_resources"])]
+        args += check.placement_flags(role, placement[role])
     job = draccus.parse(RLJobConfig, config_path=str(REPO / "experiments" / "quickstart.yaml"), args=args)
-    assert job.ray.trainer_resources == placement["trainer_resources"]
-    assert job.ray.rollout_resources == placement["rollout_resources"]
+    for role in check.ROLES:
+        assert getattr(job.ray, role) == PlacementConfig(**placement[role])
+        options = getattr(job.ray, role).ray_options()
+        assert {k: v for k, v in placement[role]["resources"].items()}.items() <= options["resources"].items()
+        assert bool(options["num_gpus"] or "TPU" in options["resources"])  # every role asks for its accelerators
 
 
 def test_readme_covers_every_config():
@@ -101,13 +105,19 @@ BREAKAGES = {
     "role resource on the node": ("gpu.yaml",
                                   lambda c: _rename(c["available_node_types"]["rollout_a100"]["resources"],
                                                     "rollout", "rollouts"),
-                                  "metadata.marinrl.rollout_resources: no node type offers {'CPU': 1, 'rollout': 1}"),
+                                  "metadata.marinrl.rollout: no node type offers {CPU: 1, GPU: 1, rollout: 1}"),
+    "more GPUs than a node has": ("gpu.yaml", lambda c: c["metadata"]["marinrl"]["rollout"].update(num_gpus=2),
+                                  "metadata.marinrl.rollout: no node type offers {CPU: 1, GPU: 2, rollout: 1}"),
+    "a placement field": ("tpu-v6e.yaml", lambda c: c["metadata"]["marinrl"]["trainer"].update(tpu="v6e-9000x"),
+                          "metadata.marinrl.trainer.tpu: 'v6e-9000x' is not a TPU slice type Ray knows"),
     "colocated roles": ("tpu-v5e.yaml",
-                        lambda c: c["metadata"]["marinrl"].update(rollout_resources={"TPU": 4}),
+                        lambda c: c["metadata"]["marinrl"].update(rollout={"tpu": "v5litepod-8"}),
                         "the trainer and the rollout workers both fit node type(s) ['trainer_v5e_8']"),
     "role on the CPU head": ("tpu-v5e.yaml",
-                             lambda c: c["available_node_types"]["head"]["resources"].update(trainer=1),
-                             "trainer_resources: {'trainer': 1} fits node type head (the head), which has no TPU or GPU"),
+                             lambda c: (c["available_node_types"]["head"]["resources"].update(trainer=1),
+                                        c["metadata"]["marinrl"]["trainer"].pop("tpu")),
+                             "metadata.marinrl.trainer: {CPU: 1, trainer: 1} fits node type head (the head), "
+                             "which has no TPU or GPU"),
 }
 
 
@@ -125,6 +135,7 @@ def test_a_broken_config_fails_naming_the_field(case):
 
 def test_a_role_on_a_node_without_accelerators_fails():
     config = _config("gpu.yaml")
+    config["metadata"]["marinrl"]["rollout"] = {"resources": {"rollout": 1}}  # asks for no GPU
     config["available_node_types"]["cpu_pool"] = {
         "min_workers": 0, "max_workers": 2, "resources": {"CPU": 8, "rollout": 1},
         "node_config": {"machineType": "n2-standard-8"}}

@@ -17,6 +17,7 @@ from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
 from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching import BatchingConfig
+from marinrl.train.trainer_config import RLAdamConfig
 
 ECHO = LessonConfig(lesson_id="echo", env=EnvConfig("echo", {"alphabet_size": 10, "length": 1}), max_tokens=1,
                     graduate_at=None)
@@ -28,7 +29,7 @@ def job_config(tmp_path, **overrides) -> RLJobConfig:
         model=ModelConfig(model=LlamaConfig(seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2,
                                             num_kv_heads=2, gradient_checkpointing=False), vocab_size=512),
         curriculum=CurriculumConfig(lessons=(ECHO,)), num_train_steps=5, groups_per_step=4, n_generations=4,
-        eval_every=2, eval_examples=8, learning_rate=1e-3, batching=BatchingConfig(max_length=32, min_bucket=8))
+        eval_every=2, eval_examples=8, optimizer=RLAdamConfig(learning_rate=1e-3), batching=BatchingConfig(max_length=32, min_bucket=8))
     base.update(overrides)
     return RLJobConfig(**base)
 

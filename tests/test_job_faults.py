@@ -217,6 +217,7 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
     import pathlib
     from test_job import job_config
     from marinrl.job import RLJob, RayJobConfig
+    from marinrl.placement import PlacementConfig
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, resources={{"trainer": 1}}, include_dashboard=False, object_store_memory=128 * 1024 * 1024))
@@ -224,8 +225,9 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
         rollout_node = cluster.add_node(num_cpus=1, resources={{"rollout": 1}}, object_store_memory=128 * 1024 * 1024)
         cluster.wait_for_nodes()
         cfg = job_config(pathlib.Path({root!r}), run_id="two-node", num_train_steps=3, eval_every=10,
-                         ray=RayJobConfig(address=cluster.address, trainer_resources={{"trainer": 1}},
-                                          rollout_resources={{"rollout": 1}}))
+                         ray=RayJobConfig(address=cluster.address,
+                                          trainer=PlacementConfig(resources={{"trainer": 1}}),
+                                          rollout=PlacementConfig(resources={{"rollout": 1}})))
         result = RLJob(cfg).run()
         print("RESULT " + json.dumps(dict(
             final_step=result.train["final_step"], trainer_node=result.train["node_id"],

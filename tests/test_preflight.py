@@ -20,6 +20,7 @@ from marinrl.job import ConfigError, RLJob
 from marinrl.models import ModelConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
+from marinrl.train.trainer_config import RLAdamConfig
 
 from test_job import ECHO, job_config
 
@@ -44,8 +45,8 @@ def test_an_environment_that_cannot_be_built_fails_in_the_constructor(tmp_path, 
 @pytest.mark.parametrize(
     "overrides, field, problem",
     [
-        (dict(learning_rate=-1.0), "learning_rate", "must be finite and > 0, got -1.0"),
-        (dict(learning_rate=float("nan")), "learning_rate", "must be finite and > 0"),
+        (dict(optimizer=RLAdamConfig(learning_rate=-1.0)), "optimizer.learning_rate", "must be finite and > 0, got -1.0"),
+        (dict(optimizer=RLAdamConfig(learning_rate=float("nan"))), "optimizer.learning_rate", "must be finite and > 0"),
         (dict(checkpoint_every=-1), "checkpoint_every", "must be >= 0, got -1"),
         (dict(eval_every=-2), "eval_every", "must be >= 0"),
         (dict(seed=-1), "seed", "must be >= 0"),

@@ -24,12 +24,15 @@ from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.logs import local_log_dir, log_to_file
 from marinrl.models import ModelConfig
+from marinrl.placement import PlacementConfig, check_cluster
 from marinrl.preflight import ConfigError, check_job
 from marinrl.rollout.worker import EnvironmentFailedError, RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
-from marinrl.train.worker import TrainWorkerConfig, _default_optimizer, cpu_trainer_config
+from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
+                                          check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
+from marinrl.train.worker import TrainWorkerConfig
 from marinrl.transfer.base import WeightTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -40,11 +43,15 @@ class RayJobConfig:
     address: Optional[str] = None
     """None: start a local Ray for this job (and stop it after). Else an existing cluster ("auto", ray://…)."""
     num_cpus: Optional[int] = None
-    """Logical CPUs of the local Ray; None: one per worker plus the trainer and the curriculum."""
-    trainer_resources: dict = dataclasses.field(default_factory=dict)
-    """Custom Ray resources the trainer needs (e.g. {"trainer": 1}, or {"TPU": 4})."""
-    rollout_resources: dict = dataclasses.field(default_factory=dict)
-    """Custom Ray resources each rollout worker needs."""
+    """Logical CPUs of the local Ray; None: what the trainer and the rollout workers ask for, plus one."""
+    trainer: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """What the trainer needs of its node: `num_cpus`, `num_gpus`, `tpu` (a single-host slice type),
+    `accelerator_type`, custom `resources` (marinrl/placement.py, docs/scaling.md)."""
+    rollout: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """What each rollout worker needs of its node (the same fields)."""
+    placement_timeout_s: float = 600.0
+    """On a cluster (`address` set): how long to wait for the autoscaler to add nodes that hold the
+    trainer and the rollout workers before failing. A local Ray is checked at once."""
     max_rollout_restarts: int = 5
     stop_timeout_s: float = 120.0
     """On Ctrl-C, how long the trainer may take to finish its step and save a checkpoint."""
@@ -68,11 +75,24 @@ class RLJobConfig:
     max_uses: int = 1
     """> 1: each rollout may be trained on up to this many times (replay)."""
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
-    learning_rate: float = 1e-4
+    optimizer: JobOptimizerConfig = dataclasses.field(default_factory=RLAdamConfig)
+    """Levanter's `OptimizerConfig`: without `type:`, AdamW with lr 1e-4 constant, no warmup, no weight
+    decay, betas (0.9, 0.999), clip 1.0 (`rl_adam`); any Levanter optimizer by `type:` (`adam`, `lion`, …)
+    with its own defaults. Schedule: `lr_schedule`, `warmup`, `decay`, `min_lr_ratio`."""
+    trainer: JobTrainerConfig = dataclasses.field(default_factory=JobTrainerConfig)
+    """Levanter's `TrainerConfig`: mesh (`model_axis_size`, `tensor_parallel_axes`, …),
+    `per_device_parallelism`, `mp`, `tracker`, `jax_compilation_cache_dir`. The job fills
+    `num_train_steps`, `train_batch_size`, `id`, `seed`, `log_dir` and the checkpoint path."""
+    sync_interval: int = 1
+    """Publish weights to the rollout workers every this many optimizer steps (at most max_staleness + 1)."""
     n_rollout_workers: int = 1
     eval_every: int = 10
     """Full evaluation every this many weight steps (and at the start and the end)."""
     eval_examples: int = 32
+    micro_eval_every: int = 0
+    """A small eval (`micro_eval_examples` prompts per lesson) every this many batches a rollout worker
+    writes; 0: none."""
+    micro_eval_examples: int = 8
     checkpoint_every: int = 0
     checkpoint_keep: int = 2
     """Checkpoints kept: the newest this many (older ones are deleted once a newer one is committed)."""
@@ -101,21 +121,34 @@ class RLJobConfig:
             raise ConfigError(field, problem)
 
         for name in ("num_train_steps", "groups_per_step", "n_generations", "n_rollout_workers", "eval_examples",
-                     "max_uses", "max_consecutive_env_failures", "checkpoint_keep"):
+                     "max_uses", "max_consecutive_env_failures", "checkpoint_keep", "sync_interval",
+                     "micro_eval_examples"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
-        for name in ("max_staleness", "eval_every", "checkpoint_every", "checkpoint_keep_every", "seed"):
+        for name in ("max_staleness", "eval_every", "checkpoint_every", "checkpoint_keep_every", "seed",
+                     "micro_eval_every"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
-            bad("learning_rate", f"must be finite and > 0, got {self.learning_rate} (a negative rate trains by "
-                                 "gradient ascent)")
+        if self.sync_interval > 1 + self.max_staleness:
+            bad("sync_interval", f"weights published every {self.sync_interval} steps leave the trainer without "
+                                 f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "
+                                 f"{self.max_staleness + 1} steps apart")
+        check_optimizer_ranges(self.optimizer)
         if self.n_generations < 2:  # every advantage kind is relative to the prompt's group
             bad("n_generations", f"{self.n_generations} sample per prompt with loss.advantage="
                                  f"{self.loss.advantage!r} makes every advantage 0 (each sample is compared with "
                                  "the others of its group): nothing would be learned; use n_generations >= 2")
         if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
             bad("ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
+        for role in ("trainer", "rollout"):
+            placement = getattr(self.ray, role)
+            placement.errors(f"ray.{role}")
+            if placement.hosts() > 1:
+                bad(f"ray.{role}.tpu", f"{placement.tpu!r} spans {placement.hosts()} hosts, but the {role} is one "
+                                       "process on one host (the multi-host trainer is issue 10 §3): use a "
+                                       "single-host slice")
+        if not self.ray.placement_timeout_s >= 0:
+            bad("ray.placement_timeout_s", f"must be >= 0, got {self.ray.placement_timeout_s}")
         if self.ray.max_rollout_restarts < 0:
             bad("ray.max_rollout_restarts", f"must be >= 0, got {self.ray.max_rollout_restarts}")
         if not self.ray.stop_timeout_s > 0:
@@ -135,6 +168,11 @@ class RLJobConfig:
                     f"{self.batching.max_length} (prompt + response)")
         if self.max_uses > 1 and self.max_staleness < 1:
             bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
+        trainer = self.trainer_config()  # a derived field set twice, differently
+        devices = self.ray.trainer.devices()
+        check_trainer_ranges(trainer, trainer.train_batch_size, self._batch_source(), devices,
+                             f"ray.trainer.num_gpus={self.ray.trainer.num_gpus}" if self.ray.trainer.num_gpus
+                             else f"ray.trainer.tpu={self.ray.trainer.tpu}")
 
     # ------------------------------------------------------------------ derived configs
 
@@ -152,48 +190,52 @@ class RLJobConfig:
 
         return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
 
-    def train_worker_config(self) -> TrainWorkerConfig:
-        from levanter.checkpoint import CheckpointerConfig
-        from levanter.tracker.json_logger import JsonLoggerConfig
-        from levanter.tracker.tensorboard import TensorboardConfig
+    def _batch_source(self) -> str:
+        return (f"groups_per_step × n_generations = {self.groups_per_step} × {self.n_generations} = "
+                f"{self.groups_per_step * self.n_generations} rows")
 
+    def trainer_config(self):
+        """`trainer` with what the job derives filled in (marinrl/train/trainer_config.py)."""
+        return derive_trainer_config(self.trainer, DerivedTrainerFields(
+            num_train_steps=self.num_train_steps, train_batch_size=self.groups_per_step * self.n_generations,
+            batch_source=self._batch_source(), run_id=self.run_id, seed=self.seed, run_dir=self.run_dir,
+            require_accelerator=self.ray.trainer.has_accelerator))
+
+    def train_worker_config(self) -> TrainWorkerConfig:
         run_dir = self.run_dir
-        trainer = cpu_trainer_config(
-            num_train_steps=self.num_train_steps,
-            train_batch_size=self.groups_per_step * self.n_generations,
-            id=self.run_id,
-            seed=self.seed,
-            log_dir=pathlib.Path(run_dir) / "logs",
-            tracker=(JsonLoggerConfig(), TensorboardConfig(logdir=f"{run_dir}/tensorboard/trainer")),
-            checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False),
-        )
-        optimizer = dataclasses.replace(_default_optimizer(), learning_rate=self.learning_rate)
         return TrainWorkerConfig(
-            rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model, trainer=trainer,
-            optimizer=optimizer, loss=self.loss,
+            rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model,
+            trainer=self.trainer_config(), optimizer=self.optimizer, loss=self.loss,
             replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
-            batching=self.batching, groups_per_step=self.groups_per_step, checkpoint_every=self.checkpoint_every,
-            checkpoint_keep=self.checkpoint_keep, checkpoint_keep_every=self.checkpoint_keep_every)
+            batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
+            checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
+            checkpoint_keep_every=self.checkpoint_keep_every)
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         return RolloutWorkerConfig(
             rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
             groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
             max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
-            eval_examples=self.eval_examples, seed=self.seed * 1000 + index,
+            eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
+            micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
             max_consecutive_env_failures=self.max_consecutive_env_failures)
 
 
 # ---------------------------------------------------------------------- the actors
 
 
+# Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
+_PASSTHROUGH = ("XLA_FLAGS", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+                "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
+                "WANDB_BASE_URL", "WANDB_DIR")
+
+
 def _actor_env() -> dict[str, str]:
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+           "HF_HUB_OFFLINE": "1"}
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    for passthrough in ("XLA_FLAGS", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
-                        "GOOGLE_AUTH_TOKEN_FOR_TESTING", "TENSORSTORE_GCS_REQUEST_CONCURRENCY"):
+    for passthrough in _PASSTHROUGH:
         if os.environ.get(passthrough):
             env[passthrough] = os.environ[passthrough]
     return {k: v for k, v in env.items() if v}
@@ -306,7 +348,8 @@ class RLJob:
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            num_cpus = cfg.num_cpus or (self.config.n_rollout_workers + 2)
+            asked = cfg.trainer.num_cpus + self.config.n_rollout_workers * cfg.rollout.num_cpus
+            num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
                      namespace=f"marinrl-{self.config.run_id}",
                      object_store_memory=512 * 1024 * 1024, runtime_env={"env_vars": _actor_env()},
@@ -322,11 +365,13 @@ class RLJob:
         started = time.time()
         self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
         namespace = self._init_ray()
-        try:
+        try:  # before any actor: a request no node can hold would leave its actor pending forever
+            check_cluster(cfg.ray.trainer, cfg.ray.rollout, cfg.n_rollout_workers,
+                          wait_s=cfg.ray.placement_timeout_s if cfg.ray.address is not None else 0.0)
             curriculum_name = self._start_curriculum(namespace)
             ray.get(ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 _log_curriculum_to_file, self._log_dir))
-            trainer = TrainerActor.options(num_cpus=1, resources=cfg.ray.trainer_resources or None).remote(
+            trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
                 cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
             self._actors.append(trainer)
             train_ref = trainer.run.remote()
@@ -408,7 +453,7 @@ class RLJob:
 
     def _rollout_actor(self, i: int, curriculum_name, namespace):
         cfg = self.config
-        actor = RolloutActor.options(num_cpus=1, resources=cfg.ray.rollout_resources or None).remote(
+        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(
             cfg, i, curriculum_name, namespace, self._log_dir)
         self._actors.append(actor)
         return actor

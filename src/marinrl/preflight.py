@@ -3,7 +3,7 @@
 A mistake found here costs a second and one line naming the field; found by an actor, it costs a
 Ray start, actor restarts, a stalled trainer and thousands of tracebacks. `check_job` runs, in
 order: the field ranges (`RLJobConfig.validate`), every lesson's environment (resolved and built
-once in the driver, as `marinrl eval` does), the model's config and tokenizer (never its weights),
+once in the driver, as `marinrl eval` does), the optimizer's schedule, the model's config and tokenizer (never its weights),
 and whether the run directory can be written. Each failure is a `ConfigError` whose message starts
 with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
 """
@@ -45,12 +45,22 @@ class ConfigError(ValueError):
 def check_job(config: "RLJobConfig") -> None:
     """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
     config.validate()
+    check_optimizer(config)
     check_environments(config.curriculum)
     seq_len = check_model(config.model)
     if seq_len is not None and config.batching.max_length > seq_len:
         raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
     check_writable(config.run_dir, "run_root")
+
+
+def check_optimizer(config: "RLJobConfig") -> None:
+    """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
+    unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
+    try:
+        config.optimizer.build(config.num_train_steps)
+    except Exception as e:
+        raise ConfigError("optimizer", _one_line(e)) from e
 
 
 def check_environments(curriculum: "CurriculumConfig") -> None:

@@ -25,7 +25,7 @@ import jax
 import levanter
 import levanter.tracker
 from levanter.metrics import Metric, ReductionType
-from levanter.optim import AdamConfig, OptimizerConfig
+from levanter.optim import OptimizerConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
 
@@ -35,6 +35,7 @@ from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
 from marinrl.train.replay import ReplayConfig, overlong_reward_fn
+from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 
@@ -67,8 +68,7 @@ def cpu_trainer_config(**overrides) -> TrainerConfig:
 
 def _default_optimizer() -> OptimizerConfig:
     # BENCHMARK.md's reference: AdamW, lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0.
-    return AdamConfig(learning_rate=1e-4, weight_decay=0.0, beta1=0.9, beta2=0.999, max_grad_norm=1.0,
-                      warmup=0.0, lr_schedule="constant")
+    return RLAdamConfig()
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ class TrainWorkerConfig:
             raise ValueError(f"TrainWorkerConfig.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         if self.checkpoint_keep_every < 0:
             raise ValueError(f"TrainWorkerConfig.checkpoint_keep_every must be >= 0, got {self.checkpoint_keep_every}")
-        if self.replay.sampling.max_staleness > 0 and self.sync_interval > 1 + self.replay.sampling.max_staleness:
+        if self.sync_interval > 1 + self.replay.sampling.max_staleness:
             raise ValueError(
                 f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "
                 f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")

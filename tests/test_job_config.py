@@ -1,0 +1,172 @@
+"""RLJobConfig carries Levanter's own knobs (`trainer`: TrainerConfig, `optimizer`: OptimizerConfig)
+through to the TrainWorkerConfig, keeps the CPU defaults the job always had, and refuses a derived
+field set twice with two values, naming both fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+import draccus
+import jmp
+import pytest
+import yaml
+from levanter.checkpoint import CheckpointerConfig
+from levanter.optim import AdamConfig
+from levanter.tracker.json_logger import JsonLoggerConfig
+from levanter.tracker.tensorboard import TensorboardConfig
+from levanter.tracker.wandb import WandbConfig
+
+from marinrl.job import ConfigError, RLJobConfig, _actor_env
+from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.train.worker import cpu_trainer_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "experiments" / "quickstart.yaml"
+
+
+def _parse(tmp_path, extra: dict | None = None, args: tuple[str, ...] = ()) -> RLJobConfig:
+    """experiments/quickstart.yaml plus `extra`'s top-level keys, parsed as `marinrl train` parses it."""
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config.update(extra or {})
+    config["run_root"] = str(tmp_path / "runs")
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return draccus.parse(RLJobConfig, config_path=str(path), args=list(args))
+
+
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def test_the_quickstart_builds_the_trainer_and_optimizer_it_always_had(tmp_path):
+    job = _parse(tmp_path)
+    job.validate()
+    built = job.train_worker_config()
+    run_dir = job.run_dir
+    before = cpu_trainer_config(  # what RLJobConfig.train_worker_config built before trainer/optimizer were fields
+        num_train_steps=200, train_batch_size=32 * 16, id="quickstart", seed=0, log_dir=pathlib.Path(run_dir) / "logs",
+        tracker=(JsonLoggerConfig(), TensorboardConfig(logdir=f"{run_dir}/tensorboard/trainer")),
+        checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False))
+    assert _fields(built.trainer) == _fields(before)
+    assert _fields(built.optimizer) == _fields(AdamConfig(learning_rate=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.999,
+                                                          max_grad_norm=1.0, warmup=0.0, lr_schedule="constant"))
+    assert built.sync_interval == 1
+
+
+def test_levanter_knobs_reach_the_train_worker_config(tmp_path):
+    job = _parse(tmp_path, {
+        "trainer": {"model_axis_size": 2, "tensor_parallel_axes": ["mlp", "heads"], "per_device_parallelism": 4,
+                    "mp": "p=f32,c=bfloat16", "jax_compilation_cache_dir": str(tmp_path / "jax_cache"),
+                    "tracker": [{"type": "json_logger"}, {"type": "wandb", "project": "marinrl-test", "mode": "offline"}]},
+        "optimizer": {"type": "adam", "learning_rate": 3e-4, "lr_schedule": "cosine", "warmup": 0.1, "decay": 0.2,
+                      "weight_decay": 0.01, "max_grad_norm": 0.5, "min_lr_ratio": 0.05},
+        "sync_interval": 2, "micro_eval_every": 3,
+    })
+    job.validate()
+    built = job.train_worker_config()
+    trainer = built.trainer
+    assert trainer.model_axis_size == 2 and trainer.tensor_parallel_axes == ["mlp", "heads"]
+    assert trainer.per_device_parallelism == 4 and trainer.microbatch_size == 4 * trainer.data_axis_size
+    assert trainer.mp == jmp.get_policy("p=f32,c=bfloat16")
+    assert trainer.jax_compilation_cache_dir == str(tmp_path / "jax_cache")
+    assert trainer.tracker == (JsonLoggerConfig(), WandbConfig(project="marinrl-test", mode="offline"))
+    assert (trainer.num_train_steps, trainer.train_batch_size, trainer.id) == (200, 512, "quickstart")  # still derived
+    assert type(built.optimizer) is AdamConfig  # Levanter's own `adam`, with Levanter's defaults for the rest
+    assert (built.optimizer.learning_rate, built.optimizer.lr_schedule, built.optimizer.warmup, built.optimizer.decay,
+            built.optimizer.weight_decay, built.optimizer.max_grad_norm, built.optimizer.beta2) == (
+        3e-4, "cosine", 0.1, 0.2, 0.01, 0.5, AdamConfig().beta2)
+    assert built.sync_interval == 2 and job.rollout_worker_config(0).micro_eval_every == 3
+
+
+def test_a_flag_on_one_knob_keeps_marinrls_defaults_for_the_others(tmp_path):
+    """draccus builds a nested config a flag touches from its class defaults: those must be marinrl's."""
+    job = _parse(tmp_path, args=("--optimizer.warmup", "10", "--trainer.per_device_parallelism", "8"))
+    assert job.optimizer == RLAdamConfig(learning_rate=1e-3, warmup=10)
+    trainer = job.train_worker_config().trainer
+    assert trainer.per_device_parallelism == 8
+    assert trainer.require_accelerator is False and trainer.tracker[0] == JsonLoggerConfig()
+
+
+@pytest.mark.parametrize(
+    "args, field, problem",
+    [
+        (("--trainer.num_train_steps", "50"), "trainer.num_train_steps",
+         "50 disagrees with RLJobConfig.num_train_steps=200: the job sets trainer.num_train_steps from num_train_steps"),
+        (("--trainer.train_batch_size", "64"), "trainer.train_batch_size",
+         "64 disagrees with RLJobConfig.groups_per_step × n_generations = 32 × 16 = 512 rows"),
+        (("--trainer.id", "other"), "trainer.id", "'other' disagrees with RLJobConfig.run_id='quickstart'"),
+        (("--trainer.seed", "3"), "trainer.seed", "3 disagrees with RLJobConfig.seed=0"),
+        (("--trainer.checkpointer.base_path", "/elsewhere"), "trainer.checkpointer.base_path",
+         "'/elsewhere' disagrees with RLJobConfig.run_root/run_id"),
+        (("--trainer.log_dir", "/elsewhere"), "trainer.log_dir", "'/elsewhere' disagrees with RLJobConfig.run_root/run_id"),
+        (("--trainer.checkpointer.keep", '[{"every": 5}]'), "trainer.checkpointer",
+         r"the job decides when to checkpoint \(RLJobConfig.checkpoint_every\)"),
+    ],
+)
+def test_a_derived_field_set_to_another_value_is_refused_naming_both(tmp_path, args, field, problem):
+    job = _parse(tmp_path, args=args)
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {problem}"):
+        job.validate()
+
+
+def test_a_derived_field_set_to_the_same_value_is_accepted(tmp_path):
+    job = _parse(tmp_path, args=("--trainer.num_train_steps", "200", "--trainer.train_batch_size", "512",
+                                 "--trainer.seed", "0", "--trainer.id", "quickstart"))
+    job.validate()
+    assert job.train_worker_config().trainer.num_train_steps == 200
+
+
+@pytest.mark.parametrize(
+    "args, field, problem",
+    [
+        (("--optimizer.learning_rate", "0"), "optimizer.learning_rate", "must be finite and > 0, got 0.0"),
+        (("--optimizer.weight_decay", "-0.1"), "optimizer.weight_decay", "must be >= 0"),
+        (("--optimizer.beta2", "1.0"), "optimizer.beta2", r"must be in \[0, 1\)"),
+        (("--optimizer.max_grad_norm", "0"), "optimizer.max_grad_norm", "must be > 0 or null"),
+        (("--optimizer.warmup", "-5"), "optimizer.warmup", "must be >= 0"),
+        (("--trainer.model_axis_size", "0"), "trainer.model_axis_size", "must be >= 1, got 0"),
+        (("--trainer.per_device_parallelism", "0"), "trainer.per_device_parallelism", "must be -1"),
+        (("--trainer.per_device_parallelism", "5"), "trainer.per_device_parallelism",
+         "5 rows per device do not divide the batch of groups_per_step × n_generations = 32 × 16 = 512 rows"),
+        (("--ray.trainer.num_gpus", "8", "--trainer.model_axis_size", "3"), "trainer.model_axis_size",
+         r"model_axis_size=3 × replica_ici_axis_size=1 does not divide the trainer's 8 devices \(ray.trainer.num_gpus=8\)"),
+        (("--ray.trainer.num_gpus", "8", "--groups_per_step", "2", "--n_generations", "3"), "groups_per_step",
+         "the batch of groups_per_step × n_generations = 2 × 3 = 6 rows does not divide among the trainer's 8"),
+        (("--ray.trainer.tpu", "v5litepod-8", "--trainer.per_device_parallelism", "128"),
+         "trainer.per_device_parallelism", "microbatches of 128 rows × 8 data-parallel devices do not divide the batch"),
+        (("--sync_interval", "3"), "sync_interval",
+         "weights published every 3 steps .* with max_staleness=1 they must be at most 2 steps apart"),
+        (("--sync_interval", "2", "--max_staleness", "0"), "sync_interval",
+         "weights published every 2 steps .* with max_staleness=0 they must be at most 1 steps apart"),
+        (("--micro_eval_every", "-1"), "micro_eval_every", "must be >= 0"),
+        (("--optimizer.lr_schedule", "sawtooth"), "optimizer", "Unknown lr_schedule: sawtooth"),
+    ],
+)
+def test_a_knob_out_of_range_is_refused_naming_it(tmp_path, args, field, problem):
+    from marinrl.preflight import check_optimizer
+
+    job = _parse(tmp_path, args=args)
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {problem}"):
+        job.validate()
+        check_optimizer(job)
+
+
+def test_the_accelerator_is_required_where_the_placement_asks_for_one(tmp_path):
+    """A trainer placed on GPUs whose JAX falls back to the CPU must fail, not train slowly."""
+    assert _parse(tmp_path, args=("--ray.trainer.num_gpus", "8")).train_worker_config().trainer.require_accelerator
+    assert _parse(tmp_path, args=("--ray.trainer.tpu", "v6e-8")).train_worker_config().trainer.require_accelerator
+    assert not _parse(tmp_path).train_worker_config().trainer.require_accelerator
+    explicit = _parse(tmp_path, args=("--ray.trainer.num_gpus", "8", "--trainer.require_accelerator", "false"))
+    assert explicit.train_worker_config().trainer.require_accelerator is False
+
+
+def test_wandb_mode_is_the_users(monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert "WANDB_MODE" not in _actor_env()  # online when the tracker asks for wandb and nothing says otherwise
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "p")
+    env = _actor_env()
+    assert env["WANDB_MODE"] == "offline" and env["WANDB_PROJECT"] == "p"
+

@@ -1,0 +1,125 @@
+"""Placement: what the trainer and the rollout workers ask of Ray, checked against a real Ray's nodes
+before any actor starts (a request no node holds would leave its actor pending forever)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import ray
+
+from marinrl.job import ConfigError, RLJob
+from marinrl.placement import PlacementConfig, check_cluster
+
+from test_job import job_config
+
+
+def _actor_ids() -> set:
+    return set(ray._private.state.actors())
+
+
+@pytest.mark.parametrize(
+    "placement, message",
+    [
+        (dict(trainer=PlacementConfig(num_gpus=8)),
+         r"^RLJobConfig\.ray\.trainer\.num_gpus: 8 GPUs per trainer, but no node has more than 0 GPUs \(nodes: "
+         r"[^:]+: CPU 4"),
+        (dict(rollout=PlacementConfig(tpu="v5litepod-4")),
+         r"^RLJobConfig\.ray\.rollout\.tpu: 4 TPU chips per rollout worker \(one host of a v5litepod-4\), but no node "
+         r"has more than 0 TPU chips"),
+        (dict(trainer=PlacementConfig(resources={"trainer": 1})),
+         r"^RLJobConfig\.ray\.trainer\.resources\.trainer: trainer: 1 per trainer, but no node has more than 0 trainer"),
+        (dict(trainer=PlacementConfig(accelerator_type="H100")),
+         r"^RLJobConfig\.ray\.trainer\.accelerator_type: a node labelled accelerator_type:H100 per trainer"),
+        (dict(trainer=PlacementConfig(num_cpus=3), rollout=PlacementConfig(num_cpus=1)),
+         r"^RLJobConfig\.n_rollout_workers: 2 rollout workers of \{CPU: 1\} each do not fit beside the trainer's "
+         r"\{CPU: 3\}: at most 1 do"),
+    ],
+)
+def test_a_request_the_cluster_cannot_hold_fails_before_any_actor_starts(tmp_path, ray_session, placement, message):
+    config = job_config(tmp_path, n_rollout_workers=2)  # the session Ray: one node, 4 CPUs, no GPU or TPU
+    config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, **placement))
+    job = RLJob(config)
+    before = _actor_ids()
+    with pytest.raises(ConfigError, match=message):
+        job.run()
+    assert _actor_ids() == before  # not even the curriculum actor
+    assert ray_session.is_initialized()
+
+
+def test_the_default_placement_fits_the_session_ray(ray_session):
+    check_cluster(PlacementConfig(), PlacementConfig(), 3)  # 1 + 3 CPUs of 4
+
+
+def test_custom_resources_on_a_real_ray():
+    """A Ray started with the infra configs' role resources holds what asks for them, and refuses what
+    does not fit, naming the field (its own process: the session Ray has no custom resources)."""
+    script = textwrap.dedent("""
+        import ray
+        from marinrl.placement import PlacementConfig, check_cluster
+        from marinrl.preflight import ConfigError
+
+        ray.init(num_cpus=4, resources={"trainer": 1, "rollout": 2}, include_dashboard=False, log_to_driver=False)
+        trainer = PlacementConfig(resources={"trainer": 1})
+        rollout = PlacementConfig(resources={"rollout": 1})
+        check_cluster(trainer, rollout, 2)
+        for args in [(trainer, rollout, 3), (PlacementConfig(resources={"trainer": 2}), rollout, 1),
+                     (trainer, PlacementConfig(num_gpus=1, resources={"rollout": 1}), 1)]:
+            try:
+                check_cluster(*args)
+            except ConfigError as e:
+                print(e)
+            else:
+                print("no error")
+        ray.shutdown()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 3, out.stdout
+    assert lines[0].startswith("RLJobConfig.n_rollout_workers: 3 rollout workers of {CPU: 1, rollout: 1} each do not "
+                               "fit beside the trainer's {CPU: 1, trainer: 1}: at most 2 do (nodes: ")
+    assert "rollout 2" in lines[0] and "trainer 1" in lines[0]  # what the cluster has
+    assert lines[1].startswith("RLJobConfig.ray.trainer.resources.trainer: trainer: 2 per trainer, but no node has "
+                               "more than 1 trainer")
+    assert lines[2].startswith("RLJobConfig.ray.rollout.num_gpus: 1 GPUs per rollout worker, but no node has more "
+                               "than 0 GPUs")
+
+
+def test_what_each_placement_asks_ray_for():
+    assert PlacementConfig().ray_options() == {"num_cpus": 1, "num_gpus": 0, "resources": None}
+    gpu = PlacementConfig(num_gpus=8, accelerator_type="H100", resources={"trainer": 1})
+    assert gpu.ray_options() == {"num_cpus": 1, "num_gpus": 8, "resources": {"trainer": 1}, "accelerator_type": "H100"}
+    assert gpu.request() == {"CPU": 1, "GPU": 8, "accelerator_type:H100": 0.001, "trainer": 1}
+    assert gpu.devices() == 8
+    tpu = PlacementConfig(tpu="v5litepod-8")  # one host, 8 chips; the head resource pins a whole slice
+    assert tpu.ray_options()["resources"] == {"TPU": 8, "TPU-v5litepod-8-head": 1}
+    assert (tpu.hosts(), tpu.devices()) == (1, 8)
+    assert PlacementConfig(tpu="v5p-8").request() == {"CPU": 1, "TPU": 4, "TPU-v5p-8-head": 1}  # 4 chips, 1 host
+    assert PlacementConfig(tpu="v5p-64").hosts() == 8
+    assert PlacementConfig(tpu="v3-8").devices() == 8  # 4 chips, 2 JAX devices (cores) each
+
+
+@pytest.mark.parametrize(
+    "overrides, field, problem",
+    [
+        (dict(trainer=PlacementConfig(tpu="v5p-64")), "ray.trainer.tpu",
+         "'v5p-64' spans 8 hosts, but the trainer is one process on one host"),
+        (dict(rollout=PlacementConfig(tpu="v7-8x")), "ray.rollout.tpu", "'v7-8x' is not a TPU slice type Ray knows"),
+        (dict(trainer=PlacementConfig(num_gpus=0.5)), "ray.trainer.num_gpus", "must be a whole number >= 0, got 0.5"),
+        (dict(trainer=PlacementConfig(num_gpus=1, tpu="v6e-8")), "ray.trainer.tpu",
+         "'v6e-8' and num_gpus=1: ask for one kind of accelerator"),
+        (dict(rollout=PlacementConfig(resources={"GPU": 1})), "ray.rollout.resources.GPU", "use ray.rollout.num_gpus"),
+        (dict(rollout=PlacementConfig(resources={"rollout": 0})), "ray.rollout.resources",
+         "must map resource names to amounts > 0, got {'rollout': 0}"),
+        (dict(placement_timeout_s=-1.0), "ray.placement_timeout_s", "must be >= 0"),
+    ],
+)
+def test_a_bad_placement_is_refused_before_ray_starts(tmp_path, overrides, field, problem):
+    config = job_config(tmp_path)
+    config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, **overrides))
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{field.replace('.', '[.]')}: {problem}"):
+        RLJob(config)
