@@ -47,21 +47,12 @@ def make_rollout_batch(weight_step: int, rng: np.random.Generator, worker: str =
     return RolloutBatch(tuple(groups), meta)
 
 
-class Producer(threading.Thread):
-    """Writes `per_version` batches for every weight version the trainer publishes, up to weight step
-    `hold_above` (the trainer then waits at the next step until the test raises it), and keeps a copy
-    of every version's weights it received."""
+class WeightFollower(threading.Thread):
+    """A thread that calls `on_weights(update)` for every weight version the trainer publishes."""
 
-    def __init__(self, weights: FilesystemTransferConfig, rollout_root: str, per_version: int = 1,
-                 hold_above: float = float("inf")):
+    def __init__(self, weights: FilesystemTransferConfig):
         super().__init__(daemon=True)
         self.client = weights.build_client(build_model(TINY))
-        self.writer = RolloutWriter(rollout_root)
-        self.per_version = per_version
-        self.hold_above = hold_above
-        self.rng = np.random.default_rng(0)
-        self.written: dict[str, int] = {}  # group_id -> weight step
-        self.received: list[tuple[int, list[np.ndarray]]] = []  # (weight step, the weights' arrays)
         self.halt = threading.Event()
 
     def run(self):
@@ -73,13 +64,35 @@ class Producer(threading.Thread):
             if update is None:
                 self.halt.wait(0.05)
                 continue
-            self.received.append((update.weight_step, model_arrays(update.model)))
-            if update.weight_step > self.hold_above:
-                continue
-            for _ in range(self.per_version):
-                batch = make_rollout_batch(update.weight_step, self.rng)
-                self.writer.write(batch)
-                self.written.update({g.group_id: update.weight_step for g in batch.groups})
+            self.on_weights(update)
+
+    def on_weights(self, update) -> None:
+        raise NotImplementedError
+
+
+class Producer(WeightFollower):
+    """Writes `per_version` batches for every weight version the trainer publishes, up to weight step
+    `hold_above` (the trainer then waits at the next step until the test raises it), and keeps a copy
+    of every version's weights it received."""
+
+    def __init__(self, weights: FilesystemTransferConfig, rollout_root: str, per_version: int = 1,
+                 hold_above: float = float("inf")):
+        super().__init__(weights)
+        self.writer = RolloutWriter(rollout_root)
+        self.per_version = per_version
+        self.hold_above = hold_above
+        self.rng = np.random.default_rng(0)
+        self.written: dict[str, int] = {}  # group_id -> weight step
+        self.received: list[tuple[int, list[np.ndarray]]] = []  # (weight step, the weights' arrays)
+
+    def on_weights(self, update) -> None:
+        self.received.append((update.weight_step, model_arrays(update.model)))
+        if update.weight_step > self.hold_above:
+            return
+        for _ in range(self.per_version):
+            batch = make_rollout_batch(update.weight_step, self.rng)
+            self.writer.write(batch)
+            self.written.update({g.group_id: update.weight_step for g in batch.groups})
 
 
 def model_arrays(model) -> list[np.ndarray]:
@@ -189,28 +202,18 @@ def _read_log(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-class FileReplayer(threading.Thread):
+class FileReplayer(WeightFollower):
     """Plays back recorded rollout files: those of weight step `w` appear under `dest` when the trainer
     publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet)."""
 
     def __init__(self, weights: FilesystemTransferConfig, files: dict[int, list[pathlib.Path]], dest: pathlib.Path):
-        super().__init__(daemon=True)
-        self.client = weights.build_client(build_model(TINY))
+        super().__init__(weights)
         self.files, self.dest = files, dest
-        self.halt = threading.Event()
 
-    def run(self):
-        while not self.halt.is_set():
-            try:
-                update = self.client.wait_for(0, timeout_s=0.5) if self.client.weight_step is None else self.client.poll()
-            except TimeoutError:
-                continue
-            if update is None:
-                self.halt.wait(0.05)
-                continue
-            for path in self.files.pop(update.weight_step, []):
-                (self.dest / path.parent.name).mkdir(parents=True, exist_ok=True)
-                (self.dest / path.parent.name / path.name).write_bytes(path.read_bytes())
+    def on_weights(self, update) -> None:
+        for path in self.files.pop(update.weight_step, []):
+            (self.dest / path.parent.name).mkdir(parents=True, exist_ok=True)
+            (self.dest / path.parent.name / path.name).write_bytes(path.read_bytes())
 
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
