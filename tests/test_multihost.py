@@ -203,3 +203,14 @@ def test_killing_one_process_ends_the_other_naming_the_checkpoint_and_resume_tra
         assert {w for _, w in groups} == {step - 1}
         assert all(producer.written[gid] == w for gid, w in groups)
     assert {g for g, _ in resumed[5]} == {g for g, _ in killed[5]}  # consumed after the checkpoint: read again
+
+
+def test_process_group_config_names_the_bad_field():
+    import pytest
+
+    from marinrl.multihost import ProcessGroupConfig
+
+    with pytest.raises(ValueError, match="process_id must be in"):
+        ProcessGroupConfig(num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="coordinator_address must be host:port"):
+        ProcessGroupConfig(num_processes=2, process_id=0, coordinator_address="localhost")
