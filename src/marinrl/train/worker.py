@@ -29,6 +29,7 @@ from levanter.optim import OptimizerConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
 
+from marinrl import multihost
 from marinrl.models import ModelConfig, build_model
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
@@ -198,7 +199,7 @@ class TrainWorker:
 
     def run(self) -> TrainResult:
         cfg = self.config
-        trainer_cfg = cfg.trainer
+        trainer_cfg = multihost.levanter_trainer_config(cfg.trainer)
         levanter.initialize(trainer_cfg)
         num_steps = trainer_cfg.num_train_steps
         optimizer = cfg.optimizer.build(num_steps)
@@ -206,8 +207,14 @@ class TrainWorker:
         logger.info("loss: %s", header)
         print(f"[marinrl] {header}", flush=True)
 
+        cohort = multihost.current_cohort()  # several processes: only process 0 reads, clocks, writes the sidecar
+        if cohort.multiprocess and cfg.loss.uses_reference:
+            raise ValueError("TrainWorkerConfig.loss.kl_beta > 0 is not supported by a multi-process trainer yet")
+        if not cohort.is_leader:
+            self._curriculum = None
         with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
                      add_default_hooks=False) as trainer:
+            cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
             state, replay, skipped = self._initial_state(trainer)
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
@@ -221,14 +228,23 @@ class TrainWorker:
             batch_size = trainer_cfg.train_batch_size
             last_ckpt = None
             info = None
-            replay.start()
+            if replay is not None:
+                replay.start()
             try:
-                while self.step < num_steps and not self._stop.is_set():
+                while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):  # several: stop is shared
                     t0 = time.perf_counter()
-                    sample = replay.sample(self.step, cfg.groups_per_step)
-                    t1 = time.perf_counter()
-                    batch = sample.training_batch(batch_size=batch_size, config=cfg.batching)
-                    batch = hax.shard(batch, trainer.compute_axis_mapping)
+                    if cohort.multiprocess:
+                        got = multihost.next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
+                        if got is None:
+                            break
+                        sample, batch, group_ids = got
+                        t1 = time.perf_counter()
+                    else:
+                        sample = replay.sample(self.step, cfg.groups_per_step)
+                        t1 = time.perf_counter()
+                        group_ids = [g.group.group_id for g in sample.groups]
+                        batch = sample.training_batch(batch_size=batch_size, config=cfg.batching)
+                        batch = hax.shard(batch, trainer.compute_axis_mapping)
                     ref = ref_fn(reference, batch) if reference is not None else None
                     if ref is not None:
                         ref.array.block_until_ready()
@@ -248,26 +264,29 @@ class TrainWorker:
                     metrics = {
                         "train/step_s": t4 - t0, "train/wait_s": t1 - t0, "train/batch_s": t2 - t1,
                         "train/update_s": t3 - t2, "train/publish_s": t4 - t3 if published else 0.0,
-                        **sample.metrics(), **replay.metrics(), **{f"weights/{k}": v for k, v in server.metrics.items()},
-                        **self._checkpoint_metrics(skipped),
+                        **{f"weights/{k}": v for k, v in server.metrics.items()}, **self._checkpoint_metrics(skipped),
                     }
+                    if sample is not None:  # process 0 (or the only one)
+                        metrics.update({**sample.metrics(), **replay.metrics()})
                     if self._curriculum is not None:
                         metrics.update({f"curriculum/{k}/weight": v for k, v in self._curriculum.weights().items()})
-                    levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken, 0-based
+                    if cohort.is_leader:
+                        levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken
                     self.history.append({"step": self.step, "loss": float(info.loss),
                                          **{k: float(v) for k, v in metrics.items() if k in _HISTORY_KEYS}})
-                    self.trained_groups.append([g.group.group_id for g in sample.groups])
-                    if self._on_step is not None:
+                    self.trained_groups.append(group_ids)
+                    if self._on_step is not None and sample is not None:
                         trained = [(g.group.group_id, g.weight_step) for g in sample.groups]
                         self._on_step(self.step, {"loss": info.loss, "groups": trained, **metrics})
                 if info is not None and last_ckpt != self._ckpt_dir(checkpointer, info):
                     last_ckpt = self._checkpoint(checkpointer, info, replay)
             finally:
-                replay.stop()
+                if replay is not None:
+                    replay.stop()
                 server.close()
                 checkpointer.wait_until_finished()
             levanter.tracker.current_tracker().finish()
-            metrics = {**replay.metrics(), **self._checkpoint_metrics(skipped)}
+            metrics = {**(replay.metrics() if replay is not None else {}), **self._checkpoint_metrics(skipped)}
             return TrainResult(first_step, self.step, last_ckpt, metrics, self.history, self.trained_groups,
                                resumed_from=self._resumed_from.path if self._resumed_from else None,
                                skipped_checkpoints=skipped)
@@ -288,7 +307,8 @@ class TrainWorker:
             if int(sidecar["step"]) != int(state.step):
                 raise ValueError(f"{SIDECAR} is for step {sidecar['step']}, the saved state for step {int(state.step)}")
             replay = self._build_replay(int(state.step))
-            replay.load_state_dict(sidecar["replay"])
+            if replay is not None:
+                replay.load_state_dict(sidecar["replay"])
             if self._curriculum is not None and sidecar.get("curriculum"):
                 self._curriculum.load(sidecar["curriculum"])
             return state, replay
@@ -320,7 +340,10 @@ class TrainWorker:
             trainer.config = base
 
     def _build_replay(self, start_step: int):
+        """The replay buffer; None on processes other than 0 (process 0 reads and broadcasts)."""
         cfg = self.config
+        if not multihost.current_cohort().is_leader:
+            return None
         reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
         return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
                                                    reward_fn=overlong_reward_fn(cfg.loss),
@@ -342,21 +365,37 @@ class TrainWorker:
         that never finished) is deleted first: written over, its stale commit marker and files would
         make a half-written folder look complete."""
         folder = self._ckpt_dir(checkpointer, info)
-        fs, path = fsspec.core.url_to_fs(folder)
-        if fs.exists(path):
-            remove_folder(folder, "replaced by a new checkpoint of the same step")
-        fs.makedirs(path, exist_ok=True)
-        sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
-        if self._curriculum is not None:
-            target = f"{folder}/curriculum.json"
-            self._curriculum.save(target)
-            sidecar["curriculum"] = target
-        fs.pipe_file(f"{path}/{SIDECAR}", json.dumps(sidecar).encode())
+        cohort = multihost.current_cohort()
+        if cohort.is_leader:  # one author for the folder's reset and the sidecar; every process saves its shards
+            fs, path = fsspec.core.url_to_fs(folder)
+            if fs.exists(path):
+                remove_folder(folder, "replaced by a new checkpoint of the same step")
+            fs.makedirs(path, exist_ok=True)
+            sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
+            if self._curriculum is not None:
+                target = f"{folder}/curriculum.json"
+                self._curriculum.save(target)
+                sidecar["curriculum"] = target
+            fs.pipe_file(f"{path}/{SIDECAR}", json.dumps(sidecar).encode())
+        cohort.barrier(f"checkpoint-{info.step}")
         checkpointer.on_step(info, force=True)
         checkpointer.wait_until_finished()
         logger.info("checkpoint at step %d: %s", info.next_step, folder)
+        if not cohort.is_leader:
+            return folder
         protect = [self._resumed_from.path] if self._resumed_from is not None else []
         deleted = apply_retention(checkpointer.base_path, keep=self.config.checkpoint_keep,
                                   keep_every=self.config.checkpoint_keep_every, protect=protect)
         self._checkpoints_deleted += len(deleted)
         return folder
+
+
+def _resume_hint(checkpoint_root: str) -> str:
+    """Which checkpoint a rerun resumes from, for the message of a trainer that loses a peer process."""
+    from marinrl.train.checkpoints import step_folders
+
+    committed = [f for f in step_folders(checkpoint_root) if f.committed_at is not None]
+    if not committed:
+        return f"no checkpoint is committed under {checkpoint_root} yet: the rerun starts from weight step 0"
+    newest = max(committed, key=lambda f: (f.committed_at, f.step))
+    return f"it resumes from {newest.path} (weight step {newest.step + 1})"

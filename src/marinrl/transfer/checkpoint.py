@@ -32,6 +32,7 @@ import numpy as np
 from jax.experimental.array_serialization.serialization import GlobalAsyncCheckpointManager
 from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
 
+from marinrl import multihost
 from marinrl.storage import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
 from marinrl.transfer.base import (
     VersionId,
@@ -170,6 +171,8 @@ class FilesystemWeightServer(WeightTransferServer):
             logger.warning("ignoring the existing pointer at %s: %s", self._root.url, e)
             current = None
         self.epoch = new_epoch(after=current and int(current["epoch"]))
+        # A trainer over several processes writes one version together: all use process 0's epoch.
+        self.epoch = int(multihost.current_cohort().agree("weights-epoch", str(self.epoch)))
         self._committed: deque[str] = deque(maxlen=config.keep_last)
         self.versions_deleted = 0
 

@@ -1,0 +1,216 @@
+"""A trainer over 2 JAX processes × 2 CPU devices (gloo collectives, a 4-device global mesh) against the
+same TrainWorker in one process with 4 devices, fed the same rollouts; and what happens when one of the
+two processes is killed.
+
+Each process is a real subprocess (`marinrl.multihost.initialize`, then the ordinary TrainWorker);
+the rollout side is the test_train_worker Producer in this process: one batch per published weight
+version, so on-policy training makes step s's batch a fixed function of s. The updates are plain SGD,
+so the bounds of test_train_mesh apply: the two runs sum the same float32 terms in different orders
+(gloo's all-reduce vs the in-process one), which moves the result by at most n·eps32·Σ|terms|."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optax
+from levanter.optim import OptimizerConfig
+
+from conftest import free_port
+from marinrl.multihost import PEER_LOST_EXIT_CODE
+from marinrl.train.replay import OnPolicyConfig
+from marinrl.train.worker import TrainWorker
+from test_train_worker import GROUPS, G, Producer, worker_config
+
+EPS32 = float(np.finfo(np.float32).eps)
+LR = 0.5  # plain SGD: the weight change is −lr·gradient, so a gradient's rounding maps to the weights linearly
+N_TERMS = GROUPS * G * 16  # loss positions per step: rows × the 16-token bucket every batch here fits in
+MAX_ADV = float(np.sqrt(G))  # |group-normalized advantage| of G rewards in {0, 1} is below sqrt(G)
+
+
+@OptimizerConfig.register_subclass("test_sgd")
+@dataclasses.dataclass(frozen=True)
+class SgdConfig(OptimizerConfig):
+    """Plain SGD at a constant `learning_rate`: updates linear in the gradient."""
+
+    def build(self, num_train_steps):
+        return optax.sgd(self.learning_rate)
+
+
+def sgd_config(tmp: pathlib.Path, *, steps: int, run_id: str, checkpoint_every: int = 0):
+    cfg = worker_config(tmp, steps=steps, sampling=OnPolicyConfig(), run_id=run_id, checkpoint_every=checkpoint_every)
+    cfg.optimizer = SgdConfig(learning_rate=LR)
+    return cfg
+
+
+def child_main(process_id: int, port: int, tmp: str, log_path: str, steps: int, run_id: str,
+               checkpoint_every: int) -> None:
+    """One of the 2 trainer processes: joins the group, trains, appends per-step lines (process 0, as they
+    happen) and its whole history (every process, at the end) to `log_path`."""
+    from marinrl import multihost
+
+    multihost.initialize(multihost.ProcessGroupConfig(num_processes=2, process_id=process_id, cpu_devices=2,
+                                                      coordinator_address=f"127.0.0.1:{port}", heartbeat_timeout_s=10))
+    import jax
+
+    assert (jax.device_count(), jax.local_device_count()) == (4, 2)
+
+    def on_step(step, metrics):
+        with open(log_path, "a") as f:
+            f.write(json.dumps({"step": step, "groups": metrics["groups"]}) + "\n")
+
+    result = TrainWorker(sgd_config(pathlib.Path(tmp), steps=steps, run_id=run_id, checkpoint_every=checkpoint_every),
+                         on_step=on_step).run()
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"first_step": result.first_step, "final_step": result.final_step,
+                            "losses": [h["loss"] for h in result.history], "groups": result.trained_groups}) + "\n")
+    multihost.finish()
+
+
+def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkpoint_every: int = 0):
+    """The 2 processes, each with its own environment: CPU JAX, no 4-device flag of this test session."""
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    procs, logs = [], []
+    for pid in range(2):
+        log = tmp / f"{name}-{pid}.jsonl"
+        code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import test_multihost as t; "
+                f"t.child_main({pid}, {port}, {str(tmp)!r}, {str(log)!r}, {steps}, {run_id!r}, {checkpoint_every})")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+        logs.append(log)
+    return procs, logs
+
+
+def read_log(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_all(procs, timeout_s: float = 600) -> None:
+    for p in procs:
+        try:
+            rc = p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert rc == 0, p.stderr.read().decode()[-4000:]
+
+
+def weight_bounds(received: list[list[np.ndarray]]) -> list[float]:
+    """test_train_mesh.weight_bounds on the published weights of every version: per array,
+    4·eps32·(n·Σ_t max|Δ_t| + versions·max|w|)."""
+    out = []
+    for i in range(len(received[-1])):
+        update = sum(float(np.max(np.abs(b[i].astype(np.float64) - a[i]))) for a, b in zip(received, received[1:]))
+        scale = max(float(np.max(np.abs(m[i]))) for m in received)
+        out.append(4 * EPS32 * (N_TERMS * update + len(received) * scale))
+    return out
+
+
+def test_two_processes_train_like_one_with_four_devices(tmp_path):
+    steps = 3
+    # One process, 4 devices.
+    one = sgd_config(tmp_path / "one", steps=steps, run_id="one")
+    producer = Producer(one.weights, one.rollout_root)
+    producer.start()
+    single = TrainWorker(one).run()
+    producer.halt.set()
+    producer.join(timeout=60)
+    ref_weights = [arrays for _, arrays in sorted(producer.received, key=lambda r: r[0])]
+    assert [s for s, _ in sorted(producer.received, key=lambda r: r[0])] == list(range(steps + 1))
+
+    # Two processes, 2 devices each.
+    two_dir = tmp_path / "two"
+    two = sgd_config(two_dir, steps=steps, run_id="two")
+    producer = Producer(two.weights, two.rollout_root)
+    producer.start()
+    procs, logs = spawn_group(two_dir, "run", steps=steps, run_id="two")
+    wait_all(procs)
+    producer.halt.set()
+    producer.join(timeout=60)
+    got = sorted(producer.received, key=lambda r: r[0])
+    assert [s for s, _ in got] == list(range(steps + 1))  # one published version per step, one writer
+
+    ends = [read_log(log)[-1] for log in logs]
+    assert ends[0]["groups"] == ends[1]["groups"]  # both processes trained the batches process 0 read
+    assert ends[0]["losses"] == ends[1]["losses"]  # one SPMD program: one loss
+    assert [set(g) for g in ends[0]["groups"]] == [
+        {gid for gid, w in producer.written.items() if w == s} for s in range(steps)]  # on-policy, each once
+
+    loss_atol = 4 * EPS32 * N_TERMS * (1.2 * MAX_ADV + 1.0)  # test_train_mesh's rule on this loss's scale
+    np.testing.assert_allclose(ends[0]["losses"], [h["loss"] for h in single.history], rtol=0, atol=loss_atol)
+    assert ends[0]["losses"][1] != ends[0]["losses"][0]
+
+    # Initial weights identical (same seed); final weights within the float32 bound of the reference run,
+    # which is far below what the updates moved (an update lost or doubled on one process cannot hide).
+    for a, b in zip(got[0][1], ref_weights[0]):
+        np.testing.assert_array_equal(a, b)
+    bounds = weight_bounds(ref_weights)
+    diffs = [float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip(got[-1][1], ref_weights[-1])]
+    assert all(d <= b for d, b in zip(diffs, bounds)), list(zip(diffs, bounds))
+    moved = [float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip(ref_weights[-1], ref_weights[0])]
+    assert sum(m > 20 * b for m, b in zip(moved, bounds)) >= len(bounds) // 2, list(zip(moved, bounds))
+
+
+def test_killing_one_process_ends_the_other_naming_the_checkpoint_and_resume_trains_each_group_once(tmp_path):
+    cfg = sgd_config(tmp_path, steps=8, run_id="kill", checkpoint_every=2)
+    # Rollouts stop after weights 4: the group trains step 5 (checkpoint after step 4: folder step-3, weights 4),
+    # publishes weights 5 and waits in process 0's replay buffer, where process 1 is SIGKILLed.
+    producer = Producer(cfg.weights, cfg.rollout_root, hold_above=4)
+    producer.start()
+    procs, logs = spawn_group(tmp_path, "first", steps=8, run_id="kill", checkpoint_every=2)
+    deadline = time.monotonic() + 600
+    while not (any(e.get("step", 0) >= 5 for e in read_log(logs[0])) and any(s == 5 for s, _ in producer.received)):
+        for p in procs:
+            assert p.poll() is None, p.stderr.read().decode()[-4000:]
+        assert time.monotonic() < deadline, "the group never reached step 5"
+        time.sleep(0.1)  # polling a condition, not ordering: the deadline bounds it
+    killed_at = time.monotonic()
+    procs[1].send_signal(signal.SIGKILL)
+    procs[1].wait()
+    rc = procs[0].wait(timeout=120)  # a hang guard, far above the detection time printed below
+    noticed_s = time.monotonic() - killed_at
+    stderr = procs[0].stderr.read().decode()
+    print(f"survivor exited {noticed_s:.2f} s after the kill")
+    assert rc == PEER_LOST_EXIT_CODE, stderr[-4000:]
+    ckpt = tmp_path / "ckpt" / "kill" / "step-3"
+    assert "trainer process 1 of 2 is gone" in stderr, stderr[-4000:]
+    assert f"it resumes from {ckpt} (weight step 4)" in stderr, stderr[-4000:]
+
+    producer.hold_above = float("inf")
+    procs, logs2 = spawn_group(tmp_path, "second", steps=8, run_id="kill", checkpoint_every=2)
+    wait_all(procs)
+    producer.halt.set()
+    producer.join(timeout=60)
+    second = read_log(logs2[0])
+    assert (second[-1]["first_step"], second[-1]["final_step"]) == (4, 8)
+    assert read_log(logs2[1])[-1]["groups"] == second[-1]["groups"]
+    killed = {e["step"]: e["groups"] for e in read_log(logs[0]) if "step" in e}
+    resumed = {e["step"]: e["groups"] for e in second if "step" in e}
+    lineage = {**{s: g for s, g in killed.items() if s <= 4}, **resumed}
+    assert sorted(lineage) == list(range(1, 9))
+    trained = [gid for groups in lineage.values() for gid, _ in groups]
+    assert len(trained) == len(set(trained)) == 8 * GROUPS  # every step's groups once, none twice
+    for step, groups in lineage.items():
+        assert {w for _, w in groups} == {step - 1}
+        assert all(producer.written[gid] == w for gid, w in groups)
+    assert {g for g, _ in resumed[5]} == {g for g, _ in killed[5]}  # consumed after the checkpoint: read again
+
+
+def test_process_group_config_names_the_bad_field():
+    import pytest
+
+    from marinrl.multihost import ProcessGroupConfig
+
+    with pytest.raises(ValueError, match="process_id must be in"):
+        ProcessGroupConfig(num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="coordinator_address must be host:port"):
+        ProcessGroupConfig(num_processes=2, process_id=0, coordinator_address="localhost")
