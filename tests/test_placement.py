@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from marinrl.job import ConfigError, RLJob
-from marinrl.placement import PlacementConfig, check_cluster
+from marinrl.placement import PlacementConfig, check_cluster, placement_problem
 
 from test_job import job_config
 
@@ -59,7 +59,7 @@ def test_custom_resources_on_a_real_ray():
     does not fit, naming the field (its own process: the session Ray has no custom resources)."""
     script = textwrap.dedent("""
         import ray
-        from marinrl.placement import PlacementConfig, check_cluster
+        from marinrl.placement import PlacementConfig, check_cluster, placement_problem
         from marinrl.preflight import ConfigError
 
         ray.init(num_cpus=4, resources={"trainer": 1, "rollout": 2}, include_dashboard=False, log_to_driver=False)
@@ -106,8 +106,13 @@ def test_what_each_placement_asks_ray_for():
 @pytest.mark.parametrize(
     "overrides, field, problem",
     [
-        (dict(trainer=PlacementConfig(tpu="v5p-64")), "ray.trainer.tpu",
-         "'v5p-64' spans 8 hosts, but the trainer is one process on one host"),
+        (dict(rollout=PlacementConfig(tpu="v5p-64")), "ray.rollout.tpu",
+         "'v5p-64' spans 8 hosts, but a rollout worker is one process on one host"),
+        (dict(rollout=PlacementConfig(num_hosts=2)), "ray.rollout.num_hosts",
+         "2 spans 2 hosts, but a rollout worker is one process on one host"),
+        (dict(trainer=PlacementConfig(tpu="v5p-64", num_hosts=4)), "ray.trainer.num_hosts",
+         "4 hosts, but a v5p-64 slice has 8: leave num_hosts unset with a tpu"),
+        (dict(trainer=PlacementConfig(num_hosts=0)), "ray.trainer.num_hosts", "must be a whole number >= 1 or null"),
         (dict(rollout=PlacementConfig(tpu="v7-8x")), "ray.rollout.tpu", "'v7-8x' is not a TPU slice type Ray knows"),
         (dict(trainer=PlacementConfig(num_gpus=0.5)), "ray.trainer.num_gpus", "must be a whole number >= 0, got 0.5"),
         (dict(trainer=PlacementConfig(num_gpus=1, tpu="v6e-8")), "ray.trainer.tpu",
@@ -123,3 +128,40 @@ def test_a_bad_placement_is_refused_before_ray_starts(tmp_path, overrides, field
     config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, **overrides))
     with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{field.replace('.', '[.]')}: {problem}"):
         RLJob(config)
+
+
+def _node(ip: str, **resources) -> dict:
+    return {"NodeManagerAddress": ip, "Alive": True, "Resources": resources}
+
+
+def test_a_multi_host_trainer_asks_one_bundle_per_host_and_needs_that_many_nodes():
+    """A v5p-64 trainer is 8 hosts of 4 chips, the slice head resource on the first only; with STRICT_SPREAD
+    each host needs a node of its own, and the rollout workers fit the capacity left."""
+    trainer = PlacementConfig(tpu="v5p-64")
+    bundles = trainer.bundles()
+    assert bundles[0] == {"CPU": 1, "TPU": 4, "TPU-v5p-64-head": 1}
+    assert bundles[1:] == [{"CPU": 1, "TPU": 4}] * 7
+    assert trainer.ray_options(head=False)["resources"] == {"TPU": 4}
+    rollout = PlacementConfig(num_gpus=1)
+    slice_hosts = [_node("10.0.0.1", CPU=8, TPU=4, **{"TPU-v5p-64-head": 1})]
+    slice_hosts += [_node(f"10.0.0.{i}", CPU=8, TPU=4) for i in range(2, 9)]
+    rollout_hosts = [_node(f"10.0.1.{i}", CPU=8, GPU=1) for i in range(2)]
+    assert placement_problem(trainer, rollout, 2, slice_hosts + rollout_hosts) is None
+
+    problem = placement_problem(trainer, rollout, 2, slice_hosts[:7] + rollout_hosts)
+    assert problem.field == "ray.trainer.tpu"
+    assert problem.problem.startswith("8 trainer hosts of {CPU: 1, TPU: 4} each ({CPU: 1, TPU: 4, TPU-v5p-64-head: 1} "
+                                      "for the first), each on its own node, but 7 nodes hold one"), problem.problem
+    problem = placement_problem(trainer, rollout, 3, slice_hosts + rollout_hosts)
+    assert problem.field == "n_rollout_workers" and "beside the trainer's 8 hosts of {CPU: 1, TPU: 4}: at most 2 do" \
+        in problem.problem
+
+
+def test_a_multi_host_cpu_trainer_packs_on_one_node_only_when_asked():
+    trainer, rollout = PlacementConfig(num_hosts=2), PlacementConfig()
+    one_node = [_node("127.0.0.1", CPU=4)]
+    problem = placement_problem(trainer, rollout, 1, one_node)  # STRICT_SPREAD: a node per host
+    assert problem.field == "ray.trainer.num_hosts" and "each on its own node, but 1 nodes hold one" in problem.problem
+    assert placement_problem(trainer, rollout, 1, one_node, spread=False) is None
+    problem = placement_problem(trainer, rollout, 3, one_node, spread=False)
+    assert problem.field == "n_rollout_workers" and "at most 2 do" in problem.problem

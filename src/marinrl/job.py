@@ -3,7 +3,9 @@
 With no cluster address the job starts a local Ray sized for this machine (the default); with an
 address it joins that cluster and places the trainer and the rollout workers by resources. A rollout
 worker that dies is restarted; a trainer that dies ends the job with its error and the checkpoint to
-resume from; normal completion and Ctrl-C leave no actor behind.
+resume from; normal completion and Ctrl-C leave no actor behind. A trainer that spans several hosts
+(`ray.trainer.num_hosts`, or a multi-host `ray.trainer.tpu` slice) is a `TrainerGroup`: one actor per
+host in one placement group, one JAX process group (marinrl/train/trainer_group.py, docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from marinrl.rollout.worker import EnvironmentFailedError, RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
+from marinrl.train.trainer_group import TrainerGroup, TrainerGroupConfig, TrainerGroupDied
 from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
                                           check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
 from marinrl.train.worker import TrainWorkerConfig
@@ -45,8 +48,9 @@ class RayJobConfig:
     num_cpus: Optional[int] = None
     """Logical CPUs of the local Ray; None: what the trainer and the rollout workers ask for, plus one."""
     trainer: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
-    """What the trainer needs of its node: `num_cpus`, `num_gpus`, `tpu` (a single-host slice type),
-    `accelerator_type`, custom `resources` (marinrl/placement.py, docs/scaling.md)."""
+    """What the trainer needs of each of its hosts: `num_cpus`, `num_gpus`, `tpu` (a slice type; a
+    multi-host slice makes a trainer of one process per host), `accelerator_type`, custom `resources`,
+    `num_hosts` (marinrl/placement.py, docs/scaling.md, docs/multihost.md)."""
     rollout: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """What each rollout worker needs of its node (the same fields)."""
     placement_timeout_s: float = 600.0
@@ -105,6 +109,9 @@ class RLJobConfig:
     """Filters, capacity, env weights; `sampling` is derived from max_staleness and max_uses."""
     batching: BatchingConfig = dataclasses.field(default_factory=lambda: BatchingConfig(max_length=256, min_bucket=32))
     ray: RayJobConfig = dataclasses.field(default_factory=RayJobConfig)
+    trainer_group: TrainerGroupConfig = dataclasses.field(default_factory=TrainerGroupConfig)
+    """A trainer over several hosts (`ray.trainer.num_hosts` > 1 or a multi-host `tpu`): placement strategy,
+    JAX's timeouts, fake CPU devices for tests (docs/multihost.md). Unused by a one-host trainer."""
     seed: int = 0
     max_consecutive_env_failures: int = 5
     """A lesson whose environment fails this many calls in a row (raises, fails to construct, or yields
@@ -141,12 +148,14 @@ class RLJobConfig:
         if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
             bad("ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
         for role in ("trainer", "rollout"):
-            placement = getattr(self.ray, role)
-            placement.errors(f"ray.{role}")
-            if placement.hosts() > 1:
-                bad(f"ray.{role}.tpu", f"{placement.tpu!r} spans {placement.hosts()} hosts, but the {role} is one "
-                                       "process on one host (the multi-host trainer is issue 10 §3): use a "
-                                       "single-host slice")
+            getattr(self.ray, role).errors(f"ray.{role}")
+        rollout = self.ray.rollout
+        if rollout.hosts() > 1:
+            bad(f"ray.rollout.{rollout.hosts_field}",
+                f"{rollout.tpu or rollout.num_hosts!r} spans {rollout.hosts()} hosts, but a rollout worker is one "
+                "process on one host: use a single-host slice and n_rollout_workers for more")
+        if self.ray.trainer.hosts() > 1:
+            self._check_multihost()
         if not self.ray.placement_timeout_s >= 0:
             bad("ray.placement_timeout_s", f"must be >= 0, got {self.ray.placement_timeout_s}")
         if self.ray.max_rollout_restarts < 0:
@@ -170,9 +179,26 @@ class RLJobConfig:
             bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
         trainer = self.trainer_config()  # a derived field set twice, differently
         devices = self.ray.trainer.devices()
+        if devices is None and self.ray.trainer.hosts() > 1 and self.trainer_group.cpu_devices:
+            devices = self.trainer_group.cpu_devices
+        devices = devices * self.ray.trainer.hosts() if devices is not None else None
         check_trainer_ranges(trainer, trainer.train_batch_size, self._batch_source(), devices,
                              f"ray.trainer.num_gpus={self.ray.trainer.num_gpus}" if self.ray.trainer.num_gpus
                              else f"ray.trainer.tpu={self.ray.trainer.tpu}")
+
+    def _check_multihost(self) -> None:
+        """What a trainer of several processes cannot do yet, named before anything starts."""
+        hosts = self.ray.trainer.hosts()
+        self.trainer_group.errors("trainer_group")
+        if self.loss.uses_reference:
+            raise ConfigError("loss.kl_beta", f"a KL term needs the reference model, which a trainer over {hosts} "
+                                              "hosts cannot build yet (docs/multihost.md): use kl_beta 0")
+        from marinrl.transfer.ray import RayTransferConfig
+
+        if isinstance(self.weights, RayTransferConfig):
+            raise ConfigError("weights", f"the Ray object-store transfer needs a model one process holds whole; a "
+                                         f"trainer over {hosts} hosts publishes per-process shards: use "
+                                         "{type: filesystem} (the default)")
 
     # ------------------------------------------------------------------ derived configs
 
@@ -342,13 +368,14 @@ class RLJob:
         self.config = config
         self._started_ray = False
         self._actors: list[Any] = []
+        self._group: Optional[TrainerGroup] = None
 
     def _init_ray(self) -> Optional[str]:
         cfg = self.config.ray
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            asked = cfg.trainer.num_cpus + self.config.n_rollout_workers * cfg.rollout.num_cpus
+            asked = cfg.trainer.num_cpus * cfg.trainer.hosts() + self.config.n_rollout_workers * cfg.rollout.num_cpus
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
                      namespace=f"marinrl-{self.config.run_id}",
@@ -366,15 +393,27 @@ class RLJob:
         self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
         namespace = self._init_ray()
         try:  # before any actor: a request no node can hold would leave its actor pending forever
+            on_cluster = cfg.ray.address is not None
+            group = None
+            if cfg.ray.trainer.hosts() > 1:
+                group = TrainerGroup(cfg.ray.trainer, cfg.trainer_group, on_cluster=on_cluster, log_dir=self._log_dir)
             check_cluster(cfg.ray.trainer, cfg.ray.rollout, cfg.n_rollout_workers,
-                          wait_s=cfg.ray.placement_timeout_s if cfg.ray.address is not None else 0.0)
+                          wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
+                          spread=group is not None and group.strategy == "STRICT_SPREAD")
             curriculum_name = self._start_curriculum(namespace)
             ray.get(ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 _log_curriculum_to_file, self._log_dir))
-            trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
-                cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
-            self._actors.append(trainer)
-            train_ref = trainer.run.remote()
+            if group is None:
+                trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
+                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
+                self._actors.append(trainer)
+                train_refs = [trainer.run.remote()]
+            else:
+                self._group = group
+                group.start(cfg.train_worker_config(), curriculum_name, namespace,
+                            placement_timeout_s=cfg.ray.placement_timeout_s)
+                trainer, train_refs = group.leader, group.refs
+            train_ref = train_refs[0]
             rollouts, refs = [], []
             for i in range(cfg.n_rollout_workers):
                 actor = self._rollout_actor(i, curriculum_name, namespace)
@@ -386,9 +425,9 @@ class RLJob:
             bar = _ProgressBar(cfg.num_train_steps)
             try:
                 while True:
-                    ready, _ = ray.wait([train_ref, *pending], num_returns=1, timeout=1.0)
+                    ready, _ = ray.wait([*train_refs, *pending], num_returns=1, timeout=1.0)
                     bar.update(trainer)
-                    if train_ref in ready:
+                    if any(ref in ready for ref in train_refs):
                         train = self._train_result(train_ref)
                         break
                     for ref in ready:
@@ -459,12 +498,17 @@ class RLJob:
         return actor
 
     def _train_result(self, ref) -> dict:
+        """The trainer's result (process 0's for a group, once every process returned), or the error
+        saying what died and which checkpoint the same config resumes from."""
         try:
-            return ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return self._group.result() if self._group is not None else ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
             raise RuntimeError(_trainer_death_message(e, f"{self.config.run_dir}/checkpoints")) from e
 
     def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
         for actor in self._actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -484,8 +528,11 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
     """What the trainer died of and what to do: fix an input error; resume from a checkpoint that
     exists (named); or know that a rerun starts from step 0."""
     cause = getattr(error, "cause", None)  # RayTaskError: the trainer's own exception
-    what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
-    what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
+    if isinstance(error, TrainerGroupDied):  # which process died, and what the others said (several lines)
+        what = str(error)
+    else:
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
+        what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
     latest = _latest_checkpoint(checkpoints)
     if isinstance(cause, _INPUT_ERRORS):
         advice = ("this is a config or input error: fix it, then run the config again"

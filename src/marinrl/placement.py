@@ -2,8 +2,9 @@
 cluster has it, checked before any actor starts.
 
 Each role declares its needs as a `PlacementConfig` (`RayJobConfig.trainer`, `RayJobConfig.rollout`):
-CPUs, GPUs, a single-host TPU slice (Ray's TPU resources: the slice's head resource
-`TPU-<type>-head` and its host's `TPU` chips), Ray's accelerator label, custom resources. An actor
+CPUs, GPUs, a TPU slice (Ray's TPU resources: the slice's head resource `TPU-<type>-head` and each
+host's `TPU` chips), Ray's accelerator label, custom resources, and for the trainer how many hosts it
+spans (one process per host: `num_hosts`, or a multi-host `tpu` slice's hosts). An actor
 that asks for no GPU or TPU may still see every accelerator of its node (Ray narrows
 `CUDA_VISIBLE_DEVICES` / `TPU_VISIBLE_CHIPS` only for actors that ask for them), so on an accelerator
 node each role should ask for its accelerators. Colocated placement (the trainer and the rollout
@@ -11,7 +12,8 @@ workers taking turns on the same accelerators) is not supported.
 
 A request Ray cannot satisfy leaves the actor pending forever; `check_cluster` turns that into one
 error naming the field and what the cluster has, from `ray.nodes()`: the trainer must fit one node
-and the rollout workers the capacity left beside it.
+(one bundle per host, each host on its own node on a cluster) and the rollout workers the capacity
+left beside it.
 """
 
 from __future__ import annotations
@@ -39,13 +41,17 @@ class PlacementConfig:
     num_gpus: int = 0
     """GPUs; Ray gives the actor that many (`CUDA_VISIBLE_DEVICES`) and its JAX uses all of them."""
     tpu: Optional[str] = None
-    """A TPU slice type (e.g. `v5litepod-8`, `v6e-4`, `v5p-8`): the actor takes the slice's head resource
-    `TPU-<type>-head` and every chip of its host (`TPU`). RLJob refuses a multi-host slice (one process
-    per host is the multi-host trainer, issue 10 §3)."""
+    """A TPU slice type (e.g. `v5litepod-8`, `v6e-4`, `v5p-8`, `v5p-64`): each host's process takes every
+    chip of its host (`TPU`), the first also the slice's head resource `TPU-<type>-head`. A multi-host
+    slice (`v5p-64`: 8 hosts) is a trainer of one process per host (docs/multihost.md); a rollout worker
+    is one host."""
     accelerator_type: Optional[str] = None
     """Ray's accelerator label of the node (e.g. `H100`, `A100`, `TPU-V6E`); None: any."""
     resources: dict = dataclasses.field(default_factory=dict)
     """Custom Ray resources (e.g. {"trainer": 1}), for clusters whose node types declare one per role."""
+    num_hosts: Optional[int] = None
+    """Trainer only: processes, one per host, that form one global mesh (docs/multihost.md); every field
+    above is per host. None: the hosts of the `tpu` slice (`v5p-64`: 8), else 1."""
 
     def errors(self, field: str) -> None:
         """Raises ConfigError naming the first bad field under `field` (e.g. `ray.trainer`)."""
@@ -60,6 +66,12 @@ class PlacementConfig:
                 raise ConfigError(f"{field}.tpu", f"{self.tpu!r} and num_gpus={self.num_gpus}: ask for one kind "
                                                   "of accelerator")
             tpu_hosts(self.tpu, f"{field}.tpu")
+        if self.num_hosts is not None:
+            if not isinstance(self.num_hosts, int) or self.num_hosts < 1:
+                raise ConfigError(f"{field}.num_hosts", f"must be a whole number >= 1 or null, got {self.num_hosts!r}")
+            if self.tpu is not None and self.num_hosts != tpu_hosts(self.tpu):
+                raise ConfigError(f"{field}.num_hosts", f"{self.num_hosts} hosts, but a {self.tpu} slice has "
+                                                        f"{tpu_hosts(self.tpu)}: leave num_hosts unset with a tpu")
         for name, amount in self.resources.items():
             if not isinstance(name, str) or not isinstance(amount, (int, float)) or not amount > 0:
                 raise ConfigError(f"{field}.resources", f"must map resource names to amounts > 0, got "
@@ -68,25 +80,28 @@ class PlacementConfig:
                 raise ConfigError(f"{field}.resources.{name}", f"use {field}.{_FIELD_OF.get(name, 'num_cpus')} "
                                                                f"for {name}")
 
-    def request(self) -> dict[str, float]:
-        """Ray resource name → amount, as the actor's `.options(**ray_options())` asks for them."""
+    def request(self, head: bool = True) -> dict[str, float]:
+        """Ray resource name → amount, as the actor's `.options(**ray_options())` asks for them (`head`:
+        with the TPU slice's head resource, which only the first host of a slice has)."""
         request: dict[str, float] = {"CPU": float(self.num_cpus)}
         if self.num_gpus:
             request["GPU"] = float(self.num_gpus)
         if self.tpu is not None:
             request["TPU"] = float(tpu_chips_per_host(self.tpu))
-            request[tpu_head_resource(self.tpu)] = 1.0
+            if head:
+                request[tpu_head_resource(self.tpu)] = 1.0
         if self.accelerator_type:
             request[f"accelerator_type:{self.accelerator_type}"] = _LABEL_AMOUNT
         request.update({k: float(v) for k, v in self.resources.items()})
         return {k: v for k, v in request.items() if v > 0}
 
-    def ray_options(self) -> dict[str, Any]:
-        """Keyword arguments of `ActorClass.options(...)`."""
+    def ray_options(self, head: bool = True) -> dict[str, Any]:
+        """Keyword arguments of `ActorClass.options(...)` (`head`: as in `request`)."""
         resources = dict(self.resources)
         if self.tpu is not None:
             resources["TPU"] = tpu_chips_per_host(self.tpu)
-            resources[tpu_head_resource(self.tpu)] = 1
+            if head:
+                resources[tpu_head_resource(self.tpu)] = 1
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                    "resources": resources or None}
         if self.accelerator_type:
@@ -94,15 +109,26 @@ class PlacementConfig:
         return options
 
     def hosts(self) -> int:
-        """Hosts of the TPU slice (1 without a TPU)."""
+        """Processes of this role's one actor, one per host: `num_hosts`, else the TPU slice's hosts, else 1."""
+        if self.num_hosts is not None:
+            return self.num_hosts
         return tpu_hosts(self.tpu) if self.tpu is not None else 1
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per host: the per-host request, the slice head resource on the first."""
+        return [self.request(head=i == 0) for i in range(self.hosts())]
+
+    @property
+    def hosts_field(self) -> str:
+        """The field that sets `hosts()`."""
+        return "tpu" if self.tpu is not None and self.num_hosts is None else "num_hosts"
 
     @property
     def has_accelerator(self) -> bool:
         return bool(self.num_gpus or self.tpu)
 
     def devices(self) -> Optional[int]:
-        """JAX devices the actor will see, when the placement fixes them (None on CPU)."""
+        """JAX devices one host's process will see, when the placement fixes them (None on CPU)."""
         if self.num_gpus:
             return self.num_gpus
         if self.tpu is not None:
@@ -203,15 +229,17 @@ def _copies(request: dict[str, float], available: dict[str, float]) -> int:
 
 
 def placement_problem(trainer: PlacementConfig, rollout: PlacementConfig, n_rollout_workers: int,
-                      nodes: list[dict]) -> Optional[ConfigError]:
-    """None if the trainer fits one of `nodes` (as `ray.nodes()` lists them) and `n_rollout_workers`
-    rollout workers fit the capacity left; else the error naming the field to change. Exact: the
-    trainer is tried on every node that holds it, the identical rollout workers counted per node."""
+                      nodes: list[dict], *, spread: bool = True) -> Optional[ConfigError]:
+    """None if the trainer's hosts fit `nodes` (as `ray.nodes()` lists them; `spread`: each host on its own
+    node, as STRICT_SPREAD places them) and `n_rollout_workers` rollout workers fit the capacity left; else
+    the error naming the field to change. Every node that holds the trainer's first host is tried; its
+    other hosts go to the nodes that hold the fewest rollout workers first (exact for one host and for
+    clusters whose trainer and rollout nodes differ)."""
     alive = _alive_nodes(nodes)
     capacity = [{k: float(v) for k, v in n.get("Resources", {}).items()} for n in alive]
     described = _describe(alive)
-    for role, placement, count in (("trainer", trainer, 1), ("rollout", rollout, n_rollout_workers)):
-        request = placement.request()
+    bundles = trainer.bundles()
+    for role, placement, request in (("trainer", trainer, bundles[0]), ("rollout", rollout, rollout.request())):
         for key, amount in request.items():  # a resource no node has enough of: the field is clear
             best = max((c.get(key, 0.0) for c in capacity), default=0.0)
             if best < amount:
@@ -220,20 +248,45 @@ def placement_problem(trainer: PlacementConfig, rollout: PlacementConfig, n_roll
                                    f"{_what(key, amount, role, placement)}, but {have} (nodes: {described})")
         if not any(_copies(request, c) for c in capacity):
             return ConfigError(f"ray.{role}", f"no single node has all of {_fmt(request)} (nodes: {described})")
-    t_request, r_request = trainer.request(), rollout.request()
-    best = 0
+    r_request = rollout.request()
+    best, placed = 0, False
     for i, node in enumerate(capacity):
-        if not _copies(t_request, node):
+        if not _copies(bundles[0], node):
             continue
-        left = dict(node)
-        for k, v in t_request.items():
-            left[k] = left.get(k, 0.0) - v
-        best = max(best, sum(_copies(r_request, left if j == i else c) for j, c in enumerate(capacity)))
-        if best >= n_rollout_workers:
-            return None
+        left = [dict(c) for c in capacity]
+        _take(left[i], bundles[0])
+        used = {i}
+        for bundle in bundles[1:]:
+            fits = [j for j in range(len(left)) if (not spread or j not in used) and _copies(bundle, left[j])]
+            if not fits:
+                break
+            j = min(fits, key=lambda j: _copies(r_request, left[j]))
+            _take(left[j], bundle)
+            used.add(j)
+        else:
+            placed = True
+            best = max(best, sum(_copies(r_request, c) for c in left))
+            if best >= n_rollout_workers:
+                return None
+    if not placed:
+        hosts = len(bundles)
+        holding = sum(1 for c in capacity if _copies(bundles[-1], c))
+        where = "each on its own node" if spread else "together"
+        return ConfigError(f"ray.trainer.{trainer.hosts_field}",
+                           f"{hosts} trainer hosts of {_fmt(bundles[-1])} each ({_fmt(bundles[0])} for the first), "
+                           f"{where}, but {holding} nodes hold one (nodes: {described})")
     return ConfigError("n_rollout_workers", f"{n_rollout_workers} rollout workers of {_fmt(r_request)} each do not fit "
-                                            f"beside the trainer's {_fmt(t_request)}: at most {best} do (nodes: "
+                                            f"beside the trainer's {_trainer_fmt(bundles)}: at most {best} do (nodes: "
                                             f"{described})")
+
+
+def _take(node: dict[str, float], request: dict[str, float]) -> None:
+    for k, v in request.items():
+        node[k] = node.get(k, 0.0) - v
+
+
+def _trainer_fmt(bundles: list[dict[str, float]]) -> str:
+    return _fmt(bundles[0]) if len(bundles) == 1 else f"{len(bundles)} hosts of {_fmt(bundles[-1])}"
 
 
 def _fmt(request: dict[str, float]) -> str:
@@ -241,25 +294,30 @@ def _fmt(request: dict[str, float]) -> str:
 
 
 def check_cluster(trainer: PlacementConfig, rollout: PlacementConfig, n_rollout_workers: int, *,
-                  wait_s: float = 0.0, nodes: Optional[Callable[[], list[dict]]] = None) -> None:
+                  wait_s: float = 0.0, nodes: Optional[Callable[[], list[dict]]] = None,
+                  spread: bool = True) -> None:
     """Raises the ConfigError of `placement_problem` against the connected Ray's nodes. With `wait_s`
     > 0 (a cluster with an autoscaler) it first asks the autoscaler for the actors' resources and
     waits that long for nodes that hold them."""
     import ray
 
     list_nodes = nodes or ray.nodes
-    problem = placement_problem(trainer, rollout, n_rollout_workers, list_nodes())
+
+    def problem_now():
+        return placement_problem(trainer, rollout, n_rollout_workers, list_nodes(), spread=spread)
+
+    problem = problem_now()
     if problem is None or wait_s <= 0:
         if problem is not None:
             raise problem
         return
     from ray.autoscaler.sdk import request_resources
 
-    request_resources(bundles=[trainer.request()] + [rollout.request()] * n_rollout_workers)
+    request_resources(bundles=trainer.bundles() + [rollout.request()] * n_rollout_workers)
     deadline = time.monotonic() + wait_s
     while problem is not None and time.monotonic() < deadline:
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-        problem = placement_problem(trainer, rollout, n_rollout_workers, list_nodes())
+        problem = problem_now()
     if problem is not None:
         raise ConfigError(problem.field, f"{problem.problem}; waited {wait_s:g} s (ray.placement_timeout_s) for the "
                                          "autoscaler to add nodes that hold it")
