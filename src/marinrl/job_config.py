@@ -1,0 +1,232 @@
+"""RLJobConfig: the one config a job runs from, its range checks (`validate`) and the configs it derives
+for the trainer and each rollout worker. `marinrl/preflight.py` checks what needs files; `marinrl/job.py`
+runs it on Ray."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+from marinrl.curriculum import CurriculumConfig
+from marinrl.inference.server import InferenceServerConfig
+from marinrl.models import ModelConfig
+from marinrl.placement import PlacementConfig
+from marinrl.preflight import ConfigError
+from marinrl.rollout.worker import RolloutWorkerConfig
+from marinrl.train.batching import BatchingConfig
+from marinrl.train.losses import LossConfig
+from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
+from marinrl.train.trainer_group import TrainerGroupConfig
+from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
+                                          check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
+from marinrl.train.worker import TrainWorkerConfig
+from marinrl.transfer.base import WeightTransferConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RayJobConfig:
+    address: Optional[str] = None
+    """None: start a local Ray for this job (and stop it after). Else an existing cluster ("auto", ray://…)."""
+    num_cpus: Optional[int] = None
+    """Logical CPUs of the local Ray; None: what the trainer and the rollout workers ask for, plus one."""
+    trainer: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """What the trainer needs of each of its hosts: `num_cpus`, `num_gpus`, `tpu` (a slice type; a
+    multi-host slice makes a trainer of one process per host), `accelerator_type`, custom `resources`,
+    `num_hosts` (marinrl/placement.py, docs/scaling.md, docs/multihost.md)."""
+    rollout: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
+    """What each rollout worker needs of its node (the same fields)."""
+    placement_timeout_s: float = 600.0
+    """On a cluster (`address` set): how long to wait for the autoscaler to add nodes that hold the
+    trainer and the rollout workers before failing. A local Ray is checked at once."""
+    max_rollout_restarts: int = 5
+    stop_timeout_s: float = 120.0
+    """On Ctrl-C, how long the trainer may take to finish its step and save a checkpoint."""
+
+
+@dataclasses.dataclass
+class RLJobConfig:
+    run_id: str = "run"
+    run_root: str = "runs"
+    """Everything the job writes goes to `<run_root>/<run_id>/` (an fsspec URL or a local path)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    curriculum: Optional[CurriculumConfig] = None
+    """The lessons (environments, sampling, dependencies) and how they are scheduled."""
+    num_train_steps: int = 100
+    groups_per_step: int = 8
+    """Prompts per optimizer step."""
+    n_generations: int = 8
+    """Samples per prompt (the group size)."""
+    max_staleness: int = 1
+    """0: exact on-policy. k ≥ 1: rollouts up to k weight versions old are trained on."""
+    max_uses: int = 1
+    """> 1: each rollout may be trained on up to this many times (replay)."""
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    optimizer: JobOptimizerConfig = dataclasses.field(default_factory=RLAdamConfig)
+    """Levanter's `OptimizerConfig`: without `type:`, AdamW with lr 1e-4 constant, no warmup, no weight
+    decay, betas (0.9, 0.999), clip 1.0 (`rl_adam`); any Levanter optimizer by `type:` (`adam`, `lion`, …)
+    with its own defaults. Schedule: `lr_schedule`, `warmup`, `decay`, `min_lr_ratio`."""
+    trainer: JobTrainerConfig = dataclasses.field(default_factory=JobTrainerConfig)
+    """Levanter's `TrainerConfig`: mesh (`model_axis_size`, `tensor_parallel_axes`, …),
+    `per_device_parallelism`, `mp`, `tracker`, `jax_compilation_cache_dir`. The job fills
+    `num_train_steps`, `train_batch_size`, `id`, `seed`, `log_dir` and the checkpoint path."""
+    sync_interval: int = 1
+    """Publish weights to the rollout workers every this many optimizer steps (at most max_staleness + 1)."""
+    n_rollout_workers: int = 1
+    eval_every: int = 10
+    """Full evaluation every this many weight steps (and at the start and the end)."""
+    eval_examples: int = 32
+    micro_eval_every: int = 0
+    """A small eval (`micro_eval_examples` prompts per lesson) every this many batches a rollout worker
+    writes; 0: none."""
+    micro_eval_examples: int = 8
+    checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    """Checkpoints kept: the newest this many (older ones are deleted once a newer one is committed)."""
+    checkpoint_keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0: none."""
+    inference: InferenceServerConfig = dataclasses.field(default_factory=InferenceServerConfig)
+    weights: Optional[WeightTransferConfig] = None
+    """None: files under the run directory."""
+    replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
+    """Filters, capacity, env weights; `sampling` is derived from max_staleness and max_uses."""
+    batching: BatchingConfig = dataclasses.field(default_factory=lambda: BatchingConfig(max_length=256, min_bucket=32))
+    ray: RayJobConfig = dataclasses.field(default_factory=RayJobConfig)
+    trainer_group: TrainerGroupConfig = dataclasses.field(default_factory=TrainerGroupConfig)
+    """A trainer over several hosts (`ray.trainer.num_hosts` > 1 or a multi-host `tpu`): placement strategy,
+    JAX's timeouts, fake CPU devices for tests (docs/multihost.md). Unused by a one-host trainer."""
+    seed: int = 0
+    max_consecutive_env_failures: int = 5
+    """A lesson whose environment fails this many calls in a row (raises, fails to construct, or yields
+    no usable group) stops the job with an error naming the lesson, the environment and its last error."""
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.run_root.rstrip('/')}/{self.run_id}"
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad field: every range, without touching a file (the
+        environments, model and run directory are checked by `marinrl.preflight.check_job`)."""
+        def bad(field: str, problem: str):
+            raise ConfigError(field, problem)
+
+        for name in ("num_train_steps", "groups_per_step", "n_generations", "n_rollout_workers", "eval_examples",
+                     "max_uses", "max_consecutive_env_failures", "checkpoint_keep", "sync_interval",
+                     "micro_eval_examples"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("max_staleness", "eval_every", "checkpoint_every", "checkpoint_keep_every", "seed",
+                     "micro_eval_every"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.sync_interval > 1 + self.max_staleness:
+            bad("sync_interval", f"weights published every {self.sync_interval} steps leave the trainer without "
+                                 f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "
+                                 f"{self.max_staleness + 1} steps apart")
+        check_optimizer_ranges(self.optimizer)
+        if self.n_generations < 2:  # every advantage kind is relative to the prompt's group
+            bad("n_generations", f"{self.n_generations} sample per prompt with loss.advantage="
+                                 f"{self.loss.advantage!r} makes every advantage 0 (each sample is compared with "
+                                 "the others of its group): nothing would be learned; use n_generations >= 2")
+        if self.ray.num_cpus is not None and self.ray.num_cpus < 1:
+            bad("ray.num_cpus", f"must be >= 1 or null, got {self.ray.num_cpus}")
+        for role in ("trainer", "rollout"):
+            getattr(self.ray, role).errors(f"ray.{role}")
+        rollout = self.ray.rollout
+        if rollout.hosts() > 1:
+            bad(f"ray.rollout.{rollout.hosts_field}",
+                f"{rollout.tpu or rollout.num_hosts!r} spans {rollout.hosts()} hosts, but a rollout worker is one "
+                "process on one host: use a single-host slice and n_rollout_workers for more")
+        if self.ray.trainer.hosts() > 1:
+            self._check_multihost()
+        if not self.ray.placement_timeout_s >= 0:
+            bad("ray.placement_timeout_s", f"must be >= 0, got {self.ray.placement_timeout_s}")
+        if self.ray.max_rollout_restarts < 0:
+            bad("ray.max_rollout_restarts", f"must be >= 0, got {self.ray.max_rollout_restarts}")
+        if not self.ray.stop_timeout_s > 0:
+            bad("ray.stop_timeout_s", f"must be > 0, got {self.ray.stop_timeout_s}")
+        if self.groups_per_step % self.n_rollout_workers:
+            bad("groups_per_step", f"{self.groups_per_step} prompts per step do not divide among "
+                                   f"n_rollout_workers={self.n_rollout_workers}")
+        if self.curriculum is None:
+            bad("curriculum", "the job needs a curriculum with at least one lesson")
+        for lesson in self.curriculum.lessons:  # ids, dependencies and cycles are checked by CurriculumConfig
+            if not lesson.temperature > 0:
+                bad(f"curriculum.lessons[{lesson.lesson_id}].temperature",
+                    f"training needs a temperature > 0 (greedy has no logprobs to learn from), got {lesson.temperature}")
+            if lesson.max_tokens >= self.batching.max_length:
+                bad(f"curriculum.lessons[{lesson.lesson_id}].max_tokens",
+                    f"{lesson.max_tokens} new tokens do not fit a training row of batching.max_length="
+                    f"{self.batching.max_length} (prompt + response)")
+        if self.max_uses > 1 and self.max_staleness < 1:
+            bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
+        trainer = self.trainer_config()  # a derived field set twice, differently
+        devices = self.ray.trainer.devices()
+        if devices is None and self.ray.trainer.hosts() > 1 and self.trainer_group.cpu_devices:
+            devices = self.trainer_group.cpu_devices
+        devices = devices * self.ray.trainer.hosts() if devices is not None else None
+        check_trainer_ranges(trainer, trainer.train_batch_size, self._batch_source(), devices,
+                             f"ray.trainer.num_gpus={self.ray.trainer.num_gpus}" if self.ray.trainer.num_gpus
+                             else f"ray.trainer.tpu={self.ray.trainer.tpu}")
+
+    def _check_multihost(self) -> None:
+        """What a trainer of several processes cannot do yet, named before anything starts."""
+        hosts = self.ray.trainer.hosts()
+        self.trainer_group.errors("trainer_group")
+        if self.loss.uses_reference:
+            raise ConfigError("loss.kl_beta", f"a KL term needs the reference model, which a trainer over {hosts} "
+                                              "hosts cannot build yet (docs/multihost.md): use kl_beta 0")
+        from marinrl.transfer.ray import RayTransferConfig
+
+        if isinstance(self.weights, RayTransferConfig):
+            raise ConfigError("weights", f"the Ray object-store transfer needs a model one process holds whole; a "
+                                         f"trainer over {hosts} hosts publishes per-process shards: use "
+                                         "{type: filesystem} (the default)")
+
+    # ------------------------------------------------------------------ derived configs
+
+    def sampling(self):
+        if self.max_uses > 1:
+            return ReplaySamplingConfig(staleness=self.max_staleness, uses=self.max_uses)
+        if self.max_staleness == 0:
+            return OnPolicyConfig()
+        return OffPolicyConfig(staleness=self.max_staleness)
+
+    def weights_config(self) -> WeightTransferConfig:
+        if self.weights is not None:
+            return self.weights
+        from marinrl.transfer.checkpoint import FilesystemTransferConfig
+
+        return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
+
+    def _batch_source(self) -> str:
+        return (f"groups_per_step × n_generations = {self.groups_per_step} × {self.n_generations} = "
+                f"{self.groups_per_step * self.n_generations} rows")
+
+    def trainer_config(self):
+        """`trainer` with what the job derives filled in (marinrl/train/trainer_config.py)."""
+        return derive_trainer_config(self.trainer, DerivedTrainerFields(
+            num_train_steps=self.num_train_steps, train_batch_size=self.groups_per_step * self.n_generations,
+            batch_source=self._batch_source(), run_id=self.run_id, seed=self.seed, run_dir=self.run_dir,
+            require_accelerator=self.ray.trainer.has_accelerator))
+
+    def train_worker_config(self) -> TrainWorkerConfig:
+        run_dir = self.run_dir
+        return TrainWorkerConfig(
+            rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model,
+            trainer=self.trainer_config(), optimizer=self.optimizer, loss=self.loss,
+            replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
+            batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
+            checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
+            checkpoint_keep_every=self.checkpoint_keep_every)
+
+    def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
+        return RolloutWorkerConfig(
+            rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
+            groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
+            max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
+            eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
+            micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
+            max_consecutive_env_failures=self.max_consecutive_env_failures)
