@@ -1,0 +1,91 @@
+"""Every recipe in experiments/: its config parses and validates, and its dry run lowers the train and
+generation steps at the recipe's shapes (in a subprocess with the trainer's number of fake devices)
+and prints sane numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p"]
+
+
+def _recipe(name: str) -> dict:
+    return runpy.run_path(str(ROOT / "experiments" / f"{name}.py"), run_name="recipe")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_config_parses_and_validates(name):
+    from marinrl.recipe import parse_recipe, validate_for_dry_run
+
+    config = parse_recipe(_recipe(name)["RECIPE"], [])
+    import jax.numpy as jnp
+
+    assert jnp.dtype(config.trainer.mp.compute_dtype) == jnp.bfloat16
+    assert jnp.dtype(config.trainer.mp.param_dtype) == jnp.float32
+    assert config.inference.backend == "engine"
+    assert config.model.model.gradient_checkpointing is True
+    assert any(type(t).__name__ == "WandbConfig" for t in config.trainer.tracker)
+    validate_for_dry_run(config)  # every range; a multi-host slice is allowed through, said so
+
+
+def test_recipe_flags_keep_the_recipes_other_values():
+    """A flag over the recipe's YAML changes that field only (draccus would rebuild a nested config from
+    class defaults if the recipe's defaults were Python objects)."""
+    from marinrl.recipe import parse_recipe
+
+    yaml = _recipe("grpo_math_qwen3_0p6b")["RECIPE"]
+    config = parse_recipe(yaml, ["--model.hf_checkpoint", "/ckpt", "--ray.trainer.tpu", "null",
+                                 "--ray.trainer.num_gpus", "1", "--trainer.per_device_parallelism", "16"])
+    assert config.model.hf_checkpoint == "/ckpt"
+    assert config.model.model.hidden_dim == 1024 and config.model.vocab_size == 151936
+    assert config.ray.trainer.tpu is None and config.ray.trainer.num_gpus == 1
+    assert config.trainer.per_device_parallelism == 16 and config.curriculum.lessons[0].max_tokens == 768
+    config.validate()  # the GPU variant the recipe documents
+
+
+def _dry_run(name: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--dry_run"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[dry run] json ")]
+    assert len(lines) == 1, out.stdout
+    return json.loads(lines[0][len("[dry run] json "):]), out.stdout
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dry_run(name):
+    from marinrl.recipe import parse_recipe
+
+    config = parse_recipe(_recipe(name)["RECIPE"], [])
+    report, text = _dry_run(name)
+    train, gen = report["train"], report["generation"]
+    per_host = config.ray.trainer.devices()
+    assert train["devices"] == per_host * config.ray.trainer.hosts()
+    assert gen["devices"] == config.ray.rollout.devices()
+    assert "an extrapolation" in text  # fewer layers were lowered, and the output says so
+
+    for step in (train, gen):
+        # FSDP (train) or tensor parallelism (generation) splits every large matrix: per-device parameter
+        # bytes are the total over the devices that split them, up to the small unsplit leaves (norms)
+        shards = step["devices"] if step["name"] == "train" else step["mesh"]["model"]
+        assert step["param_bytes_total"] / shards <= step["param_bytes_per_device"] <= \
+            step["param_bytes_total"] / shards * 1.01
+        assert step["param_bytes_total"] == pytest.approx(4 * step["total_params"])  # float32 parameters
+    # AdamW: two moments per parameter, sharded like the parameters
+    assert train["state_bytes_per_device"] == pytest.approx(2 * train["param_bytes_per_device"], rel=1e-3)
+    # forward + backward: 6·params·tokens, minus the embedding lookup, plus attention and recomputation
+    assert 6 * train["total_params"] * train["tokens"] * 0.5 < train["flops"] < 6 * train["total_params"] * \
+        train["tokens"] * 2
+    # prefill and a decode step: 2·params·tokens within the same factors
+    assert 2 * gen["total_params"] * gen["tokens"] * 0.5 < gen["flops"] < 2 * gen["total_params"] * gen["tokens"] * 2
+    assert 0 < gen["state_bytes_per_device"] and 0 < train["activation_bytes_per_device"]
