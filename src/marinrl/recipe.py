@@ -76,21 +76,6 @@ def dry_run_shapes(values: dict, defaults):
         raise SystemExit(f"--dry_run: {e}") from None
 
 
-def validate_for_dry_run(config) -> None:
-    """`config.validate()`, except that a multi-host trainer slice the job does not place yet (the job side
-    of issue 10 §3) is said and lowered anyway: the dry run needs no Ray."""
-    from marinrl.preflight import ConfigError
-
-    try:
-        config.validate()
-    except ConfigError as e:
-        if not (e.field.endswith("ray.trainer.tpu") and config.ray.trainer.hosts() > 1):
-            raise
-        print(f"[dry run] note: {e}", flush=True)
-        trainer = dataclasses.replace(config.ray.trainer, tpu=None)
-        dataclasses.replace(config, ray=dataclasses.replace(config.ray, trainer=trainer)).validate()
-
-
 def _backend_started() -> bool:
     from jax._src import xla_bridge
 
@@ -123,7 +108,7 @@ def run_recipe(main: Callable, recipe_yaml: str, *, dry_run_defaults=None, argv:
 
     shapes = dry_run_shapes(shape_values, dry_run_defaults or DryRunShapes())
     try:
-        validate_for_dry_run(config)
+        config.validate()
     except ConfigError as e:
         raise SystemExit(f"--dry_run: {e}") from None
     from marinrl.dry_run import trainer_devices
