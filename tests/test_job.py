@@ -101,8 +101,9 @@ def test_replay_job_reuses_rollouts_and_reward_rises(tmp_path, ray_session):
     assert start <= 0.2 and end >= start + 0.15, (start, end)
     # How fast the sampled reward rises depends on timing (how much of each batch is a second use of
     # older rollouts), so the bar is statistical, not a learning speed: 3 batches of 32 x 16 samples
-    # give a mean whose standard error is at most sqrt(0.25 / 1536) = 0.013; a rise of 0.05 (about 4
-    # standard errors) cannot come from noise. Measured: 0.003 -> 0.08 at load 8, more when quiet.
+    # give means whose standard errors are at most sqrt(0.25 / 1536) = 0.013 each, 0.018 for their
+    # difference; a rise of 0.05 (about 3 of those) does not come from noise. Measured: 0.003 -> 0.08
+    # at load 8, more when quiet.
     early = np.mean([h["batch/reward_mean"] for h in history[:3]])
     late = np.mean([h["batch/reward_mean"] for h in history[-3:]])
     assert late > early + 0.05, (early, late)
