@@ -21,10 +21,12 @@ import time
 
 import numpy as np
 import optax
+import pytest
 from levanter.optim import OptimizerConfig
 
 from conftest import free_port
 from marinrl.multihost import PEER_LOST_EXIT_CODE
+from marinrl.train.losses import LossConfig
 from marinrl.train.replay import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, G, Producer, worker_config
@@ -33,6 +35,7 @@ EPS32 = float(np.finfo(np.float32).eps)
 LR = 0.5  # plain SGD: the weight change is −lr·gradient, so a gradient's rounding maps to the weights linearly
 N_TERMS = GROUPS * G * 16  # loss positions per step: rows × the 16-token bucket every batch here fits in
 MAX_ADV = float(np.sqrt(G))  # |group-normalized advantage| of G rewards in {0, 1} is below sqrt(G)
+KL_BETA = 0.04  # test_train_mesh's: β·k3 per token stays within the loss bound's "+1.0" while k3 < 25
 
 
 @OptimizerConfig.register_subclass("test_sgd")
@@ -44,14 +47,15 @@ class SgdConfig(OptimizerConfig):
         return optax.sgd(self.learning_rate)
 
 
-def sgd_config(tmp: pathlib.Path, *, steps: int, run_id: str, checkpoint_every: int = 0):
-    cfg = worker_config(tmp, steps=steps, sampling=OnPolicyConfig(), run_id=run_id, checkpoint_every=checkpoint_every)
+def sgd_config(tmp: pathlib.Path, *, steps: int, run_id: str, checkpoint_every: int = 0, kl_beta: float = 0.0):
+    cfg = worker_config(tmp, steps=steps, sampling=OnPolicyConfig(), run_id=run_id, checkpoint_every=checkpoint_every,
+                        loss=LossConfig.preset("grpo", kl_beta=kl_beta))
     cfg.optimizer = SgdConfig(learning_rate=LR)
     return cfg
 
 
 def child_main(process_id: int, port: int, tmp: str, log_path: str, steps: int, run_id: str,
-               checkpoint_every: int) -> None:
+               checkpoint_every: int, kl_beta: float = 0.0) -> None:
     """One of the 2 trainer processes: joins the group, trains, appends per-step lines (process 0, as they
     happen) and its whole history (every process, at the end) to `log_path`."""
     from marinrl import multihost
@@ -66,15 +70,16 @@ def child_main(process_id: int, port: int, tmp: str, log_path: str, steps: int, 
         with open(log_path, "a") as f:
             f.write(json.dumps({"step": step, "groups": metrics["groups"]}) + "\n")
 
-    result = TrainWorker(sgd_config(pathlib.Path(tmp), steps=steps, run_id=run_id, checkpoint_every=checkpoint_every),
-                         on_step=on_step).run()
+    cfg = sgd_config(pathlib.Path(tmp), steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, kl_beta=kl_beta)
+    result = TrainWorker(cfg, on_step=on_step).run()
     with open(log_path, "a") as f:
         f.write(json.dumps({"first_step": result.first_step, "final_step": result.final_step,
                             "losses": [h["loss"] for h in result.history], "groups": result.trained_groups}) + "\n")
     multihost.finish()
 
 
-def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkpoint_every: int = 0):
+def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkpoint_every: int = 0,
+                kl_beta: float = 0.0):
     """The 2 processes, each with its own environment: CPU JAX, no 4-device flag of this test session."""
     port = free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
@@ -82,7 +87,7 @@ def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkp
     for pid in range(2):
         log = tmp / f"{name}-{pid}.jsonl"
         code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import test_multihost as t; "
-                f"t.child_main({pid}, {port}, {str(tmp)!r}, {str(log)!r}, {steps}, {run_id!r}, {checkpoint_every})")
+                f"t.child_main({pid}, {port}, {str(tmp)!r}, {str(log)!r}, {steps}, {run_id!r}, {checkpoint_every}, {kl_beta})")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE))
         logs.append(log)
@@ -115,10 +120,11 @@ def weight_bounds(received: list[list[np.ndarray]]) -> list[float]:
     return out
 
 
-def test_two_processes_train_like_one_with_four_devices(tmp_path):
+@pytest.mark.parametrize("kl_beta", [0.0, KL_BETA], ids=["no_kl", "kl_to_reference"])
+def test_two_processes_train_like_one_with_four_devices(tmp_path, kl_beta):
     steps = 3
     # One process, 4 devices.
-    one = sgd_config(tmp_path / "one", steps=steps, run_id="one")
+    one = sgd_config(tmp_path / "one", steps=steps, run_id="one", kl_beta=kl_beta)
     producer = Producer(one.weights, one.rollout_root)
     producer.start()
     single = TrainWorker(one).run()
@@ -129,10 +135,10 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
 
     # Two processes, 2 devices each.
     two_dir = tmp_path / "two"
-    two = sgd_config(two_dir, steps=steps, run_id="two")
+    two = sgd_config(two_dir, steps=steps, run_id="two", kl_beta=kl_beta)
     producer = Producer(two.weights, two.rollout_root)
     producer.start()
-    procs, logs = spawn_group(two_dir, "run", steps=steps, run_id="two")
+    procs, logs = spawn_group(two_dir, "run", steps=steps, run_id="two", kl_beta=kl_beta)
     wait_all(procs)
     producer.halt.set()
     producer.join(timeout=60)
@@ -146,6 +152,8 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path):
         {gid for gid, w in producer.written.items() if w == s} for s in range(steps)]  # on-policy, each once
 
     loss_atol = 4 * EPS32 * N_TERMS * (1.2 * MAX_ADV + 1.0)  # test_train_mesh's rule on this loss's scale
+    # With KL the reference logprobs must match too: β·KL adds 0.008 and 0.04 to steps 2 and 3 (measured), 40×
+    # and 200× this bound, so a reference built or sharded wrongly on either process cannot pass.
     np.testing.assert_allclose(ends[0]["losses"], [h["loss"] for h in single.history], rtol=0, atol=loss_atol)
     assert ends[0]["losses"][1] != ends[0]["losses"][0]
 
@@ -206,8 +214,6 @@ def test_killing_one_process_ends_the_other_naming_the_checkpoint_and_resume_tra
 
 
 def test_process_group_config_names_the_bad_field():
-    import pytest
-
     from marinrl.multihost import ProcessGroupConfig
 
     with pytest.raises(ValueError, match="process_id must be in"):

@@ -14,7 +14,6 @@ import ray
 from marinrl.job import ConfigError, RLJob, RayJobConfig
 from marinrl.placement import PlacementConfig
 from marinrl.storage import RolloutReader
-from marinrl.train.losses import LossConfig
 from marinrl.train.trainer_group import TrainerGroupConfig
 
 from test_job import job_config
@@ -90,7 +89,6 @@ def test_killing_one_trainer_process_ends_the_job_naming_the_checkpoint_and_the_
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(loss=LossConfig(kl_beta=0.1)), "loss.kl_beta"),
     (dict(trainer_group=TrainerGroupConfig(strategy="SIDEWAYS")), "trainer_group.strategy"),
     (dict(groups_per_step=3, n_generations=2), "groups_per_step"),  # 6 rows over 2 hosts x 2 devices
 ])

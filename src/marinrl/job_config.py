@@ -175,9 +175,6 @@ class RLJobConfig:
         """What a trainer of several processes cannot do yet, named before anything starts."""
         hosts = self.ray.trainer.hosts()
         self.trainer_group.errors("trainer_group")
-        if self.loss.uses_reference:
-            raise ConfigError("loss.kl_beta", f"a KL term needs the reference model, which a trainer over {hosts} "
-                                              "hosts cannot build yet (docs/multihost.md): use kl_beta 0")
         from marinrl.transfer.ray import RayTransferConfig
 
         if isinstance(self.weights, RayTransferConfig):

@@ -176,6 +176,17 @@ class TrainResult:
     """`<folder>: <why>` for each newer checkpoint that did not load on resume."""
 
 
+def build_reference(config: ModelConfig, trainer: Trainer):
+    """The frozen reference model, built as Levanter builds the policy: under the trainer's global mesh,
+    sharded by its parameter axis mapping, so each process builds (or reads) only its own shards and the
+    reference logprobs run SPMD like the loss. A from-scratch init under one `named_jit` draws the same
+    values as the policy's (same seed), so the KL starts at 0 on one host or several."""
+    if config.levanter_checkpoint or config.hf_checkpoint:  # read straight onto the mesh, shard by shard
+        return build_model(config, axis_mapping=trainer.parameter_axis_mapping, mesh=trainer.device_mesh)
+    with hax.partitioning.set_mesh(trainer.device_mesh):
+        return hax.named_jit(lambda: build_model(config), out_axis_resources=trainer.parameter_axis_mapping)()
+
+
 class TrainWorker:
     """One trainer: `run()` until `trainer.num_train_steps` or `stop()`; resumable from its checkpoints."""
 
@@ -208,8 +219,6 @@ class TrainWorker:
         print(f"[marinrl] {header}", flush=True)
 
         cohort = multihost.current_cohort()  # several processes: only process 0 reads, clocks, writes the sidecar
-        if cohort.multiprocess and cfg.loss.uses_reference:
-            raise ValueError("TrainWorkerConfig.loss.kl_beta > 0 is not supported by a multi-process trainer yet")
         if not cohort.is_leader:
             self._curriculum = None
         with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
@@ -220,7 +229,7 @@ class TrainWorker:
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
 
-            reference = build_model(cfg.model) if cfg.loss.uses_reference else None
+            reference = build_reference(cfg.model, trainer) if cfg.loss.uses_reference else None
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
             server.publish(state.model, first_step)  # the weights rollouts for `first_step` need
