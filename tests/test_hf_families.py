@@ -29,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from marinrl.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from marinrl.inference import sampler as scan_sampler  # noqa: E402
+from marinrl.inference import sharding  # noqa: E402
 from marinrl.inference.server import InferenceServer, InferenceServerConfig  # noqa: E402
 from marinrl.models import ModelConfig, build_model, build_tokenizer  # noqa: E402
 from marinrl.tokenizers import byte_tokenizer  # noqa: E402
@@ -52,14 +53,17 @@ FAMILIES = {
     "gemma": lambda: transformers.GemmaConfig(**_COMMON, head_dim=16),
     "mistral": lambda: transformers.MistralConfig(**_COMMON, sliding_window=None),
 }
-SCAN_SAMPLER = {"llama3", "qwen3"}
-"""Families whose Levanter model is a LlamaLMHeadModel: the scan sampler runs them."""
 IDS = (np.arange(24) * 37 + 5) % VOCAB
 
 
 def _write_checkpoint(cfg, path: str) -> None:
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # transformers initializes biases to 0 and norm weights to 1 (Gemma: 0): a lost
+        for p in model.parameters():  # bias or a misread norm would go unseen
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
     byte_tokenizer(VOCAB).save_pretrained(path)
 
 
@@ -105,13 +109,10 @@ def test_loaded_checkpoint_matches_pytorch(family):
 
 
 def test_generation(family):
-    """The scan sampler's logprobs of its own samples equal PyTorch's for the same sequences; a family it
-    cannot run is refused when the server is built, naming the engine backend."""
+    """The scan sampler's logprobs of its own samples equal PyTorch's for the same sequences, in every
+    family (through the server, as rollouts sample)."""
     name, path, _, model = family
-    if name not in SCAN_SAMPLER:
-        with pytest.raises(NotImplementedError, match="backend='engine'"):
-            InferenceServer(InferenceServerConfig(serve_http=False), model, byte_tokenizer(VOCAB))
-        return
+    InferenceServer(InferenceServerConfig(serve_http=False), model, byte_tokenizer(VOCAB))  # accepted
     prompts = [list(IDS[:5]), list(IDS[3:12])]
     out = scan_sampler.sample(model, prompts, n=2, temperature=1.0, max_tokens=8, stop_sequences=[], seed=0)
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
@@ -122,6 +123,44 @@ def test_generation(family):
             logp = torch.log_softmax(torch_model(torch.tensor(seq)[None]).logits[0], -1).numpy()
         expected = logp[np.arange(len(prompt) - 1, len(seq) - 1), seq[len(prompt):]]
         _assert_close(out.logprobs[row, :n_new], expected)
+    # tensor parallel (2 KV heads over "model", rows over "data"): what one device samples, up to the
+    # reassociated sums of intermediate = 128 terms (tests/test_sharded_rollout.py derives this bound)
+    where = sharding.rollout_mesh(model, 2)
+    split = scan_sampler.sample(sharding.place(model, where), prompts, n=2, temperature=1.0, max_tokens=8,
+                                stop_sequences=[], seed=0, mesh=where.mesh)
+    np.testing.assert_array_equal(split.tokens, out.tokens)
+    bound = 4 * EPS32 * 128 * max(1.0, float(np.abs(out.logprobs).max()))
+    assert float(np.abs(split.logprobs - out.logprobs).max()) <= bound
+
+
+def test_a_family_the_sampler_cannot_run_is_one_clear_error():
+    """Gemma 2 (attention and final soft-capping, post-norms, alternating windows) is not Gemma's
+    decoder: refused when the server is built, naming the models the sampler runs."""
+    from levanter.models.gemma import Gemma2Config, Gemma2LMHeadModel
+
+    cfg = Gemma2Config(hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2, seq_len=64)
+    model = Gemma2LMHeadModel.init(hax.Axis("vocab", VOCAB), cfg, key=jax.random.PRNGKey(0))
+    refusal = r"scan sampler runs .*GemmaLMHeadModel \(gemma\).*; got Gemma2LMHeadModel"
+    with pytest.raises(NotImplementedError, match=refusal):
+        InferenceServer(InferenceServerConfig(serve_http=False), model, byte_tokenizer(VOCAB))
+
+
+def test_a_sliding_window_is_refused_past_its_length(tmp_path):
+    """Mistral with a window: exact up to it (Levanter ignores the window, transformers applies it), so
+    a call that could run past it is one clear error before any compile; within it, logprobs match."""
+    path = str(tmp_path / "hf")
+    _write_checkpoint(transformers.MistralConfig(**_COMMON, sliding_window=16), path)
+    model = load_hf_checkpoint(path)
+    too_long = r"prompt \(9 tokens\) \+ max_tokens \(8\) exceeds the model's sliding_window \(16\)"
+    with pytest.raises(ValueError, match=too_long):
+        scan_sampler.sample(model, [list(IDS[:5]), list(IDS[3:12])], n=1, temperature=1.0, max_tokens=8,
+                            stop_sequences=[], seed=0)
+    out = scan_sampler.sample(model, [list(IDS[3:12])], n=1, temperature=1.0, max_tokens=7, stop_sequences=[], seed=0)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    seq = np.array(list(IDS[3:12]) + list(out.tokens[0, :7]))
+    with torch.no_grad():
+        logp = torch.log_softmax(torch_model(torch.tensor(seq)[None]).logits[0], -1).numpy()
+    _assert_close(out.logprobs[0, :7], logp[np.arange(8, 15), seq[9:]])
 
 
 def _next_token_loss(model, ids):

@@ -2,11 +2,12 @@
 prompts once, copies their KV cache to the `n` samples of each prompt, and decodes all rows in a
 `lax.while_loop` over a dense KV cache until every row has stopped.
 
-It runs a Levanter Llama-family model's own modules (embedding, norms, `Attention._compute_qkv` for
-the projections and rotary embeddings, `o_proj`, MLP, LM head); only the cached attention is written
-here. Logprobs are those of the sampled token under the temperature-scaled distribution,
-log softmax(logits / T), in float32: the same numbers a full forward pass gives (tests check this).
-At temperature 0 the token is the argmax and its logprob is taken at T = 1, as Levanter's sampler does.
+It runs a Levanter model's own modules (embedding, norms, rotary embeddings, QK norms, MLP activation,
+LM head) around packed projections; only the cached attention is written here. Which models it runs,
+and how each family differs from Llama's decoder, is `sampler_families.py`. Logprobs are those of the
+sampled token under the temperature-scaled distribution, log softmax(logits / T), in float32: the same
+numbers a full forward pass gives (tests check this). At temperature 0 the token is the argmax and
+its logprob is taken at T = 1, as Levanter's sampler does.
 
 Why not Levanter's `InferenceEngine` for rollouts: at the reference shape of BENCHMARK.md (64
 sequences of 16 + 32 tokens on 2 CPU cores) the engine's paged scheduler spends most of its time in
@@ -28,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from levanter.models.llama import LlamaLMHeadModel
-
+from marinrl.inference.sampler_families import check_window, sampler_family
 from marinrl.inference.sharding import DATA, MODEL
 
 STOP_PAD = -1
@@ -53,13 +53,8 @@ class SampleOutput:
 
 
 def check_supported(model) -> None:
-    """Raise a clear error if `model` is not one this sampler runs exactly."""
-    if not isinstance(model, LlamaLMHeadModel):
-        raise NotImplementedError(
-            f"the scan sampler runs Llama-family models, got {type(model).__name__}; use backend='engine'"
-        )
-    if getattr(model.config, "sliding_window", None) is not None:
-        raise NotImplementedError("the scan sampler has no sliding-window attention; use backend='engine'")
+    """Raise a clear error if `model` is not one this sampler runs exactly (`sampler_families`)."""
+    sampler_family(model)
 
 
 def bucket(x: int, minimum: int = 1) -> int:
@@ -104,6 +99,7 @@ def sample(
     `mesh` (axes data, model; `sharding.rollout_mesh`): the model's weights are sharded over "model"
     (`sharding.place`), and so are the KV cache's heads; rows go over "data" when they divide evenly.
     The samples are those of one device: same tokens, logprobs within float32 rounding."""
+    check_supported(model)
     n_prompts = len(prompts)
     if prompt_keys is None:
         prompt_keys = [(seed, i) for i in range(n_prompts)]
@@ -119,11 +115,13 @@ def sample(
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
     if lens.min() < 1:
         raise ValueError("every prompt needs at least one token")
+    check_window(model, int(lens.max()), max_tokens)
     p_len = bucket(int(lens.max()), 16)
     t_len = bucket(max_tokens, 16)
     cfg = model.config
     itemsize = jnp.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize
-    per_prompt = n * 2 * cfg.num_layers * cfg.num_kv_heads * (p_len + t_len) * cfg.actual_head_size * itemsize
+    attn = cfg.attention_config()  # every family's head sizes, as its attention module has them
+    per_prompt = n * 2 * cfg.num_layers * attn.num_kv_heads * (p_len + t_len) * attn.head_size * itemsize
     chunk = min(bucket(max(n_prompts, min_prompts)), _floor_bucket(max(1, max_cache_bytes // per_prompt)))
 
     s_max = max((len(s) for s in stop_sequences), default=1)
@@ -289,7 +287,7 @@ def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
     scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(head)
     out = _attend(q, k_cache, v_cache, key_ok, scale, cfg.logits_soft_cap).astype(x.dtype)
     attn_out = _named(_linear(out, packed.o, packed.o_bias), "batch", "position", "embed")
-    if layer.post_attn_layernorm is not None:
+    if getattr(layer, "post_attn_layernorm", None) is not None:  # Llama's hybrid_norm only
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
     residual = x
@@ -299,7 +297,7 @@ def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
         gate_up = gate_up + packed.gate_up_bias
     gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
     mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
-    if layer.post_mlp_layernorm is not None:
+    if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return residual + mlp_out, k_cache, v_cache
 
@@ -307,6 +305,8 @@ def _layer(layer, packed: _Packed, x, pos, k_cache, v_cache, write_at, key_ok):
 def _forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok):
     """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]."""
     x = model.embeddings.embed(_named(ids, "batch", "position"))
+    if sampler_family(model).embed_scale:  # Gemma: as its `activations` does, the factor in the embeddings' dtype
+        x = x * jnp.sqrt(model.config.hidden_dim).astype(x.dtype)
     pos = _named(pos, "batch", "position")
     new_caches = []
     for layer, p, (kc, vc) in zip(layers, packed, caches):
@@ -366,12 +366,11 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     s_len = p_len + max_new
     stop_len = stops.shape[1]
     cfg = model.config
-    kv_heads, head = cfg.num_kv_heads, cfg.actual_head_size
+    kv_heads, head = cfg.attention_config().num_kv_heads, cfg.attention_config().head_size
     dtype = model.embeddings.token_embeddings.weight.dtype
     layers = model.transformer.layers.unstacked()
     packed = [_pack(layer, mesh) for layer in layers]
-    head_w = model.lm_head.weight if model.lm_head is not None else model.embeddings.token_embeddings.weight
-    lm_head = head_w.rearrange(("embed", "vocab")).array
+    lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array  # tied or not, as the model says
 
     # ---- prefill the prompts once (left-padded: prompt i occupies slots [p_len - lens[i], p_len))
     pad = p_len - lens
