@@ -60,8 +60,10 @@ def child_main(process_id: int, port: int, tmp: str, log_path: str, steps: int, 
     happen) and its whole history (every process, at the end) to `log_path`."""
     from marinrl import multihost
 
+    # A long heartbeat: the peer watch notices a dead process (tested below); a short one only kills
+    # healthy processes that a loaded machine starves of CPU.
     multihost.initialize(multihost.ProcessGroupConfig(num_processes=2, process_id=process_id, cpu_devices=2,
-                                                      coordinator_address=f"127.0.0.1:{port}", heartbeat_timeout_s=10))
+                                                      coordinator_address=f"127.0.0.1:{port}", heartbeat_timeout_s=300))
     import jax
 
     assert (jax.device_count(), jax.local_device_count()) == (4, 2)

@@ -21,8 +21,11 @@ from test_job_faults import _committed_checkpoint_step, _poll, _Saboteur
 
 
 def two_host_config(tmp_path, **overrides):
+    """2 hosts x 2 CPU devices. JAX's heartbeat is long (300 s): a dead process is noticed by the peer
+    watch in well under a second, and a short heartbeat only kills healthy processes that a loaded
+    machine starves of CPU (a 30 s one did, with three suites sharing 2 cores)."""
     return job_config(tmp_path, ray=RayJobConfig(trainer=PlacementConfig(num_hosts=2)),
-                      trainer_group=TrainerGroupConfig(cpu_devices=2, heartbeat_timeout_s=30), **overrides)
+                      trainer_group=TrainerGroupConfig(cpu_devices=2, heartbeat_timeout_s=300), **overrides)
 
 
 def _written_groups(run_dir: str, below_step: int) -> set[str]:
