@@ -114,7 +114,7 @@ def jax_loss(config, lp, mu=MU, adv=None, mask=MASK, old=None, ref=None):
 
 
 # --------------------------------------------------------------------------------------------------
-# The NumPy reference: loops over rows and tokens, the formulas of DESIGN.md §3 written out.
+# The NumPy reference: loops over rows and tokens, the formulas of docs/training.md written out.
 
 
 def np_loss(cfg: LossConfig, lp, mu, adv, mask, old=None, ref=None):

@@ -1,4 +1,4 @@
-"""The curriculum: which lesson to train on next (DESIGN.md §3).
+"""The curriculum: which lesson to train on next (docs/architecture.md, "The contracts").
 
 A lesson is an environment plus sampling settings. Lessons form a dependency graph: a lesson is
 *locked* until every prerequisite's performance reaches that dependency's threshold, then *active*

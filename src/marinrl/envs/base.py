@@ -2,7 +2,7 @@
 `safe_sample`, which runs an environment so that nothing it does can take its caller down.
 
 An environment turns an inference context plus sampling settings into rollout groups and metrics
-(DESIGN.md §3):
+(docs/architecture.md, "The contracts"):
 
     groups, metrics = env.sample(ctx, n_examples, n_generations, sampling, rng, mode)
 

@@ -1,4 +1,4 @@
-"""RolloutManager: the computing half of the rollout side (DESIGN.md §1).
+"""RolloutManager: the computing half of the rollout side (docs/architecture.md).
 
 It owns the inference server, one environment per lesson (built once, cached) and the curriculum's
 handle. It is stateless with respect to the run: `weight_step` and `worker_id` are arguments, never

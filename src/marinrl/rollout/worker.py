@@ -1,4 +1,4 @@
-"""RolloutWorker: the coordinating half of the rollout side (DESIGN.md §1).
+"""RolloutWorker: the coordinating half of the rollout side (docs/architecture.md).
 
 It receives weights, asks the stateless RolloutManager for batches, writes them as rollout files,
 feeds training stats to the curriculum, runs evaluations on their cadence and logs metrics. It owns

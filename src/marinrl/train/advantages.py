@@ -2,7 +2,7 @@
 the replay buffer (first `overlong_shaping`, then `group_advantages` on the shaped rewards), and the
 per-token credit of multi-turn episodes (`token_advantages`), applied when a batch is packed.
 
-Notation (DESIGN.md §3): a group of G responses to one prompt with rewards R_1..R_G; r_{i,t} the
+Notation (docs/architecture.md, "The contracts"): a group of G responses to one prompt with rewards R_1..R_G; r_{i,t} the
 reward a multi-turn environment placed on token t of response i (the last token of the turn that
 earned it; `Rollout.token_rewards`).
 """

@@ -1,6 +1,6 @@
 """GRPO-family policy losses: pure functions over named arrays (axes `batch` and `position`).
 
-Notation (DESIGN.md §3). Row i of a `TrainingBatch` is one response o_i; index t is one target token
+Notation (docs/architecture.md, "The contracts"). Row i of a `TrainingBatch` is one response o_i; index t is one target token
 (`target_ids[t]`, see batching.py for the alignment). m_{i,t} ∈ {0, 1} is the loss mask, |o_i| = Σ_t m_{i,t}
 the trainable tokens of row i, N = Σ_{i,t} m_{i,t} those of the batch, B the number of rows.
 π_θ is the policy being trained (its logprobs carry the gradient), μ the sampler that produced the

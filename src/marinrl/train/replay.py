@@ -8,7 +8,7 @@ capacity. `sample(step, n_groups)` hands the trainer whole groups for one optimi
 environments by configured weights; it waits for a complete batch and, if none comes in time, raises
 an error that says what the buffer holds and why groups were dropped.
 
-Weight steps follow DESIGN.md §3: the trainer about to apply update `step + 1` holds weights `step`;
+Weight steps follow docs/architecture.md ("The contracts"): the trainer about to apply update `step + 1` holds weights `step`;
 a group made with weights `w` has staleness `step - w` and is usable while `0 <= step - w <=
 max_staleness`. A group from the future (`w > step`) is never trained on.
 
@@ -713,7 +713,7 @@ class ReplayBuffer:
             for g in list(env.values()):
                 reason = self._unusable_reason(g, step, now)
                 if reason is None and g.weight_step > step:
-                    reason = "future"  # weights newer than the trainer's: never trained on (DESIGN.md §3)
+                    reason = "future"  # weights newer than the trainer's: never trained on (docs/architecture.md, "The contracts")
                 if reason is not None:
                     self._retire(g, reason)
 
