@@ -49,6 +49,9 @@ def test_a_two_host_trainer_job_trains_every_group_once_and_clocks_the_curriculu
     assert len(trained) == len(set(trained)) == 3 * cfg.groups_per_step
     assert set(trained) == _written_groups(cfg.run_dir, below_step=3)  # on-policy: every group written, once
     assert (tmp_path / "two-hosts" / "logs" / "trainer-1.log").exists()
+    # one writer: process 0's TensorBoard events file alone (two raced to create the folder before)
+    events = (tmp_path / "two-hosts" / "tensorboard" / "trainer" / "two-hosts").glob("events.out.tfevents.*")
+    assert len(list(events)) == 1
     assert _placement_groups_alive() == 0  # the job gave its hosts back
 
 

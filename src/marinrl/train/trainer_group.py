@@ -104,11 +104,16 @@ class TrainerHostActor:
     def run(self, config, group: multihost.ProcessGroupConfig, curriculum_name: Optional[str],
             namespace: Optional[str]) -> dict:
         multihost.initialize(group)
+        from levanter.tracker import NoopConfig
+
         from marinrl.train.worker import TrainWorker
 
         curriculum = None
         if group.process_id == 0 and curriculum_name is not None:  # one clock: process 0's optimizer steps
             curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
+        if group.process_id != 0:  # one writer per run: process 0 logs for the group (Levanter's trackers
+            # would otherwise race to create the same TensorBoard folder and duplicate every line)
+            config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, tracker=NoopConfig()))
         self.worker = TrainWorker(config, curriculum=curriculum)
         result = self.worker.run()
         import jax
