@@ -135,6 +135,16 @@ def test_a_preflight_failure_of_a_default_names_the_file_and_field(tmp_path, cap
         (["--loss.kl_beta=-1"], "--loss.kl_beta -1: RLJobConfig.loss: LossConfig.kl_beta: must be finite and >= 0, got -1.0"),
         (["--optimizer.learning_rate", "-3"],
          "--optimizer.learning_rate -3: RLJobConfig.optimizer.learning_rate: must be finite and > 0, got -3.0"),
+        # a scalar where a mapping or a list of them goes: what the field takes, not draccus' AttributeError
+        (["--curriculum.lessons", "x"],
+         "--curriculum.lessons x: RLJobConfig.curriculum.lessons: expected a list of LessonConfig mappings "
+         "(field: value), got x"),
+        (["--curriculum", "x"], "--curriculum x: RLJobConfig.curriculum: expected a CurriculumConfig mapping "
+                                "(field: value), got 'x'"),
+        (["--model", "3"], "--model 3: RLJobConfig.model: expected a ModelConfig mapping (field: value), got 3"),
+        (["--optimizer", "x"], "--optimizer x: RLJobConfig.optimizer: expected a mapping with its `type:` and fields"),
+        (["--trainer.tracker", "x"], "--trainer.tracker x: RLJobConfig.trainer.tracker: expected a mapping with its "
+                                     "`type:` and fields (or a list of them), got 'x'"),
     ],
 )
 def test_a_bad_override_names_the_flag(tmp_path, capsys, overrides, message):

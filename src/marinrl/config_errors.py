@@ -104,6 +104,11 @@ def _describe_draccus_error(error: Exception, cls: type, path: str, root, overri
         key_path += _failing_subtree(_type_at(cls, key_path, raw), _raw_at(raw, key_path))
         return f"{locate(path, root, overrides, _dotted(key_path))}: {_field_name(cls, key_path)}: {problem}"
     inner = [e for e in decoding if not e.message.startswith("Could not decode the value")] or decoding
+    choice = _CHOICE_NOT_MAPPING.search(message)
+    if not inner and choice:  # a choice class (optimizer, tracker, ...) given a scalar: find whose value it is
+        flag = next((f for f, v in _override_pairs(overrides) if v == choice.group(1)), None)
+        where = f"--{flag} {choice.group(1)}: {cls.__name__}.{flag}" if flag else path
+        return f"{where}: expected a mapping with its `type:` and fields, got {choice.group(1)!r}"
     if not inner:
         return f"{path}: {_one_line(error)}"
     problem = inner[-1].message
@@ -115,10 +120,48 @@ def _describe_draccus_error(error: Exception, cls: type, path: str, root, overri
         return (f"{locate(path, root, overrides, field, key=True)}: {_field_name(cls, [*key_path, names[0]])}: "
                 f"{_unknown_fields_problem(names, target)}")
     underlying = _UNDERLYING.search(problem)
-    if underlying:
+    shape = _SHAPE_MISMATCH.search(problem)
+    union = _UNION_NOT_MAPPING.search(problem)
+    if underlying and shape and underlying.group(1).startswith(("AttributeError", "TypeError")):
+        # draccus decoded a value of the wrong shape (a string where a mapping or a list goes): its
+        # underlying error names a Python method, not what the field takes
+        problem = f"expected {_friendly_type(shape.group(2))}, got {_unquoted(shape.group(1))}"
+    elif union:
+        got = _raw_at(_merged_raw(path, overrides), key_path)
+        problem = f"expected {_friendly_type(union.group(1))}, got {got!r}"
+    elif _CHOICE_NOT_MAPPING.search(problem):
+        got = _raw_at(_merged_raw(path, overrides), key_path)
+        problem = f"expected a mapping with its `type:` and fields (or a list of them), got {got!r}"
+    elif underlying:
         problem = underlying.group(1)
     problem = problem.strip().splitlines()[0]
     return f"{locate(path, root, overrides, _dotted(key_path))}: {_field_name(cls, key_path)}: {problem}"
+
+
+_SHAPE_MISMATCH = re.compile(r'Failed when parsing value=(.*) into field ".*" of type (.*?)\.\s*\n', re.S)
+
+
+_UNION_NOT_MAPPING = re.compile(r"^Could not decode the value into any of the given types:\s*\n\s*(\w+): "
+                                r"'\w+' object has no attribute 'copy'\s*$")
+_CHOICE_NOT_MAPPING = re.compile(r"Expected a dict for a choice class, got (.*?)$", re.M)
+
+
+def _unquoted(value: str) -> str:
+    """draccus quotes the value's repr: `'['x']'` -> `['x']`."""
+    return value[1:-1] if len(value) >= 2 and value[0] == value[-1] == "'" else value
+
+
+def _friendly_type(name: str) -> str:
+    """`tuple[marinrl.curriculum.LessonConfig, ...]` -> `a list of LessonConfig mappings (field: value)`."""
+    name = re.sub(r"<class '([\w.]+)'>", r"\1", name)
+    name = re.sub(r"\b(?:[a-z_]\w*\.)+([A-Za-z_]\w*)", r"\1", name)  # drop module paths
+    listed = re.fullmatch(r"(?:tuple|list|Tuple|List|Sequence)\[(\w+)(?:, \.\.\.)?\]", name)
+    if listed:
+        item = listed.group(1)
+        return f"a list of {item} mappings (field: value)" if item.endswith("Config") else f"a list of {item}"
+    if re.fullmatch(r"\w+Config", name):
+        return f"a {name} mapping (field: value)"
+    return name
 
 
 def _unknown_fields_problem(names: list[str], target: Optional[type]) -> str:
