@@ -166,7 +166,7 @@ _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     from marinrl.curriculum import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
     from marinrl.job import RLJob
-    from marinrl.train.replay import ReplayConfig
+    from marinrl.train.replay_config import ReplayConfig
     from test_job import job_config
 
     broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,

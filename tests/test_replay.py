@@ -15,20 +15,11 @@ from marinrl.storage import RolloutReader, RolloutStorageError, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LOSS_PRESETS, LossConfig
-from marinrl.train.replay import (
-    BufferedGroup,
-    OffPolicyConfig,
-    OnPolicyConfig,
-    ReplayConfig,
-    ReplayIngestionError,
-    ReplaySamplingConfig,
-    ReplayTimeoutError,
-    RewardMeanFilter,
-    RewardStdQuantileFilter,
-    TrimOutliersFilter,
-    ZeroVarianceFilter,
-    overlong_reward_fn,
-)
+from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
+from marinrl.train.replay import ReplayIngestionError, ReplayTimeoutError
+from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay_groups import BufferedGroup
+from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 

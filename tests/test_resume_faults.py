@@ -16,7 +16,7 @@ import pytest
 from factories import make_batch
 from marinrl import storage
 from marinrl.storage import RolloutReader, RolloutWriter
-from marinrl.train.replay import OnPolicyConfig
+from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
 

@@ -35,7 +35,7 @@ from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
-from marinrl.train.replay import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
