@@ -13,8 +13,8 @@ a group made with weights `w` has staleness `step - w` and is usable while `0 <=
 max_staleness`. A group from the future (`w > step`) is never trained on.
 
 Around it, one module per concept: `replay_config` (the `replay:` config), `sampling` (strategies),
-`group_filters`, `replay_groups` (the group records and `ReplaySample`) and `replay_state`
-(checkpoints: exactly once across restarts, docs/replay.md).
+`group_filters`, `replay_groups` (the group records and `ReplaySample`), `staleness` (the window of
+usable weight steps) and `replay_state` (checkpoints: exactly once across restarts, docs/replay.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from marinrl.train.group_filters import ScoredGroup
 from marinrl.train.replay_config import ReplayConfig, RewardFn
 from marinrl.train.replay_groups import BufferedGroup, ReplaySample, SampledGroup
 from marinrl.train.replay_state import ReplayCheckpointing, file_key
+from marinrl.train.staleness import StalenessWindow
 from marinrl.types import RolloutBatch, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class ReplayBuffer(ReplayCheckpointing):
         self._advantage = advantage
         self.reader = reader
         self._strategy = config.sampling
+        self._window = StalenessWindow(config.sampling.max_staleness, config.max_age_s)
         self._reward_fn = reward_fn
         self._max_tokens = max_tokens
         self._clock = clock
@@ -225,10 +227,8 @@ class ReplayBuffer(ReplayCheckpointing):
         )
         self._seq += 1
         reason = self._unusable_reason(entry, self._step, now)
-        if reason is None and entry.weight_step > self._step and entry.created_at < self._timeline_start:
-            # Made by weights this run has not trained yet, before this run started: a previous run's
-            # future (after a restart from an older checkpoint). Newer weights of this run only appear
-            # after `sample()` has moved the step on, so such a group is held until then.
+        if reason is None and self._window.from_previous_run(entry.weight_step, entry.created_at, self._step,
+                                                             self._timeline_start):
             reason = "future"
         if reason is None and uses >= self._strategy.max_uses:
             reason = "used_up"  # restored under a config with fewer max_uses
@@ -245,11 +245,7 @@ class ReplayBuffer(ReplayCheckpointing):
 
     def _unusable_reason(self, g: BufferedGroup, step: int, now: float) -> str | None:
         """Why `g` can never be used at `step` or later (lock held); None if it still may be."""
-        if step - g.weight_step > self._strategy.max_staleness:
-            return "stale"
-        if self.config.max_age_s is not None and now - g.created_at > self.config.max_age_s:
-            return "too_old"
-        return None
+        return self._window.expired(g.weight_step, g.created_at, step, now)
 
     def _retire(self, g: BufferedGroup, reason: str, in_buffer: bool = True) -> None:
         """Takes `g` out (lock held). A group that was never trained on counts as dropped for `reason`;
@@ -278,7 +274,7 @@ class ReplayBuffer(ReplayCheckpointing):
         if self.reader is None:
             raise RuntimeError("this ReplayBuffer has no reader to poll; use ingest()")
         with self._ingest_lock:
-            min_step = max(0, self._step - self._strategy.max_staleness)
+            min_step = self._window.oldest_step(self._step)
             pairs = self.reader.read_new_with_paths(min_step=min_step, max_files=self.config.max_files_per_poll)
             self._last_read_at = self._clock()
             if pairs:
@@ -411,7 +407,7 @@ class ReplayBuffer(ReplayCheckpointing):
     def _usable(self, env: str, step: int) -> list[BufferedGroup]:
         s = self._strategy
         return [g for g in self._groups.get(env, {}).values()
-                if 0 <= step - g.weight_step <= s.max_staleness and g.uses < s.max_uses]
+                if self._window.contains(g.weight_step, step) and g.uses < s.max_uses]
 
     def _pick(self, step: int, n: int, quotas: dict[str, int] | None) -> list[BufferedGroup] | None:
         rng = np.random.default_rng([self.config.seed, step])
@@ -442,7 +438,7 @@ class ReplayBuffer(ReplayCheckpointing):
 
     def _describe_wait(self, step: int, n: int, quotas: dict[str, int] | None, timeout_s: float) -> str:
         s = self._strategy
-        lo = max(0, step - s.max_staleness)
+        lo = self._window.oldest_step(step)
         lines = [f"no batch of {n} groups for trainer step {step} within {timeout_s:g} s; sampling "
                  f"{s.describe()} accepts weight steps {lo}..{step}"]
         if quotas is not None:
