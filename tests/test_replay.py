@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from factories import HAND_ADVANTAGES
-from marinrl.storage import RolloutReader, RolloutStorageError, RolloutWriter
+from marinrl.fs import RolloutStorageError
+from marinrl.storage import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LOSS_PRESETS, LossConfig

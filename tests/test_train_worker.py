@@ -219,7 +219,7 @@ class FileReplayer(WeightFollower):
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
     """The rollout files whose groups were all trained, by weight step."""
-    from marinrl.storage import decode_batch
+    from marinrl.rollout_format import decode_batch
 
     out: dict[int, list[pathlib.Path]] = {}
     for path in sorted(rollout_root.glob("step=*/*.parquet")):

@@ -24,7 +24,8 @@ import numpy as np
 
 from marinrl.envs.base import COUNTERS
 from marinrl.logs import ENV_ERRORS
-from marinrl.storage import RolloutStorageError, RolloutWriter
+from marinrl.fs import RolloutStorageError
+from marinrl.storage import RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch

@@ -27,7 +27,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from marinrl.storage import RolloutStorageError
+from marinrl.fs import RolloutStorageError
 from marinrl.train.advantages import AdvantageKind, advantage_scale, group_advantages
 from marinrl.train.group_filters import ScoredGroup
 from marinrl.train.replay_config import ReplayConfig, RewardFn
