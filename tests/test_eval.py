@@ -17,7 +17,7 @@ from levanter.models.llama import LlamaConfig
 
 from factories import make_rollout
 from marinrl.cli import main as cli
-from marinrl.curriculum import LessonConfig
+from marinrl.curriculum_config import LessonConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
 from marinrl.models import MODEL_CONFIG_FILE, ModelConfig, build_model, save_hf_checkpoint, save_levanter_checkpoint

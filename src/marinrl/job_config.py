@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Optional
 
-from marinrl.curriculum import CurriculumConfig
+from marinrl.curriculum_config import CurriculumConfig
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig

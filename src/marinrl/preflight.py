@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import fsspec
 
 if TYPE_CHECKING:
-    from marinrl.curriculum import CurriculumConfig
+    from marinrl.curriculum_config import CurriculumConfig
     from marinrl.job import RLJobConfig
     from marinrl.models import ModelConfig
 
