@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from marinrl.config_checks import require_at_least
 from marinrl.train.advantages import AdvantageKind, overlong_shaping
 from marinrl.train.group_filters import GroupFilterConfig, ZeroVarianceFilter
 from marinrl.train.sampling import OffPolicyConfig, SamplingConfig
@@ -56,15 +57,10 @@ class ReplayConfig:
             bad = {e: w for e, w in self.env_weights.items() if not (np.isfinite(w) and w >= 0)}
             if bad or sum(self.env_weights.values()) <= 0:
                 raise ValueError(f"ReplayConfig.env_weights must be finite, >= 0 and not all 0, got {self.env_weights}")
-        if self.capacity_per_env < 1:
-            raise ValueError(f"ReplayConfig.capacity_per_env must be >= 1, got {self.capacity_per_env}")
+        require_at_least(self, 1, "capacity_per_env", "max_files_per_poll")
         if self.max_age_s is not None and self.max_age_s <= 0:
             raise ValueError(f"ReplayConfig.max_age_s must be > 0 or None, got {self.max_age_s}")
-        for name in ("timeout_s", "poll_interval_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"ReplayConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_files_per_poll < 1:
-            raise ValueError(f"ReplayConfig.max_files_per_poll must be >= 1, got {self.max_files_per_poll}")
+        require_at_least(self, 0, "timeout_s", "poll_interval_s")
 
     def for_loss(self, loss) -> ReplayConfig:
         """This config with a `zero_variance` filter first when the loss (`losses.LossConfig`) sets

@@ -12,6 +12,7 @@ from typing import Sequence
 import draccus
 import numpy as np
 
+from marinrl.config_checks import require_at_least
 from marinrl.train.replay_groups import BufferedGroup
 
 
@@ -78,8 +79,7 @@ class OffPolicyConfig(SamplingConfig):
     """Largest `step - weight_step` a group may have; 1 overlaps generation of batch N with training on N-1."""
 
     def __post_init__(self):
-        if self.staleness < 0:
-            raise ValueError(f"off_policy.staleness must be >= 0, got {self.staleness}")
+        require_at_least(self, 0, "staleness", prefix="off_policy")
 
     @property
     def max_staleness(self) -> int:
@@ -107,10 +107,8 @@ class ReplaySamplingConfig(SamplingConfig):
     """Weight of a group one version older relative to a fresher one; 1 draws uniformly."""
 
     def __post_init__(self):
-        if self.staleness < 0:
-            raise ValueError(f"replay.staleness must be >= 0, got {self.staleness}")
-        if self.uses < 1:
-            raise ValueError(f"replay.uses must be >= 1, got {self.uses}")
+        require_at_least(self, 0, "staleness", prefix="replay")
+        require_at_least(self, 1, "uses", prefix="replay")
         if not 0 < self.recency_decay <= 1:
             raise ValueError(f"replay.recency_decay must be in (0, 1], got {self.recency_decay}")
 
