@@ -18,7 +18,7 @@ from marinrl.storage import RolloutWriter
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
+from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
