@@ -15,11 +15,9 @@ import numpy as np
 
 from marinrl.curriculum import Curriculum
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.fs import ATOMIC_PUT_PROTOCOLS
 
 logger = logging.getLogger(__name__)
-
-
-_ATOMIC_PUT = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
 
 
 def save_state(state: dict[str, Any], path: str, storage_options: Optional[dict] = None) -> None:
@@ -31,7 +29,7 @@ def save_state(state: dict[str, Any], path: str, storage_options: Optional[dict]
     parent = plain.rsplit("/", 1)[0] if "/" in plain else ""
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    if protocols & _ATOMIC_PUT:
+    if protocols & ATOMIC_PUT_PROTOCOLS:
         fs.pipe_file(plain, data)
         return
     tmp = f"{plain}.tmp-{uuid.uuid4().hex}"

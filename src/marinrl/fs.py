@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 
 ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
 """Object stores whose single-object writes are atomic; everything else writes a temp name and renames
-(weight transfer follows the same rule)."""
+(weight transfer and the curriculum state follow the same rule)."""
 
 
 class RolloutStorageError(OSError):
