@@ -6,7 +6,10 @@ of one rollout file (docs/replay.md, "Filters").
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import math
+from typing import Optional, Sequence
 
 import draccus
 import numpy as np
@@ -53,42 +56,75 @@ class ZeroVarianceFilter(GroupFilterConfig):
         return [g for g in groups if np.ptp(g.rewards) > 0]
 
 
+def _check_filter_ratio(name: str, ratio: Optional[float]) -> None:
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ValueError(f"{name}.filter_ratio must be in (0, 1] or null, got {ratio}")
+
+
+def top_ratio(groups: list[ScoredGroup], stats: Sequence[float], ratio: Optional[float]) -> list[ScoredGroup]:
+    """The `ratio` of `groups` with the highest `stats`, ranked per policy (a policy's groups compete
+    only with each other): ceil(ratio × n) of each policy's n, so at least one. Ties go to the smaller
+    group id, so the choice depends on the file's groups and not on their order, which is kept."""
+    if ratio is None or not groups:
+        return groups
+    by_policy: dict[str, list[int]] = collections.defaultdict(list)
+    for i, g in enumerate(groups):
+        by_policy[g.group.rollouts[0].policy_name].append(i)
+    keep: set[int] = set()
+    for members in by_policy.values():
+        k = math.ceil(round(ratio * len(members), 9))  # round: 0.7 * 10 is 7.000000000000001
+        keep.update(sorted(members, key=lambda i: (-stats[i], groups[i].group.group_id))[:k])
+    return [g for i, g in enumerate(groups) if i in keep]
+
+
 @GroupFilterConfig.register_subclass("reward_mean")
 @dataclasses.dataclass(frozen=True)
 class RewardMeanFilter(GroupFilterConfig):
-    """Keeps groups whose mean reward lies in [low, high] (e.g. drop prompts that are always or never solved)."""
+    """Keeps groups whose mean reward lies in [low, high] (e.g. drop prompts that are always or never
+    solved), then, with `filter_ratio`, only the top share of those by mean reward."""
 
     low: float = float("-inf")
     high: float = float("inf")
+    filter_ratio: Optional[float] = None
+    """Of a rollout file's groups within [low, high], keep this share (0, 1] with the highest mean
+    reward, per policy (`top_ratio`); null keeps them all."""
 
     def __post_init__(self):
         if not self.low <= self.high:
             raise ValueError(f"reward_mean needs low <= high, got low={self.low}, high={self.high}")
+        _check_filter_ratio("reward_mean", self.filter_ratio)
 
     def apply(self, groups):
-        return [g for g in groups if self.low <= g.rewards.mean() <= self.high]
+        kept = [g for g in groups if self.low <= g.rewards.mean() <= self.high]
+        return top_ratio(kept, [g.rewards.mean() for g in kept], self.filter_ratio)
 
 
 @GroupFilterConfig.register_subclass("reward_std_quantile")
 @dataclasses.dataclass(frozen=True)
 class RewardStdQuantileFilter(GroupFilterConfig):
     """Keeps groups whose reward std lies between the `low` and `high` quantiles of the stds of the
-    groups in the same rollout file (e.g. `low: 0.5` keeps the more informative half). Quantiles are
-    taken per file so a file always filters the same way, whenever and however often it is read."""
+    groups in the same rollout file (e.g. `low: 0.5` keeps the more informative half), then, with
+    `filter_ratio`, only the top share of those by std. Quantiles and shares are taken per file so a
+    file always filters the same way, whenever and however often it is read."""
 
     low: float = 0.0
     high: float = 1.0
+    filter_ratio: Optional[float] = None
+    """Of a rollout file's groups within the quantile band, keep this share (0, 1] with the highest
+    reward std (the most informative), per policy (`top_ratio`); null keeps them all."""
 
     def __post_init__(self):
         if not 0 <= self.low <= self.high <= 1:
             raise ValueError(f"reward_std_quantile needs 0 <= low <= high <= 1, got low={self.low}, high={self.high}")
+        _check_filter_ratio("reward_std_quantile", self.filter_ratio)
 
     def apply(self, groups):
         if not groups:
             return groups
         stds = np.array([g.rewards.std() for g in groups])
         lo, hi = np.quantile(stds, [self.low, self.high])
-        return [g for g, s in zip(groups, stds) if lo <= s <= hi]
+        band = [(g, s) for g, s in zip(groups, stds) if lo <= s <= hi]
+        return top_ratio([g for g, _ in band], [s for _, s in band], self.filter_ratio)
 
 
 @GroupFilterConfig.register_subclass("trim_outliers")
