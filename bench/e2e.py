@@ -51,7 +51,7 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 
-from marinrl.curriculum import CurriculumConfig, LessonConfig  # noqa: E402
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.envs.base import EnvConfig  # noqa: E402
 from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402

@@ -25,14 +25,13 @@ engine backend, no KL term (a reference would add 32 GB of f32 weights, 1 GB per
 """
 
 from marinrl.dry_run import DryRunShapes
-from marinrl.recipe import run_recipe
+from marinrl.recipe import GRPO_AT_SCALE, recipe_yaml, run_job, run_recipe
 
-RECIPE = """
+RECIPE = recipe_yaml(GRPO_AT_SCALE, """
 run_id: grpo-math-llama3.1-8b
 run_root: gs://MY_BUCKET/runs
 model:
   hf_checkpoint: gs://MY_BUCKET/models/Llama-3.1-8B-Instruct
-  dtype: float32
   vocab_size: 128256
   model:                          # Llama-3.1-8B's config.json, for the dry run
     type: llama
@@ -46,7 +45,6 @@ model:
     tie_word_embeddings: false
     rope: {type: llama3, theta: 500000, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0,
            original_max_position_embeddings: 8192}
-    gradient_checkpointing: true
 curriculum:
   lessons:
     - lesson_id: math
@@ -60,37 +58,24 @@ curriculum:
 num_train_steps: 300
 groups_per_step: 64
 n_generations: 16
-max_staleness: 1
 n_rollout_workers: 4
 eval_every: 20
 eval_examples: 500
 checkpoint_every: 20
-optimizer: {learning_rate: 1.0e-6, lr_schedule: constant, warmup: 10, weight_decay: 0.0, max_grad_norm: 1.0}
-loss: {kl_beta: 0.0}
-batching: {max_length: 2048, min_bucket: 256}
+batching: {max_length: 2048}
 trainer:
-  mp: p=f32,c=bfloat16
-  model_axis_size: 1
   per_device_parallelism: 2
   tracker: [{type: json_logger}, {type: wandb, project: marinrl, tags: [grpo, math, llama3.1-8b, v5p-64]}]
 inference:
-  backend: engine
   model_axis_size: 4              # the 4 chips of a v5p-8 host
   engine: {max_seqs: 256, max_seq_len: 2048, max_prefill_tokens: 8192}
 ray:
-  address: auto
   trainer: {tpu: v5p-64, resources: {trainer: 1}}
   rollout: {tpu: v5p-8, resources: {rollout: 1}}
-"""
+""")
 
 DRY_RUN = DryRunShapes(prompt_tokens=256, layers=1)
 
 
-def main(config):
-    from marinrl.job import RLJob
-
-    return RLJob(config).run()
-
-
 if __name__ == "__main__":
-    run_recipe(main, RECIPE, dry_run_defaults=DRY_RUN)
+    run_recipe(run_job, RECIPE, dry_run_defaults=DRY_RUN)

@@ -33,16 +33,15 @@ rollouts tensor-parallel over each rollout host's 4 chips with the engine backen
 """
 
 from marinrl.dry_run import DryRunShapes
-from marinrl.recipe import run_recipe
+from marinrl.recipe import GRPO_AT_SCALE, recipe_yaml, run_job, run_recipe
 
-RECIPE = """
+RECIPE = recipe_yaml(GRPO_AT_SCALE, """
 run_id: grpo-math-qwen3-0.6b
 run_root: gs://MY_BUCKET/runs
 model:
   hf_checkpoint: gs://MY_BUCKET/models/Qwen3-0.6B
-  dtype: float32                  # the trainer's parameters (trainer.mp: p=f32); the rollout model is the same
   vocab_size: 151936              # the dry run's vocabulary (the checkpoint's own at run time)
-  model:                          # Qwen3-0.6B's config.json, for the dry run; only gradient_checkpointing is read at run time
+  model:                          # Qwen3-0.6B's config.json, for the dry run; only gradient_checkpointing (GRPO_AT_SCALE) is read at run time
     type: qwen3
     seq_len: 2048
     hidden_dim: 1024
@@ -54,7 +53,6 @@ model:
     tie_word_embeddings: true
     layer_norm_epsilon: 1.0e-6
     rope: {type: default, theta: 1000000}
-    gradient_checkpointing: true
 curriculum:
   lessons:
     - lesson_id: gsm8k
@@ -67,37 +65,24 @@ curriculum:
 num_train_steps: 500
 groups_per_step: 32
 n_generations: 16
-max_staleness: 1
 n_rollout_workers: 2
 eval_every: 25
 eval_examples: 256
 checkpoint_every: 50
-optimizer: {learning_rate: 1.0e-6, lr_schedule: constant, warmup: 10, weight_decay: 0.0, max_grad_norm: 1.0}
-loss: {kl_beta: 0.0}
-batching: {max_length: 1024, min_bucket: 256}
+batching: {max_length: 1024}
 trainer:
-  mp: p=f32,c=bfloat16
-  model_axis_size: 1
   per_device_parallelism: 4
   tracker: [{type: json_logger}, {type: wandb, project: marinrl, tags: [grpo, gsm8k, qwen3-0.6b]}]
 inference:
-  backend: engine
   model_axis_size: null           # all 4 chips of a rollout host
   engine: {max_seqs: 256, max_seq_len: 1024, max_prefill_tokens: 4096}
 ray:
-  address: auto
   trainer: {tpu: v5litepod-8, resources: {trainer: 1}}
   rollout: {tpu: v5litepod-4, resources: {rollout: 1}}
-"""
+""")
 
 DRY_RUN = DryRunShapes(prompt_tokens=256, layers=1)
 
 
-def main(config):
-    from marinrl.job import RLJob
-
-    return RLJob(config).run()
-
-
 if __name__ == "__main__":
-    run_recipe(main, RECIPE, dry_run_defaults=DRY_RUN)
+    run_recipe(run_job, RECIPE, dry_run_defaults=DRY_RUN)

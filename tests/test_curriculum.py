@@ -13,16 +13,9 @@ import uuid
 import numpy as np
 import pytest
 
-from marinrl.curriculum import (
-    Curriculum,
-    CurriculumClient,
-    CurriculumConfig,
-    LessonConfig,
-    LessonDependency,
-    curriculum_actor,
-    load_state,
-    save_state,
-)
+from marinrl.curriculum import Curriculum
+from marinrl.curriculum_actor import CurriculumClient, curriculum_actor, load_state, save_state
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.envs import EnvConfig
 
 ECHO = EnvConfig("echo", {"alphabet_size": 10})

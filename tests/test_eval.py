@@ -17,11 +17,13 @@ from levanter.models.llama import LlamaConfig
 
 from factories import make_rollout
 from marinrl.cli import main as cli
-from marinrl.curriculum import LessonConfig
+from marinrl.curriculum_config import LessonConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
-from marinrl.models import MODEL_CONFIG_FILE, ModelConfig, build_model, save_hf_checkpoint, save_levanter_checkpoint
-from marinrl.storage import decode_batch, iter_files
+from marinrl.hf_checkpoints import save_hf_checkpoint
+from marinrl.models import MODEL_CONFIG_FILE, ModelConfig, build_model, save_levanter_checkpoint
+from marinrl.rollout_format import decode_batch
+from marinrl.storage import iter_files
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutGroup
 

@@ -207,9 +207,9 @@ def test_loads_onto_a_mesh_in_bfloat16(family):
     model = load_hf_checkpoint(path, dtype=jnp.bfloat16, axis_mapping=mapping, mesh=mesh)
     expected = hax.partitioning.infer_resource_partitions(model, mapping, mesh=mesh)
     leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
-    for leaf, sharding in zip(leaves, jax.tree_util.tree_leaves(expected), strict=True):
+    for leaf, expected_sharding in zip(leaves, jax.tree_util.tree_leaves(expected), strict=True):
         assert leaf.dtype == jnp.bfloat16
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+        assert leaf.sharding.is_equivalent_to(expected_sharding, leaf.ndim), (leaf.shape, leaf.sharding, expected_sharding)
     total = sum(x.nbytes for x in leaves)
     on_device0 = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == mesh.devices.flat[0])
     assert on_device0 < total / 2

@@ -76,46 +76,57 @@ def _rename(mapping: dict, old: str, new: str) -> None:
     mapping[new] = mapping.pop(old)
 
 
+def _node(config: dict, node_type: str, part: str | None = None) -> dict:
+    """`available_node_types.<node_type>` of a cluster config, or its `part` (resources, node_config)."""
+    node = config["available_node_types"][node_type]
+    return node if part is None else node[part]
+
+
+def _roles(config: dict) -> dict:
+    """The placement of each marinrl role (`metadata.marinrl`)."""
+    return config["metadata"]["marinrl"]
+
+
 # Each: (config, how to break it, what the error must name).
 BREAKAGES = {
     "top-level field": ("tpu-v5e.yaml", lambda c: _rename(c, "setup_commands", "setup_command"), "'setup_command' was unexpected"),
     "node type field": ("tpu-v5p-multihost.yaml",
-                        lambda c: _rename(c["available_node_types"]["trainer_v5p_64"], "min_workers", "min_worker"),
+                        lambda c: _rename(_node(c, "trainer_v5p_64"), "min_workers", "min_worker"),
                         "available_node_types.trainer_v5p_64: Additional properties are not allowed ('min_worker'"),
     "TPU node_config field": ("tpu-v5p-multihost.yaml",
-                              lambda c: _rename(c["available_node_types"]["rollout_v5p_8"]["node_config"],
+                              lambda c: _rename(_node(c, "rollout_v5p_8", "node_config"),
                                                 "runtimeVersion", "runtimeVerison"),
                               "available_node_types.rollout_v5p_8.node_config.runtimeVerison: not a field of a GCP TPU VM"),
     "Compute node_config field": ("gpu.yaml",
-                                  lambda c: _rename(c["available_node_types"]["rollout_a100"]["node_config"],
+                                  lambda c: _rename(_node(c, "rollout_a100", "node_config"),
                                                     "scheduling", "schedulling"),
                                   "available_node_types.rollout_a100.node_config.schedulling: not a field of a GCP Compute VM"),
     "TPU type": ("tpu-v6e.yaml",
-                 lambda c: c["available_node_types"]["trainer_v6e_8"]["node_config"].update(acceleratorType="v6-8"),
+                 lambda c: _node(c, "trainer_v6e_8", "node_config").update(acceleratorType="v6-8"),
                  "trainer_v6e_8.node_config.acceleratorType: 'v6-8' is not a TPU type Ray knows"),
     "chips per host": ("tpu-v5p-multihost.yaml",
-                       lambda c: c["available_node_types"]["trainer_v5p_64"]["resources"].update(TPU=8),
+                       lambda c: _node(c, "trainer_v5p_64", "resources").update(TPU=8),
                        "trainer_v5p_64.resources.TPU: a v5p-64 host has 4 chips, the config says 8"),
     "slice head resource": ("tpu-v5p-multihost.yaml",
-                            lambda c: _rename(c["available_node_types"]["trainer_v5p_64"]["resources"],
+                            lambda c: _rename(_node(c, "trainer_v5p_64", "resources"),
                                               "TPU-v5p-64-head", "TPU-v5p-32-head"),
                             "the slice head resource of a v5p-64 is TPU-v5p-64-head"),
-    "GPU count": ("gpu.yaml", lambda c: c["available_node_types"]["trainer_h100x8"]["resources"].update(GPU=4),
+    "GPU count": ("gpu.yaml", lambda c: _node(c, "trainer_h100x8", "resources").update(GPU=4),
                   "trainer_h100x8.resources.GPU: machine type a3-highgpu-8g has 8 H100 GPU(s), the config says 4"),
     "role resource on the node": ("gpu.yaml",
-                                  lambda c: _rename(c["available_node_types"]["rollout_a100"]["resources"],
+                                  lambda c: _rename(_node(c, "rollout_a100", "resources"),
                                                     "rollout", "rollouts"),
                                   "metadata.marinrl.rollout: no node type offers {CPU: 1, GPU: 1, rollout: 1}"),
-    "more GPUs than a node has": ("gpu.yaml", lambda c: c["metadata"]["marinrl"]["rollout"].update(num_gpus=2),
+    "more GPUs than a node has": ("gpu.yaml", lambda c: _roles(c)["rollout"].update(num_gpus=2),
                                   "metadata.marinrl.rollout: no node type offers {CPU: 1, GPU: 2, rollout: 1}"),
-    "a placement field": ("tpu-v6e.yaml", lambda c: c["metadata"]["marinrl"]["trainer"].update(tpu="v6e-9000x"),
+    "a placement field": ("tpu-v6e.yaml", lambda c: _roles(c)["trainer"].update(tpu="v6e-9000x"),
                           "metadata.marinrl.trainer.tpu: 'v6e-9000x' is not a TPU slice type Ray knows"),
     "colocated roles": ("tpu-v5e.yaml",
-                        lambda c: c["metadata"]["marinrl"].update(rollout={"tpu": "v5litepod-8"}),
+                        lambda c: _roles(c).update(rollout={"tpu": "v5litepod-8"}),
                         "the trainer and the rollout workers both fit node type(s) ['trainer_v5e_8']"),
     "role on the CPU head": ("tpu-v5e.yaml",
-                             lambda c: (c["available_node_types"]["head"]["resources"].update(trainer=1),
-                                        c["metadata"]["marinrl"]["trainer"].pop("tpu")),
+                             lambda c: (_node(c, "head", "resources").update(trainer=1),
+                                        _roles(c)["trainer"].pop("tpu")),
                              "metadata.marinrl.trainer: {CPU: 1, trainer: 1} fits node type head (the head), "
                              "which has no TPU or GPU"),
 }
@@ -135,7 +146,7 @@ def test_a_broken_config_fails_naming_the_field(case):
 
 def test_a_role_on_a_node_without_accelerators_fails():
     config = _config("gpu.yaml")
-    config["metadata"]["marinrl"]["rollout"] = {"resources": {"rollout": 1}}  # asks for no GPU
+    _roles(config)["rollout"] = {"resources": {"rollout": 1}}  # asks for no GPU
     config["available_node_types"]["cpu_pool"] = {
         "min_workers": 0, "max_workers": 2, "resources": {"CPU": 8, "rollout": 1},
         "node_config": {"machineType": "n2-standard-8"}}
@@ -146,7 +157,7 @@ def test_a_role_on_a_node_without_accelerators_fails():
 def test_check_script_exit_status(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     config = _config("tpu-v5e.yaml")
-    _rename(config["available_node_types"]["rollout_v5e_4"], "max_workers", "max_worker")
+    _rename(_node(config, "rollout_v5e_4"), "max_workers", "max_worker")
     bad.write_text(yaml.safe_dump(config))
     assert check.main([str(INFRA / "tpu-v5e.yaml")]) == 0
     assert check.main([str(bad)]) == 1

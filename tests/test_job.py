@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.curriculum import CurriculumConfig, LessonConfig, LessonDependency
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig

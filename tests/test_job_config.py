@@ -170,3 +170,19 @@ def test_wandb_mode_is_the_users(monkeypatch):
     env = _actor_env()
     assert env["WANDB_MODE"] == "offline" and env["WANDB_PROJECT"] == "p"
 
+
+
+def test_range_checks_name_the_one_bad_field_and_refuse_nan():
+    """`config_checks.require_at_least` / `require_above`: one message per field, NaN refused like any bad value."""
+    from marinrl.envs.openai_env import OpenAIEnvConfig
+    from marinrl.multihost import ProcessGroupConfig
+    from marinrl.train.sampling import ReplaySamplingConfig
+
+    with pytest.raises(ValueError, match=r"^replay\.uses must be >= 1, got 0$"):
+        ReplaySamplingConfig(uses=0)
+    with pytest.raises(ValueError, match=r"^ProcessGroupConfig\.initialization_timeout_s must be >= 1, got 0$"):
+        ProcessGroupConfig(num_processes=1, process_id=0, initialization_timeout_s=0)
+    with pytest.raises(ValueError, match=r"^OpenAIEnvConfig\.backoff_initial must be >= 0, got nan$"):
+        OpenAIEnvConfig(backoff_initial=float("nan"))
+    with pytest.raises(ValueError, match=r"^OpenAIEnvConfig\.episode_timeout must be > 0, got 0$"):
+        OpenAIEnvConfig(episode_timeout=0)

@@ -163,10 +163,10 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
 
 _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     import json, pathlib
-    from marinrl.curriculum import CurriculumConfig, LessonConfig
+    from marinrl.curriculum_config import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
     from marinrl.job import RLJob
-    from marinrl.train.replay import ReplayConfig
+    from marinrl.train.replay_config import ReplayConfig
     from test_job import job_config
 
     broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,

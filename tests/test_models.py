@@ -17,6 +17,7 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 from safetensors.numpy import load_file
 
+from marinrl.hf_checkpoints import save_hf_checkpoint
 from marinrl.models import (
     ModelConfig,
     build_model,
@@ -24,7 +25,6 @@ from marinrl.models import (
     init_model,
     load_hf_checkpoint,
     load_levanter_checkpoint,
-    save_hf_checkpoint,
     save_levanter_checkpoint,
 )
 from marinrl.tokenizers import BOS, EOS, PAD, ROLE_TOKENS, byte_tokenizer, load_tokenizer

@@ -44,7 +44,8 @@ from marinrl.storage import RolloutWriter
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.train.batching import BatchingConfig, make_training_batch
 from marinrl.train.losses import LossConfig, token_logprobs
-from marinrl.train.replay import OnPolicyConfig, ReplayConfig
+from marinrl.train.replay_config import ReplayConfig
+from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import Rollout

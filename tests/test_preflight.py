@@ -14,7 +14,7 @@ import pytest
 import ray
 from levanter.checkpoint import save_checkpoint
 
-from marinrl.curriculum import CurriculumConfig
+from marinrl.curriculum_config import CurriculumConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob
 from marinrl.models import ModelConfig

@@ -36,6 +36,19 @@ def test_recipe_config_parses_and_validates(name):
     config.validate()  # every range, the multi-host v5p-64 trainer included
 
 
+def test_recipe_yaml_merges_mappings_and_the_recipe_wins():
+    from marinrl.recipe import GRPO_AT_SCALE, parse_recipe, recipe_yaml
+
+    merged = recipe_yaml("a: {b: 1, c: [1, 2]}\nd: 3\n", "a: {c: [9]}\ne: 4\n")
+    assert merged == "a:\n  b: 1\n  c:\n  - 9\nd: 3\ne: 4\n"
+    for name in RECIPES:  # both recipes keep the shared base under their own values
+        config = parse_recipe(_recipe(name)["RECIPE"], [])
+        assert config.optimizer.learning_rate == 1.0e-6 and config.loss.kl_beta == 0.0
+        assert config.batching.min_bucket == 256 and config.max_staleness == 1
+        assert config.ray.address == "auto" and config.trainer.model_axis_size == 1
+    assert "gradient_checkpointing: true" in GRPO_AT_SCALE
+
+
 def test_recipe_flags_keep_the_recipes_other_values():
     """A flag over the recipe's YAML changes that field only (draccus would rebuild a nested config from
     class defaults if the recipe's defaults were Python objects)."""

@@ -11,25 +11,17 @@ import numpy as np
 import pytest
 
 from factories import HAND_ADVANTAGES
-from marinrl.storage import RolloutReader, RolloutStorageError, RolloutWriter
+from marinrl.fs import RolloutStorageError
+from marinrl.storage import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LOSS_PRESETS, LossConfig
-from marinrl.train.replay import (
-    BufferedGroup,
-    OffPolicyConfig,
-    OnPolicyConfig,
-    ReplayConfig,
-    ReplayIngestionError,
-    ReplaySamplingConfig,
-    ReplayTimeoutError,
-    RewardMeanFilter,
-    RewardStdQuantileFilter,
-    TrimOutliersFilter,
-    ZeroVarianceFilter,
-    overlong_reward_fn,
-)
-from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
+from marinrl.train.replay import ReplayIngestionError, ReplayTimeoutError
+from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay_groups import BufferedGroup
+from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
+from marinrl.types import DEFAULT_POLICY, Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 
 class Clock:
@@ -43,7 +35,7 @@ class Clock:
 
 
 def make_group(gid: str, rewards, *, w: int = 0, env: str = "math", created_at: float = 1000.0,
-               lengths=None, prompt_len: int = 2) -> RolloutGroup:
+               lengths=None, prompt_len: int = 2, policy: str = DEFAULT_POLICY) -> RolloutGroup:
     lengths = lengths or [3] * len(rewards)
     rollouts = []
     for reward, n in zip(rewards, lengths):
@@ -51,7 +43,7 @@ def make_group(gid: str, rewards, *, w: int = 0, env: str = "math", created_at: 
             prompt_tokens=np.arange(1, prompt_len + 1), response_tokens=np.full(n, 7),
             response_logprobs=np.full(n, -0.5), temperature=1.0, loss_mask=np.ones(n),
             token_rewards=np.r_[np.zeros(n - 1), reward], episode_reward=reward, finish_reason="stop",
-            env_name=env, lesson_id=env, group_id=gid,
+            env_name=env, lesson_id=env, group_id=gid, policy_name=policy,
             metadata=RolloutMetadata("w0", w, created_at)))
     return RolloutGroup(tuple(rollouts))
 
@@ -283,6 +275,52 @@ def test_reward_std_quantile_filter_is_relative_to_the_file():
     buf = ReplayConfig(filters=[RewardStdQuantileFilter(low=0.0, high=0.0)]).build(clock=Clock())
     buf.ingest([make_batch(groups)])
     assert ids(buf.sample(0, 1, timeout_s=0)) == ["s0"] and drops(buf) == {"reward_std_quantile": 3}
+
+
+def test_filter_ratio_keeps_the_top_share_by_mean_per_policy_with_ties_by_group_id():
+    groups = [make_group("a-mid-z", [1, 1, 0, 0]), make_group("a-top", [1, 1, 1, 0]), make_group("a-low", [1, 0, 0, 0]),
+              make_group("a-mid-b", [1, 0, 1, 0]), make_group("a-none", [0, 0, 0, 0]),
+              make_group("b-only", [0, 0, 0, 0], policy="b")]
+    # Policy a: 0.4 of 5 groups is 2, the top mean (0.75) and of the two at 0.5 the lower group id;
+    # policy b is ranked on its own, and a share of one group keeps it (whatever its mean).
+    kept = {}
+    for order in (groups, groups[::-1]):  # the file's order decides nothing
+        buf = ReplayConfig(filters=[RewardMeanFilter(filter_ratio=0.4)]).build(clock=Clock())
+        buf.ingest([make_batch(order)])
+        assert drops(buf) == {"reward_mean": 3}
+        kept[len(kept)] = set(ids(buf.sample(0, 3, timeout_s=0)))
+    assert kept[0] == kept[1] == {"a-top", "a-mid-b", "b-only"}
+    # After the [low, high] band: of the 3 groups with mean <= 0.5 (a-mid-z, a-low, a-mid-b), 0.4 keeps 2.
+    buf = ReplayConfig(filters=[RewardMeanFilter(low=0.1, high=0.5, filter_ratio=0.4)]).build(clock=Clock())
+    buf.ingest([make_batch(groups[:5])])
+    assert ids(buf.sample(0, 2, timeout_s=0)) == ["a-mid-z", "a-mid-b"]
+
+
+def test_filter_ratio_on_std_keeps_the_most_informative_groups_of_the_file():
+    groups = [make_group("s0", [0, 0, 0, 0]), make_group("s1", [0, 0, 0, 1]),
+              make_group("s2", [0, 0, 1, 1]), make_group("s3", [0, 0, 0, 4])]  # stds 0, 0.433, 0.5, 1.732
+    buf = ReplayConfig(filters=[RewardStdQuantileFilter(filter_ratio=0.5)]).build(clock=Clock())
+    buf.ingest([make_batch(groups)])
+    assert drops(buf) == {"reward_std_quantile": 2}
+    assert ids(buf.sample(0, 2, timeout_s=0)) == ["s2", "s3"]
+    buf = ReplayConfig(filters=[RewardStdQuantileFilter(low=0.5, filter_ratio=0.5)]).build(clock=Clock())
+    buf.ingest([make_batch(groups)])  # the upper half by quantile (s2, s3), then its top half
+    assert ids(buf.sample(0, 1, timeout_s=0)) == ["s3"] and drops(buf) == {"reward_std_quantile": 3}
+
+
+@pytest.mark.parametrize("ratio", [0.0, -0.5, 1.5, float("nan")])
+def test_filter_ratio_outside_zero_to_one_is_refused_naming_the_field(ratio, tmp_path):
+    from marinrl.config_errors import ConfigInputError, load_job_config
+    from marinrl.job_config import RLJobConfig
+
+    for cls, name in ((RewardMeanFilter, "reward_mean"), (RewardStdQuantileFilter, "reward_std_quantile")):
+        with pytest.raises(ValueError, match=rf"^{name}\.filter_ratio must be in \(0, 1\] or null, got {ratio}$"):
+            cls(filter_ratio=ratio)
+    path = tmp_path / "job.yaml"
+    yaml_ratio = ".nan" if np.isnan(ratio) else ratio
+    path.write_text(f"run_id: x\nreplay:\n  filters:\n    - {{type: reward_mean, filter_ratio: {yaml_ratio}}}\n")
+    with pytest.raises(ConfigInputError, match=r"job.yaml:4:\d+: .*replay\.filters\[0\].*reward_mean\.filter_ratio must be"):
+        load_job_config(RLJobConfig, str(path), [])
 
 
 def test_trim_outliers_recomputes_advantages_on_what_remains():

@@ -10,7 +10,7 @@ import statistics
 from test_job import ECHO, job_config
 
 from marinrl.cli import main as cli_main
-from marinrl.curriculum import CurriculumConfig, LessonConfig
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.job import RLJob
 from marinrl.report import load_run, read_json_logs

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from factories import make_batch
-from marinrl import storage
+from marinrl import rollout_format
 from marinrl.storage import RolloutReader, RolloutWriter
-from marinrl.train.replay import OnPolicyConfig
+from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
 
@@ -165,7 +165,7 @@ def test_retention_settings_are_checked():
 def _write_newer_format(writer: RolloutWriter, batch, monkeypatch) -> str:
     """A real file from the real encoder, as a marinrl one format version ahead writes it."""
     with monkeypatch.context() as m:
-        m.setattr(storage, "FORMAT_VERSION", storage.FORMAT_VERSION + 1)
+        m.setattr(rollout_format, "FORMAT_VERSION", rollout_format.FORMAT_VERSION + 1)
         return writer.write(batch)
 
 
@@ -182,7 +182,7 @@ def test_a_newer_format_version_is_quarantined_with_an_upgrade_hint(tmp_path, mo
     assert reader.metrics["quarantined_files"] == 1 and reader.metrics["files_read"] == 1
     name = pathlib.PurePath(newer).name
     assert (tmp_path / "quarantine" / "step=00000000" / name).exists()
-    assert f"format version {storage.FORMAT_VERSION + 1}" in caplog.text and "upgrade marinrl" in caplog.text
+    assert f"format version {rollout_format.FORMAT_VERSION + 1}" in caplog.text and "upgrade marinrl" in caplog.text
     assert name in caplog.text
     assert reader.read_new() == []  # counted once, never retried
 

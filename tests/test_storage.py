@@ -17,16 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from factories import batches, make_batch
+from marinrl import fs as marinrl_fs
 from marinrl import storage
-from marinrl.storage import (
-    RolloutFormatError,
-    RolloutReader,
-    RolloutStorageError,
-    RolloutWriter,
-    UnsupportedFormatVersion,
-    decode_batch,
-    encode_batch,
-)
+from marinrl.fs import RolloutStorageError
+from marinrl.rollout_format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
+from marinrl.storage import RolloutReader, RolloutWriter
 
 fixture_settings = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -298,7 +293,7 @@ class FlakyFileSystem(MemoryFileSystem):
 @pytest.fixture
 def flaky(monkeypatch):
     fsspec.register_implementation("flakymem", FlakyFileSystem, clobber=True)
-    monkeypatch.setattr(storage.time, "sleep", lambda s: None)  # backoff without waiting
+    monkeypatch.setattr(marinrl_fs.time, "sleep", lambda s: None)  # backoff without waiting
     FlakyFileSystem.failures_left = 0
     yield FlakyFileSystem
     FlakyFileSystem.failures_left = 0

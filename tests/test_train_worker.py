@@ -17,7 +17,8 @@ from marinrl.models import ModelConfig, build_model
 from marinrl.storage import RolloutWriter
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
-from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig
+from marinrl.train.replay_config import ReplayConfig
+from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
@@ -218,7 +219,7 @@ class FileReplayer(WeightFollower):
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
     """The rollout files whose groups were all trained, by weight step."""
-    from marinrl.storage import decode_batch
+    from marinrl.rollout_format import decode_batch
 
     out: dict[int, list[pathlib.Path]] = {}
     for path in sorted(rollout_root.glob("step=*/*.parquet")):

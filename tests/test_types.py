@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from factories import make_batch, make_rollout
-from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata, RolloutValidationError
+from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata, RolloutValidationError
 
 
 def test_valid_rollout_normalizes_dtypes():

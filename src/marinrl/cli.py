@@ -49,7 +49,7 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def _check_rollout_root(root: str, storage_options: dict) -> None:
     """`root` exists and is a rollout root (an empty one is fine), not a run folder holding one."""
-    from marinrl.storage import list_names, open_root
+    from marinrl.fs import list_names, open_root
 
     fs, path = open_root(root, storage_options, None)
     if not fs.exists(path):

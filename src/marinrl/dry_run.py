@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from marinrl.config_checks import require_at_least
 GiB = float(1 << 30)
 
 
@@ -55,9 +56,7 @@ class DryRunShapes:
     """Lower with this many and one more unrolled layer, and scale to the model's layer count."""
 
     def __post_init__(self):
-        for name in ("prompt_tokens", "layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DryRunShapes.{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, "prompt_tokens", "layers")
         if self.response_tokens is not None and self.response_tokens < 1:
             raise ValueError(f"DryRunShapes.response_tokens must be >= 1 or None, got {self.response_tokens}")
 

@@ -32,7 +32,7 @@ import fsspec
 import numpy as np
 import yaml
 
-from marinrl.curriculum import CurriculumConfig, LessonConfig
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import Env, EnvConfig, with_endpoint_if_needed
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import MODEL_CONFIG_FILE, ModelConfig

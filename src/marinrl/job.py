@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import ray
 
-from marinrl.curriculum import CurriculumClient, curriculum_actor
+from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_to_file

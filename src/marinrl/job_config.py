@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import Optional
 
-from marinrl.curriculum import CurriculumConfig
+from marinrl.curriculum_config import CurriculumConfig
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig
@@ -16,7 +16,8 @@ from marinrl.preflight import ConfigError
 from marinrl.rollout.worker import RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
-from marinrl.train.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
+from marinrl.train.replay_config import ReplayConfig
+from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 from marinrl.train.trainer_group import TrainerGroupConfig
 from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
                                           check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)

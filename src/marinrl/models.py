@@ -28,10 +28,9 @@ from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
 from transformers import PreTrainedTokenizerBase
 
-from marinrl.hf_checkpoints import HF_TO_LEVANTER as _HF_TO_LEVANTER  # noqa: F401  (preflight reads it)
 from marinrl.hf_checkpoints import default_mesh as _default_mesh
 from marinrl.hf_checkpoints import has_tokenizer as _has_tokenizer
-from marinrl.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint
+from marinrl.hf_checkpoints import load_hf_checkpoint
 from marinrl.tokenizers import byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

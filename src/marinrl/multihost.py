@@ -40,6 +40,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from marinrl.config_checks import require_at_least
 logger = logging.getLogger(__name__)
 
 __all__ = ["PEER_LOST_EXIT_CODE", "ProcessGroupConfig", "Cohort", "current_cohort", "initialize", "finish"]
@@ -68,14 +69,10 @@ class ProcessGroupConfig:
     """How long `initialize` waits for every process to join."""
 
     def __post_init__(self):
-        if self.num_processes < 1:
-            raise ValueError(f"ProcessGroupConfig.num_processes must be >= 1, got {self.num_processes}")
+        require_at_least(self, 1, "num_processes", "heartbeat_timeout_s", "initialization_timeout_s")
         if not 0 <= self.process_id < self.num_processes:
             raise ValueError(f"ProcessGroupConfig.process_id must be in [0, {self.num_processes}), got {self.process_id}")
-        if self.cpu_devices < 0:
-            raise ValueError(f"ProcessGroupConfig.cpu_devices must be >= 0, got {self.cpu_devices}")
-        if self.heartbeat_timeout_s < 1 or self.initialization_timeout_s < 1:
-            raise ValueError("ProcessGroupConfig.heartbeat_timeout_s and initialization_timeout_s must be >= 1")
+        require_at_least(self, 0, "cpu_devices")
         if self.coordinator_address is not None and ":" not in self.coordinator_address:
             raise ValueError(f"ProcessGroupConfig.coordinator_address must be host:port, got {self.coordinator_address!r}")
 

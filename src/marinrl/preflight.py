@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import fsspec
 
 if TYPE_CHECKING:
-    from marinrl.curriculum import CurriculumConfig
+    from marinrl.curriculum_config import CurriculumConfig
     from marinrl.job import RLJobConfig
     from marinrl.models import ModelConfig
 
@@ -119,8 +119,7 @@ def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
     from levanter.models.lm_model import LmConfig
     from transformers import AutoConfig
 
-    from marinrl.hf_checkpoints import levanter_config
-    from marinrl.models import _HF_TO_LEVANTER
+    from marinrl.hf_checkpoints import HF_TO_LEVANTER, levanter_config
 
     field = "model.hf_checkpoint"
     fs, plain = fsspec.core.url_to_fs(path)
@@ -141,10 +140,10 @@ def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
         raise ConfigError(field, f"{path}/config.json:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from e
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConfigError(field, f"{path}/config.json has no model_type")
-    name = _HF_TO_LEVANTER.get(raw["model_type"])
+    name = HF_TO_LEVANTER.get(raw["model_type"])
     if name is None or name not in LmConfig.get_known_choices():
         raise ConfigError(field, f"Levanter has no model for HF model_type {raw['model_type']!r} "
-                                 f"(supported: {sorted(_HF_TO_LEVANTER)})")
+                                 f"(supported: {sorted(HF_TO_LEVANTER)})")
     with tempfile.TemporaryDirectory() as tmp:  # only config.json: the weights stay where they are
         with open(os.path.join(tmp, "config.json"), "w") as f:
             f.write(text)

@@ -24,6 +24,46 @@ from typing import Callable, Optional, Sequence
 DRY_RUN_FLAG = "--dry_run"
 _CHILD_ENV = "MARINRL_DRY_RUN_DEVICES"
 
+GRPO_AT_SCALE = """
+model:
+  dtype: float32                  # the trainer's parameters (trainer.mp: p=f32); the rollout model is the same
+  model: {gradient_checkpointing: true}
+max_staleness: 1
+optimizer: {learning_rate: 1.0e-6, lr_schedule: constant, warmup: 10, weight_decay: 0.0, max_grad_norm: 1.0}
+loss: {kl_beta: 0.0}
+batching: {min_bucket: 256}
+trainer:
+  mp: p=f32,c=bfloat16
+  model_axis_size: 1              # FSDP over all of the trainer's chips (Levanter's default mesh)
+inference:
+  backend: engine
+ray:
+  address: auto
+"""
+"""What the GRPO recipes under experiments/ share: bf16 compute over f32 parameters and AdamW state,
+gradient checkpointing, FSDP, no KL term, the engine backend, an existing Ray cluster. A recipe writes
+the rest (`recipe_yaml(GRPO_AT_SCALE, ...)`)."""
+
+
+def recipe_yaml(base: str, recipe: str) -> str:
+    """YAML of `recipe` over `base`: mappings merge key by key (the recipe's value wins), anything else
+    (lists included) is the recipe's."""
+    import yaml
+
+    def merge(under, over):
+        if isinstance(under, dict) and isinstance(over, dict):
+            return {**under, **{k: merge(under[k], v) if k in under else v for k, v in over.items()}}
+        return over
+
+    return yaml.safe_dump(merge(yaml.safe_load(base) or {}, yaml.safe_load(recipe) or {}), sort_keys=False)
+
+
+def run_job(config):
+    """A recipe's `main`: the job, on Ray."""
+    from marinrl.job import RLJob
+
+    return RLJob(config).run()
+
 
 def _split_dry_run(argv: Sequence[str]) -> tuple[bool, dict, list[str]]:
     """(whether --dry_run is there, its --dry_run.<field> values, the job's own flags)."""

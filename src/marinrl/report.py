@@ -130,7 +130,8 @@ class LessonStats:
 
 def read_rollouts(root: str) -> tuple[dict[str, LessonStats], list[str]]:
     """Per lesson: rewards and response lengths by weight step; plus the files that could not be read."""
-    from marinrl.storage import RolloutFormatError, decode_batch, iter_files
+    from marinrl.rollout_format import RolloutFormatError, decode_batch
+    from marinrl.storage import iter_files
 
     lessons: dict[str, LessonStats] = defaultdict(LessonStats)
     unreadable = []

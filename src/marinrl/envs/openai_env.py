@@ -51,6 +51,7 @@ import httpx
 import numpy as np
 import openai
 
+from marinrl.config_checks import require_above, require_at_least
 from marinrl.envs.base import Grade, Mode, check_sample_args, make_rollout, new_group_id, register_env
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.types import RolloutGroup
@@ -85,15 +86,9 @@ class OpenAIEnvConfig:
     """The `model` handed to the agent (the endpoint serves its policy whatever the name)."""
 
     def __post_init__(self):
-        if self.max_concurrency < 1:
-            raise ValueError(f"OpenAIEnvConfig.max_concurrency must be >= 1, got {self.max_concurrency}")
-        for name in ("request_timeout", "episode_timeout", "backoff_max"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"OpenAIEnvConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.backoff_initial < 0:
-            raise ValueError(f"OpenAIEnvConfig.backoff_initial must be >= 0, got {self.backoff_initial}")
-        if self.max_retries < 0:
-            raise ValueError(f"OpenAIEnvConfig.max_retries must be >= 0, got {self.max_retries}")
+        require_at_least(self, 1, "max_concurrency")
+        require_above(self, 0, "request_timeout", "episode_timeout", "backoff_max")
+        require_at_least(self, 0, "backoff_initial", "max_retries")
         if self.on_mismatch not in ("split", "fail"):
             raise ValueError(f"OpenAIEnvConfig.on_mismatch must be 'split' or 'fail', got {self.on_mismatch!r}")
 

@@ -11,6 +11,7 @@ from typing import Literal, Protocol, Sequence
 
 import numpy as np
 
+from marinrl.config_checks import require_at_least
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -23,10 +24,8 @@ class SamplingParams:
     """Token-id sequences that end the turn (included in the response); EOS always stops."""
 
     def __post_init__(self):
-        if not (self.temperature >= 0):
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        require_at_least(self, 0, "temperature")
+        require_at_least(self, 1, "max_tokens")
         for s in self.stop_sequences:
             if len(s) == 0:
                 raise ValueError("SamplingParams.stop_sequences holds an empty sequence")

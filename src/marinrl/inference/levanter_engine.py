@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
 from levanter.inference.jit_scheduler import SeqDecodingParams
 
+from marinrl.config_checks import require_at_least
 logger = logging.getLogger(__name__)
 
 
@@ -54,9 +55,7 @@ class EngineConfig:
     """Accelerators only: share of free device memory for the KV cache when max_pages is None."""
 
     def __post_init__(self):
-        for name in ("max_seqs", "max_seq_len", "max_prefill_tokens", "max_rounds", "max_stop_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, 1, "max_seqs", "max_seq_len", "max_prefill_tokens", "max_rounds", "max_stop_tokens")
 
     def resolved(self) -> InferenceEngineConfig:
         cpu = on_cpu()

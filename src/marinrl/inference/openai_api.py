@@ -14,10 +14,7 @@ several `stop` strings into one sequence and ignores `top_p`. Here `finish_reaso
 returned text ends before it (OpenAI's rule); unsupported options (`stream`, `echo`, `top_p` other than
 1, penalties, `logit_bias`, `best_of` > 1) are refused with 400, never ignored.
 
-Every request but `GET /health` must carry the endpoint's API key, `Authorization: Bearer <key>` (what
-`openai.OpenAI(api_key=...)` sends); without it, or with another key, the answer is 401 in OpenAI's
-error format. The key is the one given, else a random one per endpoint (`api_key`), which in-process
-agents get from the server; it is compared in constant time and never logged.
+Every request but `GET /health` must carry the endpoint's API key (`api_auth`: 401 without it).
 
 Requests are served by one worker thread that batches whatever is queued into one `generate` call.
 Lifecycle: `start()` binds the port and starts the threads, `wait_until_ready()` blocks until uvicorn
@@ -30,12 +27,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import hmac
-import ipaddress
 import logging
 import queue
 import random
-import secrets
 import socket
 import threading
 import time
@@ -44,7 +38,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import ChoiceLogprobs
@@ -52,6 +45,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, ConfigDict
 
+from marinrl.inference.api_auth import RequireApiKey, check_api_key, new_api_key, openai_error
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens
 
 logger = logging.getLogger(__name__)
@@ -71,70 +65,6 @@ class TokenRequest:
 
 GenerateFn = Callable[[Sequence[TokenRequest]], List[List[Generation]]]
 """Samples of each request, in order; raises ValueError (naming the problem) for a request it cannot serve."""
-
-
-OPEN_PATHS = frozenset({"/health"})
-"""Paths served without the API key: a liveness probe, which tells nothing but the served model's name."""
-
-
-def new_api_key() -> str:
-    """A fresh random API key (256 bits), for an endpoint started without a configured one."""
-    return "marinrl-" + secrets.token_urlsafe(32)
-
-
-def check_api_key(key, name: str = "api_key") -> str:
-    """`key` if it can be an API key (non-empty, printable ASCII without spaces: it travels in an HTTP
-    header); else ValueError naming `name` (the key itself is never shown)."""
-    if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
-        raise ValueError(f"{name} must be a non-empty string of printable ASCII characters without spaces "
-                         "(it is sent as the header 'Authorization: Bearer <key>')")
-    return key
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
-
-
-def _error(status: int, message: str, *, code: Optional[str] = None, headers=None) -> JSONResponse:
-    """An error in OpenAI's format, so that OpenAI clients show the message."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(status_code=status, headers=headers,
-                        content={"error": {"message": message, "type": kind, "param": None, "code": code}})
-
-
-class _RequireKey:
-    """ASGI middleware in front of every route: a request to a path outside OPEN_PATHS needs
-    `Authorization: Bearer <key>`, else it gets a 401 and reaches no route."""
-
-    def __init__(self, app, key: str):
-        self.app = app
-        self._key = key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN_PATHS:
-            problem = self._problem(scope["headers"])
-            if problem is not None:
-                response = _error(401, problem, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _problem(self, headers) -> Optional[str]:
-        given = next((v for k, v in headers if k == b"authorization"), None)
-        if given is None:
-            return ("missing API key: send the header 'Authorization: Bearer <key>' (openai.OpenAI(api_key=...)); "
-                    "the key is inference.api_key, or the server's api_key when none is configured")
-        scheme, _, key = given.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self._key):
-            return ("incorrect API key: send the header 'Authorization: Bearer <key>' with the key of "
-                    "inference.api_key, or the server's api_key when none is configured")
-        return None
 
 
 class _Request(BaseModel):
@@ -407,11 +337,11 @@ class OpenAIEndpoint:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="marinrl inference")
-        app.add_middleware(_RequireKey, key=self._api_key)
+        app.add_middleware(RequireApiKey, key=self._api_key)
 
         @app.exception_handler(HTTPException)
         async def openai_style_error(request, exc: HTTPException):
-            return _error(exc.status_code, str(exc.detail))
+            return openai_error(exc.status_code, str(exc.detail))
 
         @app.get("/health")
         async def health():

@@ -30,7 +30,8 @@ from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
-from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest, check_api_key, is_loopback
+from marinrl.inference.api_auth import check_api_key, is_loopback
+from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
 from marinrl.models import ModelConfig, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)

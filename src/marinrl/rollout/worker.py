@@ -22,9 +22,11 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from marinrl.config_checks import require_at_least
 from marinrl.envs.base import COUNTERS
+from marinrl.fs import RolloutStorageError
 from marinrl.logs import ENV_ERRORS
-from marinrl.storage import RolloutStorageError, RolloutWriter
+from marinrl.storage import RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
@@ -72,13 +74,9 @@ class RolloutWorkerConfig:
     storage_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
-                     "max_consecutive_env_failures"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RolloutWorkerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_staleness", "micro_eval_every", "eval_every", "final_step"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"RolloutWorkerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
+                         "max_consecutive_env_failures")
+        require_at_least(self, 0, "max_staleness", "micro_eval_every", "eval_every", "final_step")
 
 
 class LessonSource(Protocol):

@@ -29,7 +29,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marinrl import multihost
-from marinrl.curriculum import CurriculumClient
+from marinrl.curriculum_actor import CurriculumClient
 from marinrl.logs import log_to_file
 from marinrl.placement import PlacementConfig, tpu_head_resource
 from marinrl.preflight import ConfigError

@@ -30,12 +30,13 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
 
 from marinrl import multihost
+from marinrl.config_checks import require_at_least
 from marinrl.models import ModelConfig, build_model
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
-from marinrl.train.replay import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
@@ -102,16 +103,8 @@ class TrainWorkerConfig:
     """fsspec options for `rollout_root` (e.g. {"token": "anon"} for the GCS emulator)."""
 
     def __post_init__(self):
-        if self.groups_per_step < 1:
-            raise ValueError(f"TrainWorkerConfig.groups_per_step must be >= 1, got {self.groups_per_step}")
-        if self.sync_interval < 1:
-            raise ValueError(f"TrainWorkerConfig.sync_interval must be >= 1, got {self.sync_interval}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"TrainWorkerConfig.checkpoint_every must be >= 0, got {self.checkpoint_every}")
-        if self.checkpoint_keep < 1:
-            raise ValueError(f"TrainWorkerConfig.checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
-        if self.checkpoint_keep_every < 0:
-            raise ValueError(f"TrainWorkerConfig.checkpoint_keep_every must be >= 0, got {self.checkpoint_keep_every}")
+        require_at_least(self, 1, "groups_per_step", "sync_interval", "checkpoint_keep")
+        require_at_least(self, 0, "checkpoint_every", "checkpoint_keep_every")
         if self.sync_interval > 1 + self.replay.sampling.max_staleness:
             raise ValueError(
                 f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "

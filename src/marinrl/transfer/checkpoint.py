@@ -33,7 +33,7 @@ from jax.experimental.array_serialization.serialization import GlobalAsyncCheckp
 from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
 
 from marinrl import multihost
-from marinrl.storage import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
+from marinrl.fs import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,

@@ -1,0 +1,74 @@
+"""Filesystem helpers shared by rollout files, trainer checkpoints, weight transfer and the curriculum
+state: any fsspec URL (gs://, file://, memory://, a bare path), transient errors retried."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable, TypeVar
+
+import fsspec
+
+logger = logging.getLogger(__name__)
+
+ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss"}
+"""Object stores whose single-object writes are atomic; everything else writes a temp name and renames
+(weight transfer and the curriculum state follow the same rule)."""
+
+
+class RolloutStorageError(OSError):
+    """A filesystem operation that kept failing after retries; the message names the path."""
+
+
+T = TypeVar("T")
+
+
+def _is_transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return False
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)):
+        return True
+    try:
+        from gcsfs.retry import HttpError
+    except ImportError:  # pragma: no cover - gcsfs is a dependency
+        return False
+    return isinstance(e, HttpError) and (getattr(e, "code", None) in (None, 408, 429) or e.code >= 500)
+
+
+def with_retries(fn: Callable[[], T], what: str, path: str, attempts: int = 4, backoff_s: float = 0.05) -> T:
+    """Runs `fn`, retrying transient filesystem errors with exponential backoff and jitter."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except Exception as e:
+            if not _is_transient(e):
+                raise
+            if attempt == attempts - 1:
+                raise RolloutStorageError(f"{what} {path} failed after {attempts} attempts: {e!r}") from e
+            delay = backoff_s * (2**attempt) * (0.5 + random.random())
+            logger.warning("%s %s failed (%r); retrying in %.2fs", what, path, e, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+def open_root(root: str, storage_options: dict | None, fs: fsspec.AbstractFileSystem | None):
+    """(filesystem, path without a trailing slash) of an fsspec URL, or of `root` on a given `fs`."""
+    if fs is not None:
+        return fs, fs._strip_protocol(root).rstrip("/")
+    fs, path = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    return fs, path.rstrip("/")
+
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def list_names(fs, path: str) -> list[str]:
+    """Base names under `path` (none if it does not exist), the listing retried on transient errors."""
+    try:
+        return [_basename(p) for p in with_retries(lambda: fs.ls(path, detail=False), "listing", path)]
+    except FileNotFoundError:
+        return []
+
