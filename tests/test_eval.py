@@ -22,8 +22,7 @@ from marinrl.envs.base import EnvConfig
 from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
 from marinrl.hf_checkpoints import save_hf_checkpoint
 from marinrl.models import MODEL_CONFIG_FILE, ModelConfig, build_model, save_levanter_checkpoint
-from marinrl.rollout_format import decode_batch
-from marinrl.storage import iter_files
+from marinrl.storage import iter_batches
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutGroup
 
@@ -68,7 +67,7 @@ def ckpts(tmp_path_factory):
 
 
 def read_rollouts(root: pathlib.Path):
-    files = [(step, path, decode_batch(data, path)) for step, path, data in iter_files(str(root))]
+    files = list(iter_batches(str(root)))
     return files, [r for _, _, batch in files for r in batch.rollouts]
 
 

@@ -130,16 +130,14 @@ class LessonStats:
 
 def read_rollouts(root: str) -> tuple[dict[str, LessonStats], list[str]]:
     """Per lesson: rewards and response lengths by weight step; plus the files that could not be read."""
-    from marinrl.rollout_format import RolloutFormatError, decode_batch
-    from marinrl.storage import iter_files
+    from marinrl.rollout_format import RolloutFormatError
+    from marinrl.storage import iter_batches
 
     lessons: dict[str, LessonStats] = defaultdict(LessonStats)
     unreadable = []
-    for step, path, data in iter_files(root):
-        try:
-            batch = decode_batch(data, path)
-        except RolloutFormatError as e:
-            unreadable.append(str(e))
+    for step, path, batch in iter_batches(root):
+        if isinstance(batch, RolloutFormatError):
+            unreadable.append(str(batch))
             continue
         for r in batch.rollouts:
             lesson = lessons[r.lesson_id]

@@ -262,16 +262,27 @@ class RolloutReader:
 # ----------------------------------------------------------------------------- inspection
 
 
-def iter_files(root: str, *, storage_options: dict | None = None, fs=None) -> Iterable[tuple[int, str, bytes]]:
-    """Yields (weight_step, path, bytes) for every rollout file under `root`; changes nothing."""
+def iter_batches(root: str, *, storage_options: dict | None = None,
+                 fs=None) -> Iterable[tuple[int, str, RolloutBatch | RolloutFormatError]]:
+    """Yields (weight_step, path, batch) for every rollout file under `root`, the batch replaced by the
+    error saying why when the file cannot be read (a folder named like one, no permission) or decoded:
+    the read-only views (`marinrl inspect`, `report`) list such files instead of stopping at them."""
     fs, root_path = open_root(root, storage_options, fs)
     for step in _list_steps(fs, root_path):
         for name in _list_files(fs, root_path, step):
             path = f"{root_path}/{step_dir_name(step)}/{name}"
+            shown = fs.unstrip_protocol(path)
             try:
-                yield step, fs.unstrip_protocol(path), with_retries(lambda: fs.cat_file(path), "reading", path)
+                data = with_retries(lambda: fs.cat_file(path), "reading", path)
             except FileNotFoundError:
                 continue
+            except OSError as e:  # not transient: retrying cannot help
+                yield step, shown, RolloutFormatError(f"{shown}: cannot be read ({e!r})")
+                continue
+            try:
+                yield step, shown, decode_batch(data, shown)
+            except RolloutFormatError as e:
+                yield step, shown, e
 
 
 def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dict:
@@ -280,12 +291,10 @@ def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dic
     per_step: dict[int, dict] = {}
     per_env: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "rewards": [], "lengths": [], "finish": Counter()})
     unreadable = []
-    for step, path, data in iter_files(root_path, fs=fs):
+    for step, path, batch in iter_batches(root_path, fs=fs):
         s = per_step.setdefault(step, {"files": 0, "rollouts": 0, "groups": 0, "rewards": []})
-        try:
-            batch = decode_batch(data, path)
-        except RolloutFormatError as e:
-            unreadable.append(str(e))
+        if isinstance(batch, RolloutFormatError):
+            unreadable.append(str(batch))
             continue
         s["files"] += 1
         s["groups"] += len(batch.groups)
