@@ -336,9 +336,9 @@ def test_sharded_arrays(quick_config, servers, model):
 @pytest.mark.parametrize("encodings", [("elements", "dense"), ("blocks", "dense"), ("elements", "blocks", "dense")])
 def test_encode_apply_round_trip_bits(dtype, encodings):
     rng = np.random.default_rng(0)
-    size = 5 * BLOCK_ELEMENTS + 7  # a partial last block
+    size = (1 << 16) + 5 * BLOCK_ELEMENTS + 7  # two index chunks, a partial last block
     old = rng.standard_normal(size).astype(jnp.dtype(dtype)).reshape(1, -1)
-    cases = {"few": [3, size - 1], "none": [], "all": list(range(size))}
+    cases = {"few": [3, 65_600, size - 1], "none": [], "all": list(range(size))}
     for name, positions in cases.items():
         new = old.copy()
         new.reshape(-1)[positions] = new.reshape(-1)[positions] + np.asarray(1, new.dtype)

@@ -1,8 +1,8 @@
 """Delta weight sync: publish a version as what changed since the previous one (docs/weight_transfer.md).
 
 The publisher keeps a host copy of the last version it committed and encodes each array of the next
-one as the cheapest of: `same` (no bytes), `elements` (the flat indices, uint32, and new values of
-the changed elements), `blocks` (the indices and contents of the changed fixed-size blocks) or
+one as the cheapest of: `same` (no bytes), `elements` (the positions, as uint16 offsets in 65,536-element
+chunks plus a count per chunk, and the new values of the changed elements), `blocks` (the indices and contents of the changed fixed-size blocks) or
 `dense` (the whole array). Every K-th version, and whenever asked, it is a full `snapshot` instead.
 The published versions since the last snapshot form a *chain*: [snapshot, delta, delta, ...].
 
@@ -35,6 +35,12 @@ ENCODINGS = ("same", "elements", "blocks", "dense")
 BLOCK_ELEMENTS = 64
 """Elements per block of the `blocks` encoding (128 bytes of bf16, 256 of fp32)."""
 INDEX_DTYPE = np.dtype("<u4")
+CHUNK_BITS = 16
+"""`elements` stores each changed element's offset inside its 65,536-element chunk (uint16) and a
+count per chunk (uint32): 2 bytes per index instead of 4."""
+LOCAL_DTYPE = np.dtype("<u2")
+DATA_LEAVES = {"elements": ("cnt", "idx", "val"), "blocks": ("idx", "val"), "dense": ("val",), "same": ()}
+"""The data leaves of each encoding, named `<leaf>#<part>`, in this order."""
 FULL_EVERY_DEFAULT = 10
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -89,8 +95,9 @@ def encode_array(name: str, old: np.ndarray, new: np.ndarray, encodings: Sequenc
         return "same", [], []
     size, itemsize = new_bits.size, new.dtype.itemsize
     options = {"dense": size * itemsize}
-    if "elements" in encodings and size < 2**32:
-        options["elements"] = n_changed * (INDEX_DTYPE.itemsize + itemsize)
+    n_chunks = -(-size // (1 << CHUNK_BITS))
+    if "elements" in encodings:
+        options["elements"] = n_changed * (LOCAL_DTYPE.itemsize + itemsize) + n_chunks * INDEX_DTYPE.itemsize
     if "blocks" in encodings and size < 2**32 * block:
         padded = np.zeros(-(-size // block) * block, bool)
         padded[:size] = changed
@@ -98,8 +105,10 @@ def encode_array(name: str, old: np.ndarray, new: np.ndarray, encodings: Sequenc
         options["blocks"] = changed_blocks.size * (INDEX_DTYPE.itemsize + block * itemsize)
     encoding = min(options, key=lambda k: (options[k], k != "dense"))
     if encoding == "elements":
-        idx = np.flatnonzero(changed).astype(INDEX_DTYPE)
-        return encoding, [f"{name}#idx", f"{name}#val"], [idx, new_bits[idx]]
+        idx = np.flatnonzero(changed)
+        counts = np.bincount(idx >> CHUNK_BITS, minlength=n_chunks).astype(INDEX_DTYPE)
+        local = (idx & ((1 << CHUNK_BITS) - 1)).astype(LOCAL_DTYPE)
+        return encoding, _leaf_names(name, encoding), [counts, local, new_bits[idx]]
     if encoding == "blocks":
         values = np.zeros((changed_blocks.size, block), new_bits.dtype)
         full = new_bits[: size // block * block].reshape(-1, block)
@@ -108,8 +117,12 @@ def encode_array(name: str, old: np.ndarray, new: np.ndarray, encodings: Sequenc
         if inner.size < changed_blocks.size:  # the last, partial block
             tail = new_bits[full.shape[0] * block:]
             values[-1, : tail.size] = tail
-        return encoding, [f"{name}#idx", f"{name}#val"], [changed_blocks.astype(INDEX_DTYPE), values]
+        return encoding, _leaf_names(name, encoding), [changed_blocks.astype(INDEX_DTYPE), values]
     return "dense", [f"{name}#val"], [new]
+
+
+def _leaf_names(name: str, encoding: str) -> list[str]:
+    return [f"{name}#{part}" for part in DATA_LEAVES[encoding]]
 
 
 def apply_array(name: str, encoding: str, old: np.ndarray, data: Sequence[np.ndarray],
@@ -120,16 +133,22 @@ def apply_array(name: str, encoding: str, old: np.ndarray, data: Sequence[np.nda
         if val.shape != old.shape or val.dtype != old.dtype:
             raise WeightFormatError(f"{where}: dense {name} is {val.dtype.name}{list(val.shape)}")
         return val
-    idx, val = data
     new = np.array(old, copy=True, order="C")
     bits = _bits(new)  # a view of `new`
-    if idx.dtype != INDEX_DTYPE or val.dtype != bits.dtype:
-        raise WeightFormatError(f"{where}: {encoding} of {name} has index {idx.dtype.name}, values {val.dtype.name}")
     if encoding == "elements":
-        if val.shape != idx.shape or (idx.size and int(idx.max()) >= bits.size):
-            raise WeightFormatError(f"{where}: element delta of {name} does not fit the array")
+        counts, local, val = data
+        n_chunks = -(-bits.size // (1 << CHUNK_BITS))
+        if (counts.dtype != INDEX_DTYPE or local.dtype != LOCAL_DTYPE or val.dtype != bits.dtype
+                or counts.shape != (n_chunks,) or val.shape != local.shape or int(counts.sum()) != local.size):
+            raise WeightFormatError(f"{where}: the element delta of {name} does not fit the array")
+        idx = (np.repeat(np.arange(n_chunks, dtype=np.int64), counts) << CHUNK_BITS) | local
+        if idx.size and int(idx.max()) >= bits.size:
+            raise WeightFormatError(f"{where}: the element delta of {name} does not fit the array")
         bits[idx] = val
         return new
+    idx, val = data
+    if idx.dtype != INDEX_DTYPE or val.dtype != bits.dtype:
+        raise WeightFormatError(f"{where}: {encoding} of {name} has index {idx.dtype.name}, values {val.dtype.name}")
     n_full = bits.size // block
     if val.shape != (idx.size, block) or (idx.size and int(idx.max()) > n_full - (bits.size % block == 0)):
         raise WeightFormatError(f"{where}: block delta of {name} does not fit the array")
@@ -157,8 +176,10 @@ class DeltaPublisher:
         """Set by a client's request (or a failed publish): the next version is a snapshot."""
 
     def encode(self, version: VersionId, names: list[str], arrays: list[np.ndarray]) -> Encoded:
-        """Encodes `arrays`; copies them (the trainer may reuse the buffers). Commit it once published."""
-        current = [np.array(a, copy=True) for a in arrays]
+        """Encodes `arrays` (kept as the next base: the caller must not modify them afterwards). Views of
+        other memory are copied (on CPU they may be the trainer's device buffers, which a donating
+        train step overwrites). Commit the result once it is published."""
+        current = [a if a.flags.owndata and a.flags.writeable else np.array(a, copy=True) for a in arrays]
         base = self._base_version
         snapshot = (base is None or self.snapshot_wanted or len(self.chain) >= self.full_every
                     or base.epoch != version.epoch or self._base_names != list(names))
@@ -290,7 +311,7 @@ class DeltaReceiver:
                     continue
                 if encoding not in ENCODINGS:
                     raise WeightFormatError(f"{where}: unknown encoding {encoding!r} of {e['name']}")
-                want = [f"{e['name']}#val"] if encoding == "dense" else [f"{e['name']}#idx", f"{e['name']}#val"]
+                want = _leaf_names(e["name"], encoding)
                 if list(names[pos:pos + len(want)]) != want:
                     raise WeightFormatError(f"{where}: the data of {e['name']} is missing or out of order")
                 new = apply_array(e["name"], encoding, mirror[i], data[pos:pos + len(want)], block, where)
