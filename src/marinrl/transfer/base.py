@@ -275,8 +275,10 @@ class WeightTransferClient(abc.ABC):
         """The newest published version and a handle to fetch it with, or None if none is published."""
 
     @abc.abstractmethod
-    def _fetch(self, version: VersionId, handle) -> tuple[Any, int]:
-        """Loads the version `handle` refers to into a model like the skeleton; returns (model, bytes)."""
+    def _fetch(self, version: VersionId, handle) -> tuple[Any, int, VersionId] | None:
+        """Loads the version `handle` refers to into a model like the skeleton: (model, bytes, the version
+        loaded), which a delta chain that breaks may leave older than `version` (but newer than the one
+        held); None if nothing newer than the version held can be loaded."""
 
     def poll(self) -> WeightUpdate | None:
         """Returns the newest version if it is newer than the one held, else None. Never raises."""
@@ -291,8 +293,11 @@ class WeightTransferClient(abc.ABC):
                     logger.warning("ignoring %s at %s: older than the %s held", version, self.location, self.version)
                 return None
             start = time.perf_counter()
-            model, nbytes = self._fetch(version, handle)
+            fetched = self._fetch(version, handle)
             seconds = time.perf_counter() - start
+            if fetched is None:
+                return None
+            model, nbytes, version = fetched
         except Exception as e:  # noqa: BLE001 - any failed transfer keeps the old weights
             self.failures += 1
             logger.warning("weight transfer from %s failed (%d so far); keeping %s: %s",

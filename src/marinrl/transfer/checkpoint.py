@@ -3,15 +3,18 @@
 Layout under ROOT:
 
     ROOT/step-000000042-e<epoch>/weights.bin      one version, packed format (transfer/packed.py), or
+    ROOT/step-000000042-e<epoch>/delta.bin        one version as a delta from the previous (delta: true), or
     ROOT/step-000000042-e<epoch>/<leaf>/<path>/   one version, a Levanter tensorstore checkpoint
-    ROOT/latest.json                              the pointer: the newest committed version
+    ROOT/latest.json                              the pointer: the newest committed version (and its
+                                                  delta chain back to the last snapshot)
+    ROOT/want-snapshot-<id>                       a client's request for a snapshot (a broken delta)
 
 A version folder is written once and never changed (its name holds the server's epoch, so a
 restarted trainer never overwrites the folder of a version a client may be reading). The pointer
 is written last, as a single atomic object (an atomic put on object stores, a rename on local
 disks), so a reader that follows it never sees a half-written version. After each commit the
 server deletes the versions older than the newest that are not among the `keep_last` it
-committed itself.
+committed itself, and the chain the pointer names.
 """
 
 from __future__ import annotations
@@ -45,13 +48,24 @@ from marinrl.transfer.base import (
     is_fully_addressable,
     new_epoch,
 )
-from marinrl.transfer.packed import read_packed, write_packed
+from marinrl.transfer.delta import (
+    DELTA,
+    FULL_EVERY_DEFAULT,
+    SNAPSHOT,
+    DeltaPublisher,
+    Link,
+    check_delta_config,
+    receive_model,
+)
+from marinrl.transfer.packed import read_packed, read_packed_meta, write_packed
 
 logger = logging.getLogger(__name__)
 
 POINTER_NAME = "latest.json"
 PACKED_NAME = "weights.bin"
-POINTER_FORMAT_VERSION = 1
+DELTA_NAME = "delta.bin"
+SNAPSHOT_REQUEST_PREFIX = "want-snapshot-"
+POINTER_FORMAT_VERSION = 2  # 2: a pointer may carry a delta chain; readers of 1 refuse it
 FORMATS = ("auto", "packed", "tensorstore")
 _VERSION_DIR = re.compile(r"^step-(\d+)-e(\d+)$")
 _LOCAL_PROTOCOLS = {"file", "local"}
@@ -80,6 +94,14 @@ class FilesystemTransferConfig(WeightTransferConfig):
     gs:// or local only); auto: packed unless the model is not fully addressable from one process."""
     storage_options: dict = dataclasses.field(default_factory=dict)
     """fsspec options (e.g. {"token": "anon"}). tensorstore takes its credentials from the environment."""
+    delta: bool = False
+    """Publish each version as the elements that changed since the previous one, with a full snapshot
+    every `full_every` versions (packed format only; checked per array by CRC-32 on the client). Pays
+    off for bf16 weights at small learning rates; fp32 weights change almost everywhere every step, so
+    off by default (docs/weight_transfer.md, docs/performance.md)."""
+    full_every: int = FULL_EVERY_DEFAULT
+    """With `delta`: every how many versions a full snapshot is written (a client that is further
+    behind, or new, loads the snapshot and the deltas after it)."""
 
     def __post_init__(self):
         if not self.root:
@@ -90,6 +112,9 @@ class FilesystemTransferConfig(WeightTransferConfig):
             raise ValueError(f"FilesystemTransferConfig.format must be one of {FORMATS}, got {self.format!r}")
         if self.format == "tensorstore" and fsspec.utils.get_protocol(self.root) not in _TENSORSTORE_PROTOCOLS:
             raise ValueError(f"format='tensorstore' needs a gs:// or local root, got {self.root!r}")
+        check_delta_config("FilesystemTransferConfig", self.delta, self.full_every)
+        if self.delta and self.format == "tensorstore":
+            raise ValueError("FilesystemTransferConfig.delta needs format 'packed' or 'auto', not 'tensorstore'")
 
     def build_server(self) -> "FilesystemWeightServer":
         return FilesystemWeightServer(self)
@@ -130,7 +155,11 @@ class _Root:
             if pointer["version"] != version_dir_name(version) or pointer["format"] not in ("packed", "tensorstore"):
                 raise ValueError(f"version {pointer['version']!r} or format {pointer['format']!r}")
             int(pointer["bytes"])
-        except (ValueError, KeyError, TypeError) as e:
+            if "chain" in pointer:
+                chain = [_chain_link(link) for link in pointer["chain"]]
+                if not chain or chain[-1].handle["version"] != pointer["version"]:
+                    raise ValueError("the chain does not end at the version")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise WeightFormatError(f"{where}: unreadable pointer ({e!r})") from e
         if int(pointer.get("format_version", 0)) > POINTER_FORMAT_VERSION:
             raise WeightFormatError(f"{where}: pointer format {pointer['format_version']} is newer than this reader's")
@@ -145,6 +174,15 @@ class _Root:
         with_retries(lambda: self.fs.makedirs(self.path, exist_ok=True), "creating", self.path)
         with_retries(lambda: self.fs.pipe_file(tmp, data), "writing", tmp)
         with_retries(lambda: self.fs.mv(tmp, self.pointer_path), "renaming", tmp)
+
+
+def _chain_link(record: dict) -> Link:
+    """A pointer's chain entry {"version", "kind", "file", "bytes", "crc32"} as a Link; ValueError if bad."""
+    version = parse_version_dir(str(record["version"]))
+    if version is None or record["kind"] not in (SNAPSHOT, DELTA) or record["file"] not in (PACKED_NAME, DELTA_NAME):
+        raise ValueError(f"bad chain entry {record!r:.200}")
+    int(record["bytes"]), int(record["crc32"])
+    return Link(version, record["kind"], record)
 
 
 def _attempt(what: str, where: str, fn):
@@ -175,6 +213,9 @@ class FilesystemWeightServer(WeightTransferServer):
         self.epoch = int(multihost.current_cohort().agree("weights-epoch", str(self.epoch)))
         self._committed: deque[str] = deque(maxlen=config.keep_last)
         self.versions_deleted = 0
+        self._delta = DeltaPublisher(config.full_every) if config.delta else None
+        self._chain: list[dict] = []  # the pointer's chain as of the last commit
+        self.deltas_published = 0
 
     def _publish(self, version: VersionId, model) -> tuple[str, int]:
         fmt = self.config.format
@@ -182,17 +223,67 @@ class FilesystemWeightServer(WeightTransferServer):
             fmt = "packed" if is_fully_addressable(model) else "tensorstore"
         name = version_dir_name(version)
         folder = f"{self._root.path}/{name}"
-        crc = None
-        if fmt == "packed":
+        crc, encoded, chain = None, None, None
+        if fmt == "packed" and self._delta is not None:
+            encoded, (nbytes, crc) = self._write_delta(folder, version, model)
+        elif fmt == "packed":
             nbytes, crc = self._write_packed(folder, model)
         else:
+            if self._delta is not None:
+                logger.warning("%s: the model is sharded over several hosts: publishing full tensorstore "
+                               "versions, not deltas", self._root.url)
+                self._delta = None
             nbytes = self._write_tensorstore(folder, model)
+        if encoded is not None:
+            record = {"version": name, "kind": encoded.kind, "file": PACKED_NAME if encoded.kind == SNAPSHOT
+                      else DELTA_NAME, "bytes": nbytes, "crc32": crc}
+            chain = [record] if encoded.kind == SNAPSHOT else [*self._chain, record]
         if jax.process_index() == 0:
-            self._commit(version, fmt, nbytes, crc)
+            self._commit(version, fmt, nbytes, crc, chain)
+            if encoded is not None:
+                self._delta.commit(encoded)
+                self._chain = chain
+                self.deltas_published += encoded.kind == DELTA
             self._collect_garbage(version)
         return self._root.display(folder), nbytes
 
-    def _commit(self, version: VersionId, fmt: str, nbytes: int, crc: int | None) -> None:
+    def _write_delta(self, folder: str, version: VersionId, model):
+        """Writes `model` as a snapshot (weights.bin) or a delta from the last commit (delta.bin)."""
+        names, arrays = _attempt("gathering the weights for", self._root.display(folder), lambda: host_leaves(model))
+        if jax.process_index() != 0:
+            return None, (sum(a.nbytes for a in arrays), 0)
+        if self._chain and not self._delta.snapshot_wanted:
+            self._delta.snapshot_wanted = self._take_snapshot_requests()
+        encoded = self._delta.encode(version, names, arrays)
+        path = f"{folder}/{PACKED_NAME if encoded.kind == SNAPSHOT else DELTA_NAME}"
+        fs = self._root.fs
+
+        def write():
+            fs.makedirs(folder, exist_ok=True)
+            with fs.open(path, "wb") as f:
+                return write_packed(f, encoded.names, encoded.arrays, encoded.meta)
+
+        return encoded, _attempt("writing", self._root.display(path), lambda: with_retries(write, "writing", path))
+
+    def _take_snapshot_requests(self) -> bool:
+        """Whether a client asked for a snapshot (a broken delta); deletes the requests. Best effort."""
+        fs, root = self._root.fs, self._root.path
+        fs.invalidate_cache(root)
+        try:
+            requests = [n for n in list_names(fs, root) if n.startswith(SNAPSHOT_REQUEST_PREFIX)]
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not list %s for snapshot requests: %s", self._root.url, e)
+            return False
+        for name in requests:
+            try:
+                fs.rm(f"{root}/{name}")
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not delete the snapshot request %s: %s", name, e)
+        if requests:
+            logger.info("%s: a client asked for a snapshot; publishing one", self._root.url)
+        return bool(requests)
+
+    def _commit(self, version: VersionId, fmt: str, nbytes: int, crc: int | None, chain: list | None) -> None:
         """Writes the pointer, unless a newer server has taken over the root."""
         where = self._root.display(self._root.pointer_path)
         try:
@@ -211,6 +302,10 @@ class FilesystemWeightServer(WeightTransferServer):
         pointer = {"format_version": POINTER_FORMAT_VERSION, "weight_step": version.weight_step,
                    "epoch": version.epoch, "version": name, "format": fmt, "bytes": nbytes,
                    "crc32": crc, "written_at": time.time()}
+        if chain is not None:
+            pointer["chain"] = chain
+        else:
+            pointer["format_version"] = 1  # what readers without delta support read
         _attempt("writing", where, lambda: self._root.write_pointer(pointer))
         self._committed.append(name)
 
@@ -249,9 +344,10 @@ class FilesystemWeightServer(WeightTransferServer):
         except Exception as e:  # noqa: BLE001
             logger.warning("could not list %s to delete old versions: %s", self._root.url, e)
             return
+        chain = {record["version"] for record in self._chain}
         for name in names:
             version = parse_version_dir(name)
-            if version is None or name in self._committed or not version < newest:
+            if version is None or name in self._committed or name in chain or not version < newest:
                 continue
             path = f"{root}/{name}"
             try:
@@ -264,7 +360,7 @@ class FilesystemWeightServer(WeightTransferServer):
 
     @property
     def metrics(self) -> dict[str, float]:
-        return {**super().metrics, "versions_deleted": self.versions_deleted}
+        return {**super().metrics, "versions_deleted": self.versions_deleted, "deltas_published": self.deltas_published}
 
 
 class FilesystemWeightClient(WeightTransferClient):
@@ -284,6 +380,8 @@ class FilesystemWeightClient(WeightTransferClient):
 
     def _fetch(self, version: VersionId, pointer: dict):
         folder = f"{self._root.path}/{pointer['version']}"
+        if "chain" in pointer:
+            return self._fetch_chain(pointer)
         if pointer["format"] == "packed":
             path = f"{folder}/{PACKED_NAME}"
             where = self._root.display(path)
@@ -291,8 +389,32 @@ class FilesystemWeightClient(WeightTransferClient):
             crc = pointer.get("crc32")
             names, arrays = read_packed(data, where, expected_bytes=int(pointer["bytes"]),
                                         expected_crc=None if crc is None else int(crc))
-            return self.skeleton.build(names, arrays, where), len(data)
-        return self._read_tensorstore(folder), self.skeleton.nbytes
+            return self.skeleton.build(names, arrays, where), len(data), version
+        return self._read_tensorstore(folder), self.skeleton.nbytes, version
+
+    def _fetch_chain(self, pointer: dict):
+        def load(link: Link):
+            record = link.handle
+            path = f"{self._root.path}/{record['version']}/{record['file']}"
+            data = with_retries(lambda: self._root.fs.cat_file(path), "reading", path)
+            meta, names, arrays = read_packed_meta(data, self._root.display(path), expected_bytes=int(record["bytes"]),
+                                                   expected_crc=int(record["crc32"]))
+            return meta, names, arrays, len(data)
+
+        return receive_model(self, [_chain_link(r) for r in pointer["chain"]], load)
+
+    def _request_snapshot(self) -> None:
+        """Asks the server for a snapshot at its next publish (a delta was broken); best effort."""
+        path = f"{self._root.path}/{SNAPSHOT_REQUEST_PREFIX}{uuid.uuid4().hex[:12]}"
+        try:
+            with_retries(lambda: self._root.fs.pipe_file(path, b"{}"), "writing", path)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not ask for a snapshot at %s: %s", self._root.display(path), e)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        receiver = getattr(self, "_delta_receiver", None)
+        return {**super().metrics, "delta_fallbacks": receiver.fallbacks if receiver else 0}
 
     def _read_tensorstore(self, folder: str):
         url = self._root.tensorstore_url(folder)

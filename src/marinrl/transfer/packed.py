@@ -2,7 +2,8 @@
 
     MAGIC (8 bytes) | header length (8 bytes, little-endian) | header (JSON, UTF-8) | padding | data
 
-The header is `{"format_version": 1, "leaves": [{"name", "dtype", "shape", "offset", "nbytes"}]}`;
+The header is `{"format_version": 1, "leaves": [{"name", "dtype", "shape", "offset", "nbytes"}]}`, plus
+`"meta"` (any JSON: the delta header of transfer/delta.py) when the writer gives one;
 offsets count from the start of the data, which begins (and every leaf begins) on a 64-byte
 boundary. Leaves are stored C-contiguous in native little-endian order; `dtype` is a NumPy/JAX
 dtype name (`float32`, `bfloat16`, ...). Written in one pass with a CRC-32 of every byte, read back
@@ -34,14 +35,18 @@ def _pad(n: int) -> int:
     return -n % ALIGN
 
 
-def write_packed(f: BinaryIO, names: Sequence[str], arrays: Sequence[np.ndarray]) -> tuple[int, int]:
-    """Writes the leaves to the binary file `f`; returns (bytes written, CRC-32 of them)."""
+def write_packed(f: BinaryIO, names: Sequence[str], arrays: Sequence[np.ndarray],
+                 meta: dict | None = None) -> tuple[int, int]:
+    """Writes the leaves (and `meta`, if given) to the binary file `f`; returns (bytes written, CRC-32)."""
     leaves, offset = [], 0
     for name, a in zip(names, arrays, strict=True):
         leaves.append({"name": name, "dtype": a.dtype.name, "shape": list(a.shape), "offset": offset,
                        "nbytes": a.nbytes})
         offset += a.nbytes + _pad(a.nbytes)
-    header = json.dumps({"format_version": FORMAT_VERSION, "leaves": leaves}).encode()
+    header = {"format_version": FORMAT_VERSION, "leaves": leaves}
+    if meta is not None:
+        header["meta"] = meta
+    header = json.dumps(header).encode()
     crc, total = 0, 0
 
     def put(buf) -> None:
@@ -61,6 +66,13 @@ def write_packed(f: BinaryIO, names: Sequence[str], arrays: Sequence[np.ndarray]
 def read_packed(data: bytes, where: str, *, expected_bytes: int | None = None,
                 expected_crc: int | None = None) -> tuple[list[str], list[np.ndarray]]:
     """Parses packed bytes into (names, read-only NumPy views); raises WeightFormatError naming `where`."""
+    _, names, arrays = read_packed_meta(data, where, expected_bytes=expected_bytes, expected_crc=expected_crc)
+    return names, arrays
+
+
+def read_packed_meta(data: bytes, where: str, *, expected_bytes: int | None = None,
+                     expected_crc: int | None = None) -> tuple[dict | None, list[str], list[np.ndarray]]:
+    """Like `read_packed`, with the header's `meta` (None if it has none) first."""
     if expected_bytes is not None and len(data) != expected_bytes:
         raise WeightFormatError(f"{where}: {len(data)} bytes, the pointer says {expected_bytes}")
     if expected_crc is not None and zlib.crc32(data) != expected_crc:
@@ -72,7 +84,8 @@ def read_packed(data: bytes, where: str, *, expected_bytes: int | None = None,
         header = json.loads(data[_PREFIX:_PREFIX + header_len])
         version = int(header["format_version"])
         leaves = header["leaves"]
-    except (ValueError, KeyError, TypeError) as e:
+        meta = header.get("meta")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise WeightFormatError(f"{where}: unreadable header ({e!r})") from e
     if version != FORMAT_VERSION:
         raise WeightFormatError(f"{where}: format version {version}, this reader knows {FORMAT_VERSION}")
@@ -92,4 +105,4 @@ def read_packed(data: bytes, where: str, *, expected_bytes: int | None = None,
         else:
             arrays.append(np.frombuffer(data, dtype=dtype, count=count, offset=start + offset).reshape(shape))
         names.append(name)
-    return names, arrays
+    return meta, names, arrays
