@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 
 import numpy as np
 
@@ -75,6 +76,26 @@ def test_on_policy_job_trains_every_step_on_its_own_weights(tmp_path, ray_sessio
     summary = summarize(f"{cfg.run_dir}/rollouts")
     assert summary["totals"]["rollouts"] == rollouts["rollouts_written"]
     assert sorted(map(int, summary["steps"])) == [0, 1, 2, 3, 4]  # one weight version per batch, each trained
+
+
+def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_path, ray_session):
+    """Weights reach the rollout worker as deltas (a snapshot every 3 versions): on-policy, each step's
+    importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
+    weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
+    64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
+    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+
+    weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
+    cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)
+    history = result.train["history"]
+    assert result.train["final_step"] == 5 and all(h["batch/staleness_max"] == 0 for h in history)
+    logged = [json.loads(line.split("json_logger: ", 1)[1]) for line in
+              (tmp_path / "job" / "logs" / "trainer.log").read_text().splitlines() if "json_logger: {" in line]
+    ratios = {e["step"]: (e["metrics"]["train/ratio_min"], e["metrics"]["train/ratio_max"]) for e in logged
+              if e.get("event") == "log" and "train/ratio_min" in e["metrics"]}
+    assert sorted(ratios) == [0, 1, 2, 3, 4], ratios  # Levanter's step of each of the 5 updates
+    assert all(abs(lo - 1) < 1e-3 and abs(hi - 1) < 1e-3 for lo, hi in ratios.values()), ratios
+    assert list((tmp_path / "job" / "weights").rglob("delta.bin"))  # the versions after a snapshot were deltas
 
 
 def test_async_job_overlaps_generation_with_training(tmp_path, ray_session):
