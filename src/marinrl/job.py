@@ -28,6 +28,7 @@ from marinrl.logs import local_log_dir, log_to_file
 from marinrl.placement import check_cluster
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
+from marinrl.startup import StartupClock
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
 
@@ -57,14 +58,15 @@ def _actor_env() -> dict[str, str]:
 @ray.remote(max_concurrency=2)
 class TrainerActor:
     def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str],
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
+        clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         from marinrl.train.worker import TrainWorker
 
         if log_dir:  # named loggers: Levanter's initialize() replaces the root logger's handlers
             log_to_file(log_dir, "trainer", loggers=("marinrl", "levanter"))
 
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
-        self.worker = TrainWorker(config, curriculum=curriculum)
+        self.worker = TrainWorker(config, curriculum=curriculum, startup=clock)
 
     def run(self) -> dict:
         result = self.worker.run()
@@ -84,7 +86,8 @@ class TrainerActor:
 @ray.remote(max_concurrency=2)
 class RolloutActor:
     def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str],
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
+        clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         from marinrl.inference.server import InferenceServer
         from marinrl.models import build_model, build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager
@@ -95,8 +98,11 @@ class RolloutActor:
 
         tokenizer = build_tokenizer(job.model)
         inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
-        server = InferenceServer(inference, build_model(job.model), tokenizer).start()
+        model = build_model(job.model)
+        clock.mark("model")
+        server = InferenceServer(inference, model, tokenizer).start()
         server.wait_until_ready()
+        clock.mark("server")
         lessons = {
             lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
                                             sampling=lesson.sampling_params(tokenizer, "train"),
@@ -107,7 +113,8 @@ class RolloutActor:
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
         manager = RolloutManager(server, lessons, curriculum)
         self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
-                                    worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index))
+                                    worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
+                                    startup=clock)
 
     def run(self) -> dict:
         try:
@@ -176,7 +183,7 @@ class RLJob:
 
     def run(self) -> JobResult:
         cfg = self.config
-        started = time.time()
+        started = self._started = time.time()  # the origin of the actors' `startup:` log lines
         self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
         namespace = self._init_ray()
         try:  # before any actor: a request no node can hold would leave its actor pending forever
@@ -192,7 +199,7 @@ class RLJob:
                 _log_curriculum_to_file, self._log_dir))
             if group is None:
                 trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
-                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
+                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir, started)
                 self._actors.append(trainer)
                 train_refs = [trainer.run.remote()]
             else:
@@ -232,7 +239,7 @@ class RLJob:
                                 raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
-                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace)
+                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
@@ -277,10 +284,10 @@ class RLJob:
         self._actors.append(handle)
         return name
 
-    def _rollout_actor(self, i: int, curriculum_name, namespace):
+    def _rollout_actor(self, i: int, curriculum_name, namespace, restart: bool = False):
         cfg = self.config
-        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(
-            cfg, i, curriculum_name, namespace, self._log_dir)
+        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(  # a restart's clock starts at its own start
+            cfg, i, curriculum_name, namespace, self._log_dir, None if restart else self._started)
         self._actors.append(actor)
         return actor
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from marinrl.envs.base import COUNTERS
 from marinrl.logs import ENV_ERRORS
+from marinrl.startup import StartupClock
 from marinrl.storage import RolloutStorageError, RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
@@ -106,8 +107,10 @@ class RolloutWorker:
     """One rollout worker. `run()` loops until the trainer's final weights arrive or `stop()`."""
 
     def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *, worker_id: str,
-                 tracker: Tracker | None = None):
+                 tracker: Tracker | None = None, startup: StartupClock | None = None):
         self.config = config
+        self.startup = startup or StartupClock()
+        """Its `startup:` log line (docs/performance.md, "First step")."""
         self.manager = manager
         self.lessons = lessons
         self.worker_id = worker_id
@@ -134,10 +137,13 @@ class RolloutWorker:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
+        clock = self.startup
         self._receive(self._client.wait_for(0, cfg.weight_timeout_s))
+        clock.mark("wait_weights")
         target = self.weight_step  # the trainer step the next batch is for
         batches = 0
         self._evaluate(full=True)
+        clock.mark("first_eval")
         last_eval_step = self.weight_step
         while not self._stop.is_set() and not self.finished:
             update = self._client.poll()
@@ -156,6 +162,9 @@ class RolloutWorker:
             if self._generate_and_write(target):
                 target += 1
                 batches += 1
+                if batches == 1:
+                    clock.mark("first_batch")
+                    clock.log(logger, self.worker_id)
             if cfg.micro_eval_every and batches % cfg.micro_eval_every == 0:
                 self._evaluate(full=False)
             if cfg.eval_every and self.weight_step - last_eval_step >= cfg.eval_every:

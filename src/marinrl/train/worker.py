@@ -31,6 +31,7 @@ from levanter.trainer import Trainer, TrainerConfig
 
 from marinrl import multihost
 from marinrl.models import ModelConfig, build_model
+from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
@@ -191,8 +192,9 @@ class TrainWorker:
     """One trainer: `run()` until `trainer.num_train_steps` or `stop()`; resumable from its checkpoints."""
 
     def __init__(self, config: TrainWorkerConfig, *, curriculum: CurriculumHandle | None = None,
-                 on_step: Callable[[int, dict], None] | None = None):
+                 on_step: Callable[[int, dict], None] | None = None, startup: StartupClock | None = None):
         self.config = config
+        self._startup = startup or StartupClock()  # its `startup:` log line: docs/performance.md, "First step"
         self._curriculum = curriculum
         self._on_step = on_step
         self._stop = threading.Event()
@@ -211,7 +213,9 @@ class TrainWorker:
     def run(self) -> TrainResult:
         cfg = self.config
         trainer_cfg = multihost.levanter_trainer_config(cfg.trainer)
+        clock = self._startup
         levanter.initialize(trainer_cfg)
+        clock.mark("init")
         num_steps = trainer_cfg.num_train_steps
         optimizer = cfg.optimizer.build(num_steps)
         header = describe(cfg.loss)
@@ -225,14 +229,17 @@ class TrainWorker:
                      add_default_hooks=False) as trainer:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
             state, replay, skipped = self._initial_state(trainer)
+            clock.mark("state")
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
 
             reference = build_reference(cfg.model, trainer) if cfg.loss.uses_reference else None
+            clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
             server.publish(state.model, first_step)  # the weights rollouts for `first_step` need
+            clock.mark("publish")
             checkpointer = trainer_cfg.checkpointer.create(trainer.run_id)
             batch_size = trainer_cfg.train_batch_size
             last_ckpt = None
@@ -268,6 +275,11 @@ class TrainWorker:
                     if published:
                         server.publish(state.model, self.step)
                     t4 = time.perf_counter()
+                    if self.step == first_step + 1:  # the first step's parts, compiles included
+                        for phase, seconds in (("first_wait", t1 - t0), ("first_batch", t2 - t1),
+                                               ("first_update", t3 - t2), ("first_publish", t4 - t3)):
+                            clock.mark(phase, seconds)
+                        clock.log(logger, "trainer")
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         last_ckpt = self._checkpoint(checkpointer, info, replay)
                     metrics = {
