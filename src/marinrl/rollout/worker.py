@@ -24,6 +24,7 @@ import numpy as np
 
 from marinrl.envs.base import COUNTERS
 from marinrl.logs import ENV_ERRORS
+from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutStorageError, RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
@@ -69,6 +70,11 @@ class RolloutWorkerConfig:
     max_consecutive_env_failures: int = 5
     """A lesson whose environment fails this many calls in a row (it raises, fails to construct, or
     yields no usable group) raises `EnvironmentFailedError`; a good batch of the lesson resets its count."""
+    warm_up_sampler: bool = True
+    """Before weight step 0 arrives, compile the sampler for the first eval's and the first batch's
+    shapes with the initial weights (each lesson's environment runs once per kind of call against a dry
+    run that generates nothing: `marinrl/rollout/warmup.py`), while the trainer initializes. Off: for
+    environments with side effects per call; the first eval and batch then compile after step 0."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
 
@@ -138,6 +144,9 @@ class RolloutWorker:
     def run(self) -> dict[str, Any]:
         cfg = self.config
         clock = self.startup
+        if cfg.warm_up_sampler:
+            self.warm_up()
+            clock.mark("warm_up")
         self._receive(self._client.wait_for(0, cfg.weight_timeout_s))
         clock.mark("wait_weights")
         target = self.weight_step  # the trainer step the next batch is for
@@ -174,6 +183,15 @@ class RolloutWorker:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
                 "evals": self.eval_history}
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile the sampler for the calls the worker makes first: a train batch, a full eval and (if
+        configured) a micro eval of every lesson; seconds per call (`marinrl/rollout/warmup.py`)."""
+        cfg = self.config
+        calls = [("train", cfg.groups_per_batch, cfg.n_generations), ("eval", cfg.eval_examples, 1)]
+        if cfg.micro_eval_every:
+            calls.append(("eval", cfg.micro_eval_examples, 1))
+        return warm_up_sampler(self.manager, calls)
 
     def _receive(self, update, waited_s: float = 0.0) -> None:
         self.manager.update_model(update.model, update.weight_step)
