@@ -24,7 +24,7 @@ import ray
 from marinrl.curriculum import CurriculumClient, curriculum_actor
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
-from marinrl.logs import local_log_dir, log_to_file
+from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
@@ -126,11 +126,6 @@ class RolloutActor:
         self.worker.stop()
 
 
-def _log_curriculum_to_file(actor, log_dir: str) -> None:
-    """Run inside the curriculum actor (through `__ray_call__`): its log goes to `curriculum.log` too."""
-    log_to_file(log_dir, "curriculum")
-
-
 def _rollout_tracker(job: RLJobConfig, index: int):
     from levanter.tracker import CompositeTracker
     from levanter.tracker.json_logger import JsonLoggerConfig
@@ -195,8 +190,8 @@ class RLJob:
                           wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
                           spread=group is not None and group.strategy == "STRICT_SPREAD")
             curriculum_name = self._start_curriculum(namespace)
-            ray.get(ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
-                _log_curriculum_to_file, self._log_dir))
+            curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
+                log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
             if group is None:
                 trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
                     cfg.train_worker_config(), curriculum_name, namespace, self._log_dir, started)
@@ -213,6 +208,7 @@ class RLJob:
                 actor = self._rollout_actor(i, curriculum_name, namespace)
                 rollouts.append(actor)
                 refs.append(actor.run.remote())
+            ray.get(curriculum_log)
             restarts = 0
             summaries: list[dict] = [{} for _ in rollouts]
             pending = {ref: i for i, ref in enumerate(refs)}
