@@ -39,14 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
-_PASSTHROUGH = ("XLA_FLAGS", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+_PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                 "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
                 "WANDB_BASE_URL", "WANDB_DIR")
 
 
 def _actor_env() -> dict[str, str]:
+    # USE_TORCH=0: `import levanter` imports transformers, which imports torch when it finds it: 250 MB
+    # of resident memory and seconds of CPU per actor for nothing (docs/performance.md, "Memory").
+    # Levanter's reader of pytorch_model.bin checkpoints imports torch itself and still works; set
+    # USE_TORCH=1 in the driver's environment for an environment that needs transformers' torch models.
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for passthrough in _PASSTHROUGH:
