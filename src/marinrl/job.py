@@ -28,7 +28,7 @@ from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
-from marinrl.startup import StartupClock
+from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
 
@@ -64,6 +64,7 @@ class TrainerActor:
     def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        import_tensorboardx_without_torch()  # before Levanter's tracker imports it
         from marinrl.train.worker import TrainWorker
 
         if log_dir:  # named loggers: Levanter's initialize() replaces the root logger's handlers
@@ -92,6 +93,7 @@ class RolloutActor:
     def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        import_tensorboardx_without_torch()  # before its tracker imports it
         from marinrl.inference.server import InferenceServer
         from marinrl.models import build_model, build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager

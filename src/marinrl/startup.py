@@ -16,6 +16,8 @@ loads (imports, the model, the reference, compiled programs) beside its peak (Vm
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from typing import Optional
 
@@ -59,6 +61,27 @@ class StartupClock:
         if not self._logged:
             self._logged = True
             log.info("%s (%s)", self.summary(), role)
+
+
+def import_tensorboardx_without_torch() -> None:
+    """Import tensorboardX (Levanter's TensorBoard tracker) with torch hidden, where the actors run with
+    USE_TORCH=0 (marinrl/job.py `_actor_env`). tensorboardX imports torch whenever it is installed, only
+    to accept torch tensors as values; hidden, it takes numpy arrays (all we log) and the process skips
+    torch: ~230 MB of resident memory and seconds of CPU (docs/performance.md, "Memory"). torch stays
+    importable afterwards (Levanter's pytorch_model.bin reader imports it when it needs it). Call it
+    before anything imports tensorboardX, from one thread (an actor's __init__)."""
+    if os.environ.get("USE_TORCH", "").upper() not in ("0", "FALSE", "NO", "OFF"):
+        return
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        return
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError meanwhile
+    try:
+        import tensorboardX.writer  # noqa: F401
+    except ImportError:  # not installed: nothing to do
+        pass
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
 
 
 def _peak_rss_mb() -> float:
