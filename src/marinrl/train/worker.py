@@ -22,6 +22,7 @@ import equinox as eqx
 import fsspec
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import levanter
 import levanter.tracker
 from levanter.metrics import Metric, ReductionType
@@ -177,15 +178,34 @@ class TrainResult:
     """`<folder>: <why>` for each newer checkpoint that did not load on resume."""
 
 
-def build_reference(config: ModelConfig, trainer: Trainer):
+def build_reference(config: ModelConfig, trainer: Trainer, initial_policy=None):
     """The frozen reference model, built as Levanter builds the policy: under the trainer's global mesh,
     sharded by its parameter axis mapping, so each process builds (or reads) only its own shards and the
     reference logprobs run SPMD like the loss. A from-scratch init under one `named_jit` draws the same
-    values as the policy's (same seed), so the KL starts at 0 on one host or several."""
+    values as the policy's (same seed), so the KL starts at 0 on one host or several.
+
+    `initial_policy`: the policy as freshly initialized from `config` (`_is_initial_policy`): the
+    reference is a device copy of it (the train step donates the policy's buffers), which skips
+    compiling the initializer a second time, or reading the checkpoint again."""
+    if initial_policy is not None:
+        with hax.partitioning.set_mesh(trainer.device_mesh):
+            return hax.named_jit(lambda m: jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, m),
+                                 out_axis_resources=trainer.parameter_axis_mapping)(initial_policy)
     if config.levanter_checkpoint or config.hf_checkpoint:  # read straight onto the mesh, shard by shard
         return build_model(config, axis_mapping=trainer.parameter_axis_mapping, mesh=trainer.device_mesh)
     with hax.partitioning.set_mesh(trainer.device_mesh):
         return hax.named_jit(lambda: build_model(config), out_axis_resources=trainer.parameter_axis_mapping)()
+
+
+def _is_initial_policy(config: ModelConfig, trainer: Trainer, state, resumed: bool) -> bool:
+    """Whether `state.model` holds exactly `build_model(config)`: a fresh start (no resume, no Levanter
+    `initialize_from` or `load_checkpoint_path`, step 0), no quantization, and every floating weight
+    kept in `config.dtype` (a mixed-precision cast to another parameter dtype would change values)."""
+    tc = trainer.config
+    if resumed or int(state.step) != 0 or tc.initialize_from or tc.load_checkpoint_path or tc.quantization:
+        return False
+    dtype = jnp.dtype(config.dtype)
+    return all(x.dtype == dtype for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
 
 
 class TrainWorker:
@@ -234,7 +254,11 @@ class TrainWorker:
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
 
-            reference = build_reference(cfg.model, trainer) if cfg.loss.uses_reference else None
+            reference = None
+            if cfg.loss.uses_reference:
+                fresh = _is_initial_policy(cfg.model, trainer, state, resumed=self._resumed_from is not None)
+                initial = state.model if fresh else None
+                reference = build_reference(cfg.model, trainer, initial_policy=initial)
             clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
