@@ -62,7 +62,8 @@ def make_worker(tmp_path, tiny_server, env, *, budget: int, env_name: str = "fau
                                                                  env_name=env_name)})
     config = RolloutWorkerConfig(rollout_root=f"{tmp_path}/rollouts", weights=weights, groups_per_batch=2,
                                  n_generations=2, max_staleness=1000, final_step=1000, eval_examples=2,
-                                 max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S)
+                                 max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S,
+                                 warm_up_sampler=False)  # the calls counted here are the worker's own (test_warmup.py)
     tracker = RecordingTracker()
     worker = RolloutWorker(config, manager, OneLesson(lesson), worker_id="w0", tracker=tracker)
     return worker, lesson, tracker, publisher

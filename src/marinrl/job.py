@@ -24,10 +24,11 @@ import ray
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
-from marinrl.logs import local_log_dir, log_to_file
+from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
+from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
 
@@ -38,14 +39,18 @@ logger = logging.getLogger(__name__)
 
 
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
-_PASSTHROUGH = ("XLA_FLAGS", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+_PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                 "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
                 "WANDB_BASE_URL", "WANDB_DIR")
 
 
 def _actor_env() -> dict[str, str]:
+    # USE_TORCH=0: `import levanter` imports transformers, which imports torch when it finds it: 250 MB
+    # of resident memory and seconds of CPU per actor for nothing (docs/performance.md, "Memory").
+    # Levanter's reader of pytorch_model.bin checkpoints imports torch itself and still works; set
+    # USE_TORCH=1 in the driver's environment for an environment that needs transformers' torch models.
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
-           "HF_HUB_OFFLINE": "1"}
+           "HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}
     cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for passthrough in _PASSTHROUGH:
@@ -57,14 +62,16 @@ def _actor_env() -> dict[str, str]:
 @ray.remote(max_concurrency=2)
 class TrainerActor:
     def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str],
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
+        clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        import_tensorboardx_without_torch()  # before Levanter's tracker imports it
         from marinrl.train.worker import TrainWorker
 
         if log_dir:  # named loggers: Levanter's initialize() replaces the root logger's handlers
             log_to_file(log_dir, "trainer", loggers=("marinrl", "levanter"))
 
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
-        self.worker = TrainWorker(config, curriculum=curriculum)
+        self.worker = TrainWorker(config, curriculum=curriculum, startup=clock)
 
     def run(self) -> dict:
         result = self.worker.run()
@@ -84,7 +91,9 @@ class TrainerActor:
 @ray.remote(max_concurrency=2)
 class RolloutActor:
     def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str],
-                 log_dir: Optional[str] = None):
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
+        clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        import_tensorboardx_without_torch()  # before its tracker imports it
         from marinrl.inference.server import InferenceServer
         from marinrl.models import build_model, build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager
@@ -95,8 +104,11 @@ class RolloutActor:
 
         tokenizer = build_tokenizer(job.model)
         inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
-        server = InferenceServer(inference, build_model(job.model), tokenizer).start()
+        model = build_model(job.model)
+        clock.mark("model")
+        server = InferenceServer(inference, model, tokenizer).start()
         server.wait_until_ready()
+        clock.mark("server")
         lessons = {
             lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
                                             sampling=lesson.sampling_params(tokenizer, "train"),
@@ -107,7 +119,8 @@ class RolloutActor:
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
         manager = RolloutManager(server, lessons, curriculum)
         self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
-                                    worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index))
+                                    worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
+                                    startup=clock)
 
     def run(self) -> dict:
         try:
@@ -117,11 +130,6 @@ class RolloutActor:
 
     def stop(self) -> None:
         self.worker.stop()
-
-
-def _log_curriculum_to_file(actor, log_dir: str) -> None:
-    """Run inside the curriculum actor (through `__ray_call__`): its log goes to `curriculum.log` too."""
-    log_to_file(log_dir, "curriculum")
 
 
 def _rollout_tracker(job: RLJobConfig, index: int):
@@ -176,7 +184,7 @@ class RLJob:
 
     def run(self) -> JobResult:
         cfg = self.config
-        started = time.time()
+        started = self._started = time.time()  # the origin of the actors' `startup:` log lines
         self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
         namespace = self._init_ray()
         try:  # before any actor: a request no node can hold would leave its actor pending forever
@@ -188,11 +196,11 @@ class RLJob:
                           wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
                           spread=group is not None and group.strategy == "STRICT_SPREAD")
             curriculum_name = self._start_curriculum(namespace)
-            ray.get(ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
-                _log_curriculum_to_file, self._log_dir))
+            curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
+                log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
             if group is None:
                 trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
-                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir)
+                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir, started)
                 self._actors.append(trainer)
                 train_refs = [trainer.run.remote()]
             else:
@@ -206,6 +214,7 @@ class RLJob:
                 actor = self._rollout_actor(i, curriculum_name, namespace)
                 rollouts.append(actor)
                 refs.append(actor.run.remote())
+            ray.get(curriculum_log)
             restarts = 0
             summaries: list[dict] = [{} for _ in rollouts]
             pending = {ref: i for i, ref in enumerate(refs)}
@@ -232,7 +241,7 @@ class RLJob:
                                 raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
-                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace)
+                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
@@ -277,10 +286,10 @@ class RLJob:
         self._actors.append(handle)
         return name
 
-    def _rollout_actor(self, i: int, curriculum_name, namespace):
+    def _rollout_actor(self, i: int, curriculum_name, namespace, restart: bool = False):
         cfg = self.config
-        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(
-            cfg, i, curriculum_name, namespace, self._log_dir)
+        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(  # a restart's clock starts at its own start
+            cfg, i, curriculum_name, namespace, self._log_dir, None if restart else self._started)
         self._actors.append(actor)
         return actor
 

@@ -83,6 +83,11 @@ class RLJobConfig:
     """A small eval (`micro_eval_examples` prompts per lesson) every this many batches a rollout worker
     writes; 0: none."""
     micro_eval_examples: int = 8
+    warm_up_sampler: bool = True
+    """Rollout workers compile their sampler for the first eval and the first batch while the trainer
+    initializes (each lesson's environment runs once per kind of call against a dry run that generates
+    nothing). False: for environments with side effects per call; the first eval and batch then compile
+    after weight step 0 arrives."""
     checkpoint_every: int = 0
     checkpoint_keep: int = 2
     """Checkpoints kept: the newest this many (older ones are deleted once a newer one is committed)."""
@@ -227,4 +232,4 @@ class RLJobConfig:
             max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
             eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
             micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
-            max_consecutive_env_failures=self.max_consecutive_env_failures)
+            max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler)

@@ -84,6 +84,7 @@ def sample(
     prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
     min_prompts: int = 1,
     mesh: Optional[Mesh] = None,
+    dry_run: bool = False,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -98,7 +99,11 @@ def sample(
 
     `mesh` (axes data, model; `sharding.rollout_mesh`): the model's weights are sharded over "model"
     (`sharding.place`), and so are the KV cache's heads; rows go over "data" when they divide evenly.
-    The samples are those of one device: same tokens, logprobs within float32 rounding."""
+    The samples are those of one device: same tokens, logprobs within float32 rounding.
+
+    `dry_run`: the same compiled program for the same shapes, but every row starts finished, so only
+    the prompts' prefill runs and every row comes back empty (length 0): compiles a call's shapes
+    ahead of time, e.g. before the policy's weights arrive (`marinrl/rollout/warmup.py`)."""
     check_supported(model)
     n_prompts = len(prompts)
     if prompt_keys is None:
@@ -141,7 +146,7 @@ def sample(
             ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
         part_lens = np.ones((chunk,), dtype=np.int32)
         part_lens[:len(part)] = lens[start:start + len(part)]
-        active = np.arange(chunk) < len(part)
+        active = np.arange(chunk) < (0 if dry_run else len(part))
         part_seeds = np.zeros((chunk,), dtype=np.uint32)
         part_seeds[:len(part)] = key_seeds[start:start + len(part)]
         part_index = np.zeros((chunk,), dtype=np.int32)

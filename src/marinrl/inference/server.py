@@ -241,8 +241,24 @@ class InferenceServer:
             raise ValueError(f"n must be >= 1, got {n}")
         return self.generate_requests([TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)])
 
+    def generate_dry(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, seed: int
+    ) -> list[list[Generation]]:
+        """What `generate` returns for these arguments, but every generation empty: the scan sampler
+        compiles (or reuses) the program `generate` would run for these shapes and runs only the
+        prompts' prefill. With the engine backend nothing runs. For warming up the sampler before the
+        policy's weights arrive (`marinrl/rollout/warmup.py`)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        requests = [TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)]
+        if self.config.backend == "scan" and requests:
+            self.generate_requests(requests, dry_run=True)
+        empty = Generation(np.zeros((0,), np.int32), np.zeros((0,), np.float32), "length")
+        return [[empty] * n for _ in prompts]
+
     def generate_requests(
-        self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1
+        self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1,
+        dry_run: bool = False,
     ) -> list[list[Generation]]:
         """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
         with equal sampling settings share one device call; sample j of a request depends only on
@@ -267,7 +283,7 @@ class InferenceServer:
             by_settings.setdefault((r.n, r.sampling), []).append(k)
         out: list = [None] * len(requests)
         for (n, sampling), ks in by_settings.items():
-            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch)
+            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run)
             for k, row in zip(ks, rows):
                 out[k] = row
         return out
@@ -286,7 +302,7 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
-    def _generate_scan(self, model, requests, n, sampling, min_batch):
+    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False):
         out = scan_sampler.sample(
             model,
             [r.prompt for r in requests],
@@ -299,6 +315,7 @@ class InferenceServer:
             prompt_keys=[(r.seed, r.index) for r in requests],
             min_prompts=min_batch,
             mesh=None if self._mesh is None else self._mesh.mesh,
+            dry_run=dry_run,
         )
         result = []
         for i in range(len(requests)):

@@ -107,9 +107,14 @@ def rollout_mesh(model, model_axis_size: Optional[int]) -> Optional[RolloutMesh]
 def place(model, where: Optional[RolloutMesh]):
     """`model` on the rollout shardings. A leaf already there (the weight transfer builds leaves with
     the served model's shardings) is kept as it is; any other is copied with one `device_put` to its
-    target sharding, each device receiving only its own slice."""
+    target sharding, each device receiving only its own slice. Without a mesh every leaf is committed
+    to the device it is on (no copy): the weight transfer delivers committed arrays, and jit compiles
+    anew for a committed argument where it saw an uncommitted one, so the sampler's programs compiled
+    with the initial weights (`marinrl/rollout/warmup.py`) would not serve the received ones."""
     if where is None:
-        return model
+        arrays, static = eqx.partition(model, lambda x: isinstance(x, jax.Array))
+        committed = jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), arrays)
+        return eqx.combine(committed, static)
     targets = target_shardings(model, where)
     arrays, static = eqx.partition(model, eqx.is_array)
 

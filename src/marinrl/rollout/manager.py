@@ -36,6 +36,11 @@ class LessonRuntime:
     env_name: str = ""
     """The environment as configured (its `EnvConfig.name`), for error messages."""
 
+    @property
+    def eval_params(self) -> SamplingParams:
+        """What evaluations sample with: `eval_sampling`, or greedy with the training settings."""
+        return self.eval_sampling or dataclasses.replace(self.sampling, temperature=0.0)
+
 
 class CurriculumStats(Protocol):
     def update_from_training(self, lesson_id: str, rewards: list[float], step: int) -> None: ...
@@ -61,7 +66,8 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ sampling
 
-    def _env(self, lesson_id: str) -> Env:
+    def env(self, lesson_id: str) -> Env:
+        """The lesson's environment, built on first use and cached (KeyError: no such lesson)."""
         if lesson_id not in self.lessons:
             raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.lessons)}")
         env = self._envs.get(lesson_id)
@@ -83,7 +89,7 @@ class RolloutManager:
         """One env call through `safe_sample`: an env that fails to construct or raises, and malformed
         groups, are counted (`<lesson>/env_failures`, `<lesson>/malformed_groups`), never raised."""
         try:
-            env = self._env(lesson_id)
+            env = self.env(lesson_id)
         except Exception as e:  # not cached: the next call tries again
             ENV_ERRORS.report(logger, f"building {self.describe_env(lesson_id)} of lesson {lesson_id!r} failed", e)
             return [], {f"{lesson_id}/{k}": float(k == "env_failures") for k in COUNTERS}
@@ -112,7 +118,7 @@ class RolloutManager:
         lesson = self.lessons.get(lesson_id)
         if lesson is None:
             raise KeyError(f"unknown lesson {lesson_id!r}; known: {sorted(self.lessons)}")
-        sampling = lesson.eval_sampling or dataclasses.replace(lesson.sampling, temperature=0.0)
+        sampling = lesson.eval_params
         groups, metrics = self._run_env(lesson_id, n_examples, 1, sampling, rng, "eval", weight_step, worker_id)
         rewards = [r.episode_reward for g in groups for r in g.rollouts]
         stats = {k.split("/", 1)[1]: v for k, v in metrics.items() if isinstance(v, float)}

@@ -26,6 +26,8 @@ from marinrl.config_checks import require_at_least
 from marinrl.envs.base import COUNTERS
 from marinrl.fs import RolloutStorageError
 from marinrl.logs import ENV_ERRORS
+from marinrl.rollout.warmup import warm_up_sampler
+from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
@@ -70,6 +72,11 @@ class RolloutWorkerConfig:
     max_consecutive_env_failures: int = 5
     """A lesson whose environment fails this many calls in a row (it raises, fails to construct, or
     yields no usable group) raises `EnvironmentFailedError`; a good batch of the lesson resets its count."""
+    warm_up_sampler: bool = True
+    """Before weight step 0 arrives, compile the sampler for the first eval's and the first batch's
+    shapes with the initial weights (each lesson's environment runs once per kind of call against a dry
+    run that generates nothing: `marinrl/rollout/warmup.py`), while the trainer initializes. Off: for
+    environments with side effects per call; the first eval and batch then compile after step 0."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
 
@@ -104,8 +111,10 @@ class RolloutWorker:
     """One rollout worker. `run()` loops until the trainer's final weights arrive or `stop()`."""
 
     def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *, worker_id: str,
-                 tracker: Tracker | None = None):
+                 tracker: Tracker | None = None, startup: StartupClock | None = None):
         self.config = config
+        self.startup = startup or StartupClock()
+        """Its `startup:` log line (docs/performance.md, "First step")."""
         self.manager = manager
         self.lessons = lessons
         self.worker_id = worker_id
@@ -132,10 +141,16 @@ class RolloutWorker:
 
     def run(self) -> dict[str, Any]:
         cfg = self.config
+        clock = self.startup
+        if cfg.warm_up_sampler:
+            self.warm_up()
+            clock.mark("warm_up")
         self._receive(self._client.wait_for(0, cfg.weight_timeout_s))
+        clock.mark("wait_weights")
         target = self.weight_step  # the trainer step the next batch is for
         batches = 0
         self._evaluate(full=True)
+        clock.mark("first_eval")
         last_eval_step = self.weight_step
         while not self._stop.is_set() and not self.finished:
             update = self._client.poll()
@@ -154,6 +169,9 @@ class RolloutWorker:
             if self._generate_and_write(target):
                 target += 1
                 batches += 1
+                if batches == 1:
+                    clock.mark("first_batch")
+                    clock.log(logger, self.worker_id)
             if cfg.micro_eval_every and batches % cfg.micro_eval_every == 0:
                 self._evaluate(full=False)
             if cfg.eval_every and self.weight_step - last_eval_step >= cfg.eval_every:
@@ -163,6 +181,15 @@ class RolloutWorker:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
                 "evals": self.eval_history}
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile the sampler for the calls the worker makes first: a train batch, a full eval and (if
+        configured) a micro eval of every lesson; seconds per call (`marinrl/rollout/warmup.py`)."""
+        cfg = self.config
+        calls = [("train", cfg.groups_per_batch, cfg.n_generations), ("eval", cfg.eval_examples, 1)]
+        if cfg.micro_eval_every:
+            calls.append(("eval", cfg.micro_eval_examples, 1))
+        return warm_up_sampler(self.manager, calls)
 
     def _receive(self, update, waited_s: float = 0.0) -> None:
         self.manager.update_model(update.model, update.weight_step)

@@ -22,6 +22,7 @@ import equinox as eqx
 import fsspec
 import haliax as hax
 import jax
+import jax.numpy as jnp
 import levanter
 import levanter.tracker
 from levanter.metrics import Metric, ReductionType
@@ -32,6 +33,7 @@ from levanter.trainer import Trainer, TrainerConfig
 from marinrl import multihost
 from marinrl.config_checks import require_at_least
 from marinrl.models import ModelConfig, build_model
+from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
@@ -169,23 +171,43 @@ class TrainResult:
     """`<folder>: <why>` for each newer checkpoint that did not load on resume."""
 
 
-def build_reference(config: ModelConfig, trainer: Trainer):
+def build_reference(config: ModelConfig, trainer: Trainer, initial_policy=None):
     """The frozen reference model, built as Levanter builds the policy: under the trainer's global mesh,
     sharded by its parameter axis mapping, so each process builds (or reads) only its own shards and the
     reference logprobs run SPMD like the loss. A from-scratch init under one `named_jit` draws the same
-    values as the policy's (same seed), so the KL starts at 0 on one host or several."""
+    values as the policy's (same seed), so the KL starts at 0 on one host or several.
+
+    `initial_policy`: the policy as freshly initialized from `config` (`_is_initial_policy`): the
+    reference is a device copy of it (the train step donates the policy's buffers), which skips
+    compiling the initializer a second time, or reading the checkpoint again."""
+    if initial_policy is not None:
+        with hax.partitioning.set_mesh(trainer.device_mesh):
+            return hax.named_jit(lambda m: jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, m),
+                                 out_axis_resources=trainer.parameter_axis_mapping)(initial_policy)
     if config.levanter_checkpoint or config.hf_checkpoint:  # read straight onto the mesh, shard by shard
         return build_model(config, axis_mapping=trainer.parameter_axis_mapping, mesh=trainer.device_mesh)
     with hax.partitioning.set_mesh(trainer.device_mesh):
         return hax.named_jit(lambda: build_model(config), out_axis_resources=trainer.parameter_axis_mapping)()
 
 
+def _is_initial_policy(config: ModelConfig, trainer: Trainer, state, resumed: bool) -> bool:
+    """Whether `state.model` holds exactly `build_model(config)`: a fresh start (no resume, no Levanter
+    `initialize_from` or `load_checkpoint_path`, step 0), no quantization, and every floating weight
+    kept in `config.dtype` (a mixed-precision cast to another parameter dtype would change values)."""
+    tc = trainer.config
+    if resumed or int(state.step) != 0 or tc.initialize_from or tc.load_checkpoint_path or tc.quantization:
+        return False
+    dtype = jnp.dtype(config.dtype)
+    return all(x.dtype == dtype for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
+
+
 class TrainWorker:
     """One trainer: `run()` until `trainer.num_train_steps` or `stop()`; resumable from its checkpoints."""
 
     def __init__(self, config: TrainWorkerConfig, *, curriculum: CurriculumHandle | None = None,
-                 on_step: Callable[[int, dict], None] | None = None):
+                 on_step: Callable[[int, dict], None] | None = None, startup: StartupClock | None = None):
         self.config = config
+        self._startup = startup or StartupClock()  # its `startup:` log line: docs/performance.md, "First step"
         self._curriculum = curriculum
         self._on_step = on_step
         self._stop = threading.Event()
@@ -204,7 +226,9 @@ class TrainWorker:
     def run(self) -> TrainResult:
         cfg = self.config
         trainer_cfg = multihost.levanter_trainer_config(cfg.trainer)
+        clock = self._startup
         levanter.initialize(trainer_cfg)
+        clock.mark("init")
         num_steps = trainer_cfg.num_train_steps
         optimizer = cfg.optimizer.build(num_steps)
         header = describe(cfg.loss)
@@ -218,14 +242,21 @@ class TrainWorker:
                      add_default_hooks=False) as trainer:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
             state, replay, skipped = self._initial_state(trainer)
+            clock.mark("state")
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
 
-            reference = build_reference(cfg.model, trainer) if cfg.loss.uses_reference else None
+            reference = None
+            if cfg.loss.uses_reference:
+                fresh = _is_initial_policy(cfg.model, trainer, state, resumed=self._resumed_from is not None)
+                initial = state.model if fresh else None
+                reference = build_reference(cfg.model, trainer, initial_policy=initial)
+            clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
             server.publish(state.model, first_step)  # the weights rollouts for `first_step` need
+            clock.mark("publish")
             checkpointer = trainer_cfg.checkpointer.create(trainer.run_id)
             batch_size = trainer_cfg.train_batch_size
             last_ckpt = None
@@ -261,6 +292,11 @@ class TrainWorker:
                     if published:
                         server.publish(state.model, self.step)
                     t4 = time.perf_counter()
+                    if self.step == first_step + 1:  # the first step's parts, compiles included
+                        for phase, seconds in (("first_wait", t1 - t0), ("first_batch", t2 - t1),
+                                               ("first_update", t3 - t2), ("first_publish", t4 - t3)):
+                            clock.mark(phase, seconds)
+                        clock.log(logger, "trainer")
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         last_ckpt = self._checkpoint(checkpointer, info, replay)
                     metrics = {
