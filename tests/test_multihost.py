@@ -130,8 +130,7 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path, kl_beta):
     producer = Producer(one.weights, one.rollout_root)
     producer.start()
     single = TrainWorker(one).run()
-    producer.halt.set()
-    producer.join(timeout=60)
+    producer.stop_after(steps)
     ref_weights = [arrays for _, arrays in sorted(producer.received, key=lambda r: r[0])]
     assert [s for s, _ in sorted(producer.received, key=lambda r: r[0])] == list(range(steps + 1))
 
@@ -142,8 +141,7 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path, kl_beta):
     producer.start()
     procs, logs = spawn_group(two_dir, "run", steps=steps, run_id="two", kl_beta=kl_beta)
     wait_all(procs)
-    producer.halt.set()
-    producer.join(timeout=60)
+    producer.stop_after(steps)
     got = sorted(producer.received, key=lambda r: r[0])
     assert [s for s, _ in got] == list(range(steps + 1))  # one published version per step, one writer
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -69,6 +70,18 @@ class WeightFollower(threading.Thread):
 
     def on_weights(self, update) -> None:
         raise NotImplementedError
+
+    def stop_after(self, weight_step: int, timeout_s: float = 120.0) -> None:
+        """Stops once the version `weight_step` was handled: a trainer's run() returns right after
+        publishing its last version, which this thread may not have read yet (polls, no fixed wait)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.client.weight_step is None or self.client.weight_step < weight_step) and self.is_alive():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"weight step {weight_step} not received within {timeout_s} s "
+                                     f"(last: {self.client.weight_step})")
+            time.sleep(0.05)
+        self.halt.set()
+        self.join(timeout=60)
 
 
 class Producer(WeightFollower):
