@@ -65,7 +65,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
     parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
                         help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
-    parser.add_argument("--shape", default="reference", choices=["reference", "realistic", "quickstart"])
+    parser.add_argument("--shape", default="reference", choices=["reference", "realistic"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.steps < 3:
@@ -126,7 +126,6 @@ def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan
 SHAPES = {  # prompts, samples, rows' max_length, min_bucket
     "reference": (PROMPTS, SAMPLES, 256, 16),
     "realistic": (16, 8, 768, 32),
-    "quickstart": (32, 16, 64, 8),  # the quickstart's batches: 5-token prompts, one-token responses
 }
 
 
@@ -136,12 +135,12 @@ def synthetic_rollouts(rng: np.random.Generator, step: int, shape: str = "refere
     prompts, samples = SHAPES[shape][:2]
     rollouts, advantages = [], []
     for _ in range(prompts):
-        prompt_tokens = {"reference": PROMPT_TOKENS, "quickstart": 5}.get(shape) or int(rng.integers(32, 257))
+        prompt_tokens = PROMPT_TOKENS if shape == "reference" else int(rng.integers(32, 257))
         prompt = rng.integers(2, VOCAB, prompt_tokens)
         rewards = rng.integers(0, 2, samples).astype(np.float64)
         group_id = uuid.UUID(int=int(rng.integers(0, 2**62))).hex
         for reward in rewards:
-            budget = {"reference": RESPONSE_TOKENS, "quickstart": 1}.get(shape) or \
+            budget = RESPONSE_TOKENS if shape == "reference" else \
                 int(np.clip(round(math.exp(rng.normal(math.log(64), 0.9))), 8, 512))
             tokens = rng.integers(2, VOCAB, budget)
             stops = np.flatnonzero(rng.random(budget) < 1.0 / VOCAB) if shape == "reference" else np.array([])
