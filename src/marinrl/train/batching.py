@@ -23,10 +23,9 @@ are not shared). Per-token values are 0 wherever `loss_mask` is 0 (temperature 1
 `PAD_ROW_WEIGHT_STEP`, sequence_ids -1), so a loss that forgets the mask still reads finite numbers.
 
 Shapes. The row length is the shortest bucket of `BatchingConfig.bucket_lengths()` that holds the longest
-block (one rollout when packed; a group's prompt and responses when shared, split at `max_length`): longer
-rows would only add attention over keys the mask hides. The number of rows comes from a ladder
-(`row_bucket`: 1..8, then 4 per octave) and is a multiple of `row_multiple` (the trainer's data-parallel or
-microbatch size), so a run compiles a few (rows, length) shapes. Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
+rollout and the batch's tokens spread over `row_multiple` rows (so big batches get rows of `max_length`
+and small ones short rows); the number of rows is a multiple of `row_multiple` (the trainer's data-parallel
+or microbatch size). Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
 """
 
 from __future__ import annotations
@@ -235,12 +234,10 @@ def pack_rollouts(
         rows = [[(i, [i])] for i in range(n)]
         num_rows = _round_up(batch_size, row_multiple)
     else:
-        # rows as long as the longest block (a split shared block fills max_length): attention costs
-        # rows x length^2, so longer rows than that would only add attention over masked-out keys
-        longest_block = max(p + sum(response_lengths[i] for i in m) for p, m in zip(prompt_lengths, members))
-        length = config.bucket_for(min(config.max_length, longest_block))
+        total = sum(prompt_lengths) + sum(response_lengths)
+        length = config.bucket_for(min(config.max_length, max(longest, math.ceil(total / row_multiple))))
         rows = plan_rows(prompt_lengths, members, response_lengths, length=length, split=config.layout == "shared")
-        num_rows = min(_round_up(row_bucket(len(rows)), row_multiple), _round_up(batch_size, row_multiple))
+        num_rows = _round_up(len(rows), row_multiple)
 
     shape = (num_rows, length)
     input_ids = np.full(shape, config.pad_token_id, dtype=np.int32)
@@ -317,15 +314,6 @@ def _blocks(rollouts: Sequence[Rollout], layout: Layout) -> tuple[list[np.ndarra
             members.append([])
         members[index[key]].append(i)
     return prompts, members
-
-
-def row_bucket(rows: int) -> int:
-    """Row counts a packed batch can have: every count to 8, then 4 per octave (10, 12, 14, 16, 20, …):
-    a run compiles a few shapes, not one per count, for at most 1/4 (on average ~1/8) padding rows."""
-    if rows <= 8:
-        return max(rows, 1)
-    step = 1 << (rows.bit_length() - 3)
-    return -(-rows // step) * step
 
 
 def _round_up(value: int, multiple: int) -> int:
