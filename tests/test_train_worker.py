@@ -227,7 +227,11 @@ class FileReplayer(WeightFollower):
     def on_weights(self, update) -> None:
         for path in self.files.pop(update.weight_step, []):
             (self.dest / path.parent.name).mkdir(parents=True, exist_ok=True)
-            (self.dest / path.parent.name / path.name).write_bytes(path.read_bytes())
+            # atomically, as RolloutWriter does: a reader listing the folder mid-write would see an empty
+            # .parquet and quarantine it (seen: "Parquet file size is 0 bytes", then a replay timeout)
+            tmp = self.dest / path.parent.name / f".{path.name}.tmp"
+            tmp.write_bytes(path.read_bytes())
+            tmp.rename(self.dest / path.parent.name / path.name)
 
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
