@@ -27,13 +27,20 @@ that they can be compared pairwise; medians with min and max over steps 3..--ste
 JSON line per mode (see ../shared/BENCHMARK.md).
 
 A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run. The
-defaults are what marinrl ships: the geometric bucket ladder (48-token rows stay 48) and unrolled layers
-(`scan_layers=False`, as `models._reference_llama`). Variants: `bucket<N>` (BatchingConfig(min_bucket=N):
-`bucket64` pads the rows to 64 as the old pow2-from-64 ladder did) and `scanned` (LlamaConfig
-scan_layers=True, Levanter's default). For example:
+defaults are what marinrl ships: the `shared` row layout (batching.py), the geometric bucket ladder and
+unrolled layers (`scan_layers=False`, as `models._reference_llama`). Variants: `padded`, `packed`, `shared`
+(BatchingConfig.layout: one rollout per row as before packing, rollouts packed into rows, and each group's
+prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)) and `scanned` (LlamaConfig
+scan_layers=True, Levanter's default). The first mode is the reference of the paired ratios. For example:
 
     python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
-    python bench/train_step.py --modes kl_0.04,kl_0.04+bucket64+scanned
+    python bench/train_step.py --modes kl_0.04+padded,kl_0.04+packed,kl_0.04+shared
+    python bench/train_step.py --shape realistic --steps 6 --modes kl_0.04+padded,kl_0.04+packed,kl_0.04+shared
+
+`--shape realistic` is issue 11's: 16 prompts × 8 samples, prompts uniform in 32–256 tokens, responses
+log-normal around a median of 64 tokens, clipped to 8–512 (rows up to 768 tokens). Per mode the run
+also reports trained (non-pad, loss-mask) tokens per second of update, the padding fraction (positions
+holding no token) and the row shape.
 
 `--devices N` runs on N fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, as the test
 harness does with 4); the default is one device, what a TrainWorker on this machine has. Other XLA flags
@@ -58,6 +65,7 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
     parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
                         help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
+    parser.add_argument("--shape", default="reference", choices=["reference", "realistic", "quickstart"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.steps < 3:
@@ -104,35 +112,49 @@ STOP_TOKEN = 1
 FIRST_MEASURED = 3  # 1-based: steps 1 and 2 are warm-up
 
 
-def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = False) -> ModelConfig:
-    """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds)."""
+def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = False,
+                           seq_len: int = 256) -> ModelConfig:
+    """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds); `seq_len` 768 for the
+    realistic shape's longest rollouts."""
     backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
-    llama = LlamaConfig(seq_len=256, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
+    llama = LlamaConfig(seq_len=seq_len, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
                         tie_word_embeddings=False, gradient_checkpointing=False, attn_backend=backend,
                         scan_layers=scan_layers)
     return ModelConfig(model=llama, vocab_size=VOCAB, seed=seed, init_std=0.02, dtype="float32")
 
 
-def synthetic_rollouts(rng: np.random.Generator, step: int) -> tuple[list[Rollout], np.ndarray]:
-    """One step's 8 groups × 8 samples, and their group mean/std advantages."""
+SHAPES = {  # prompts, samples, rows' max_length, min_bucket
+    "reference": (PROMPTS, SAMPLES, 256, 16),
+    "realistic": (16, 8, 768, 32),
+    "quickstart": (32, 16, 64, 8),  # the quickstart's batches: 5-token prompts, one-token responses
+}
+
+
+def synthetic_rollouts(rng: np.random.Generator, step: int, shape: str = "reference") -> tuple[list[Rollout], np.ndarray]:
+    """One step's groups (8 × 8 at the reference shape, 16 × 8 at the realistic one) and their group
+    mean/std advantages."""
+    prompts, samples = SHAPES[shape][:2]
     rollouts, advantages = [], []
-    for _ in range(PROMPTS):
-        prompt = rng.integers(2, VOCAB, PROMPT_TOKENS)
-        rewards = rng.integers(0, 2, SAMPLES).astype(np.float64)
+    for _ in range(prompts):
+        prompt_tokens = {"reference": PROMPT_TOKENS, "quickstart": 5}.get(shape) or int(rng.integers(32, 257))
+        prompt = rng.integers(2, VOCAB, prompt_tokens)
+        rewards = rng.integers(0, 2, samples).astype(np.float64)
         group_id = uuid.UUID(int=int(rng.integers(0, 2**62))).hex
         for reward in rewards:
-            tokens = rng.integers(2, VOCAB, RESPONSE_TOKENS)
-            stops = np.flatnonzero(rng.random(RESPONSE_TOKENS) < 1.0 / VOCAB)
-            n = RESPONSE_TOKENS if stops.size == 0 else int(stops[0]) + 1
+            budget = {"reference": RESPONSE_TOKENS, "quickstart": 1}.get(shape) or \
+                int(np.clip(round(math.exp(rng.normal(math.log(64), 0.9))), 8, 512))
+            tokens = rng.integers(2, VOCAB, budget)
+            stops = np.flatnonzero(rng.random(budget) < 1.0 / VOCAB) if shape == "reference" else np.array([])
+            n = budget if stops.size == 0 else int(stops[0]) + 1
             tokens = tokens[:n]
-            if n < RESPONSE_TOKENS:
+            if n < RESPONSE_TOKENS and shape == "reference":
                 tokens[-1] = STOP_TOKEN
             logprobs = np.minimum(-math.log(VOCAB) + 0.25 * rng.standard_normal(n), 0.0).astype(np.float32)
             rollouts.append(Rollout(
                 prompt_tokens=prompt, response_tokens=tokens, response_logprobs=logprobs,
                 temperature=1.0, loss_mask=np.ones(n, dtype=bool),
                 token_rewards=np.where(np.arange(n) == n - 1, reward, 0.0).astype(np.float32),
-                episode_reward=float(reward), finish_reason="stop" if n < RESPONSE_TOKENS else "length",
+                episode_reward=float(reward), finish_reason="stop" if n < budget else "length",
                 env_name="bench", lesson_id="bench", group_id=group_id,
                 metadata=RolloutMetadata("bench", step, 1_700_000_000.0)))
         advantages.extend(group_advantages(rewards, "group_std"))
@@ -171,21 +193,28 @@ class Mode:
     ref: list = dataclasses.field(default_factory=list)
     first_step_s: float = float("nan")
     first_breakdown: dict = dataclasses.field(default_factory=dict)
+    trained: list = dataclasses.field(default_factory=list)  # loss-mask tokens per step
+    padding: list = dataclasses.field(default_factory=list)  # positions holding no token / positions, per step
 
     @classmethod
     def parse(cls, spec: str, args) -> "Mode":
         head, *variants = spec.split("+")
         if not head.startswith("kl_"):
             raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")
-        batching, scan_layers = BatchingConfig(), False
+        _, _, max_length, min_bucket = SHAPES[args.shape]
+        batching, scan_layers = BatchingConfig(max_length=max_length, min_bucket=min_bucket), False
         for v in variants:
             if v.startswith("bucket") and v[6:].isdigit():
-                batching = BatchingConfig(min_bucket=int(v[6:]))
+                batching = dataclasses.replace(batching, min_bucket=int(v[6:]))
+            elif v in ("padded", "packed", "shared"):
+                batching = dataclasses.replace(batching, layout=v)
             elif v == "scanned":
                 scan_layers = True
             else:
-                raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected bucket<N> or scanned")
-        model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers)
+                raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected padded, packed, shared, "
+                                 "bucket<N> or scanned")
+        model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers,
+                                       seq_len=max(256, max_length))
         return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
 
     def setup(self, trainer_cfg, optimizer) -> None:
@@ -225,7 +254,10 @@ class Mode:
                 "first_step_s": stats([self.first_step_s]),
                 "step_s": stats([u[0] + r[0] for u, r in zip(self.update, self.ref)]),
                 "update_cpu_s": timed(self.update, 1), "ref_logprobs_cpu_s": timed(self.ref, 1),
-                "positions": self.batches[0].Pos.size, "devices": jax.device_count()}
+                "trained_tokens_per_s": stats([t / u[0] for t, u in zip(self.trained[FIRST_MEASURED - 1:], self.update)]),
+                "padding_fraction": float(np.mean(self.padding)),
+                "rows": sorted({b.Batch.size for b in self.batches}), "positions": sorted({b.Pos.size for b in self.batches}),
+                "devices": jax.device_count()}
 
 
 def _summary(mode: Mode, r: dict) -> str:
@@ -242,8 +274,10 @@ def _summary(mode: Mode, r: dict) -> str:
 
 def main(args) -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="marinrl-bench-train-step-"))
+    prompts, samples = SHAPES[args.shape][:2]
+    batch_size = prompts * samples
     trainer_cfg = cpu_trainer_config(
-        num_train_steps=args.steps + 1, train_batch_size=PROMPTS * SAMPLES, log_dir=work / "logs",
+        num_train_steps=args.steps + 1, train_batch_size=batch_size, log_dir=work / "logs",
         checkpointer=CheckpointerConfig(base_path=str(work / "checkpoints")), id=f"bench-{uuid.uuid4().hex[:8]}",
         # The worker's tracker, quieter: metrics are still fetched and serialized each step, not printed.
         tracker=JsonLoggerConfig(level=logging.WARNING))
@@ -252,21 +286,25 @@ def main(args) -> None:
     modes = [Mode.parse(m, args) for m in args.modes.split(",") if m]
 
     rng = np.random.default_rng(args.seed)
-    steps = [synthetic_rollouts(rng, step) for step in range(args.steps)]
+    steps = [synthetic_rollouts(rng, step, args.shape) for step in range(args.steps)]
     for mode in modes:
-        mode.batches = [make_training_batch(r, a, batch_size=PROMPTS * SAMPLES, config=mode.batching) for r, a in steps]
-    trained = float(np.mean([np.asarray(b.loss_mask.array).sum() for b in modes[0].batches]))
+        mode.batches = [make_training_batch(r, a, batch_size=batch_size, config=mode.batching,
+                                            row_multiple=trainer_cfg.data_axis_size) for r, a in steps]
+        mode.trained = [float(np.asarray(b.loss_mask.array).sum()) for b in mode.batches]
+        mode.padding = [float((np.asarray(b.segment_ids.array) < 0).mean()) for b in mode.batches]
+    trained = float(np.mean(modes[0].trained))
     longest = max(r.num_tokens for rollouts, _ in steps for r in rollouts)
 
     load_start = os.getloadavg()[0]
-    print(f"train step at the reference shape on {jax.device_count()} {jax.default_backend()} device(s): "
-          f"{PROMPTS * SAMPLES} rows of up to {longest} tokens, {trained:.0f} trained tokens per step; "
+    print(f"train step at the {args.shape} shape on {jax.device_count()} {jax.default_backend()} device(s): "
+          f"{batch_size} rollouts of up to {longest} tokens, {trained:.0f} trained tokens per step; "
           f"attention {args.attn_backend}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
           f"load average {load_start:.1f} on {os.cpu_count()} CPUs")
     try:
         # First steps one mode after the other (compiles), then the other steps interleaved, alternating order.
         for mode in modes:
-            print(f"[{mode.name}] {describe(mode.loss)}; {mode.batches[0].Pos.size} positions; "
+            print(f"[{mode.name}] {describe(mode.loss)}; rows × positions {mode.batches[0].Batch.size} × "
+                  f"{mode.batches[0].Pos.size} (first batch); "
                   f"scan_layers={mode.model.model.scan_layers}")
             with _Timer() as setup_t:
                 mode.setup(trainer_cfg, optimizer)
@@ -287,9 +325,16 @@ def main(args) -> None:
     results = [{**mode.result(), "load_avg": load} for mode in modes]
     for mode, r in zip(modes, results):
         print(f"[{mode.name}] {_summary(mode, r)}; steps {FIRST_MEASURED}-{args.steps}")
+    for mode, r in zip(modes, results):
+        print(f"[{mode.name}] trained tokens/s {r['trained_tokens_per_s']['median']:.0f}; padding fraction "
+              f"{r['padding_fraction']:.3f}; rows {r['rows']}, positions {r['positions']}")
     for mode in modes[1:]:
         ratio = statistics.median([a[0] / b[0] for a, b in zip(mode.update, modes[0].update)])
-        print(f"update {mode.name} / {modes[0].name}: median paired ratio {ratio:.3f}")
+        line = f"update {mode.name} / {modes[0].name}: median paired ratio {ratio:.3f}"
+        if mode.reference is not None and modes[0].reference is not None:
+            ref_ratio = statistics.median([a[0] / b[0] for a, b in zip(mode.ref, modes[0].ref)])
+            line += f"; reference logprobs {ref_ratio:.3f}"
+        print(line)
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB (all modes in one process); "
           f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
           "(wall times scale with it, CPU times much less)")

@@ -27,7 +27,7 @@ def rollout(prompt, response, *, mask=None, logprobs=None, temperature=1.0, w=0,
         group_id=gid, metadata=RolloutMetadata("w0", w, 0.0))
 
 
-SMALL = BatchingConfig(max_length=16, min_bucket=8)  # buckets 8, 12, 16
+SMALL = BatchingConfig(max_length=16, min_bucket=8, layout="padded")  # buckets 8, 12, 16; one rollout per row
 
 
 def test_bucket_lengths():
@@ -46,11 +46,11 @@ def test_bucket_lengths():
     # The reference shape (16 prompt + 32 response tokens) is not padded; no row is padded by half or more.
     assert BatchingConfig().bucket_for(48) == 48
     assert all(BatchingConfig().bucket_for(n) < 1.5 * n for n in range(17, 2049))
-    with pytest.raises(ValueError, match="1001 tokens does not fit max_length=1000"):
+    with pytest.raises(ValueError, match="1001 tokens does not fit BatchingConfig.max_length=1000"):
         config.bucket_for(1001)
 
 
-@pytest.mark.parametrize("bad", [dict(buckets="fib"), dict(max_length=1), dict(min_bucket=0),
+@pytest.mark.parametrize("bad", [dict(buckets="fib"), dict(layout="dense"), dict(max_length=1), dict(min_bucket=0),
                                  dict(bucket_multiple=0), dict(pad_token_id=-1)])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):
@@ -80,11 +80,21 @@ def test_alignment_masks_and_padding_by_hand():
     np.testing.assert_array_equal(arrays["advantages"], [[0, 0, 2, 0, 2, 0, 0, 0],
                                                          [-1, -1, 0, 0, 0, 0, 0, 0],
                                                          [0, 0, 0, 0, 0, 0, 0, 0]])
-    np.testing.assert_allclose(arrays["temperature"], [0.7, 1.0, 1.0], rtol=1e-6)
-    np.testing.assert_array_equal(arrays["weight_step"], [3, 4, PAD_ROW_WEIGHT_STEP])
+    np.testing.assert_allclose(arrays["temperature"], [[1, 1, 0.7, 1, 0.7, 1, 1, 1], [1] * 8, [1] * 8], rtol=1e-6)
+    pad = PAD_ROW_WEIGHT_STEP
+    np.testing.assert_array_equal(arrays["weight_step"], [[pad, pad, 3, pad, 3, pad, pad, pad],
+                                                          [4, 4] + [pad] * 6, [pad] * 8])
+    np.testing.assert_array_equal(arrays["sequence_ids"], [[-1, -1, 0, -1, 0, -1, -1, -1], [0, 0] + [-1] * 6, [-1] * 8])
+    np.testing.assert_array_equal(arrays["position_ids"], [[0, 1, 2, 3, 4, 5, 0, 0], [0, 1, 2] + [0] * 5, [0] * 8])
+    np.testing.assert_array_equal(arrays["source_positions"], np.tile(np.arange(8), (3, 1)))
+    np.testing.assert_array_equal(arrays["response_ids"], [[0, 0, 0, 1, 1, 1, 0, 0], [0, 1, 1] + [0] * 5, [0] * 8])
+    np.testing.assert_array_equal(arrays["segment_ids"], [[0] * 6 + [-1] * 2, [0] * 3 + [-1] * 5, [-1] * 8])
+    np.testing.assert_allclose(arrays["sequence_slots"], [1, 1, 1])
     assert {k: v.dtype for k, v in arrays.items()} == {
-        "input_ids": np.int32, "target_ids": np.int32, "loss_mask": np.float32, "sampler_logprobs": np.float32,
-        "advantages": np.float32, "temperature": np.float32, "weight_step": np.int32}
+        "input_ids": np.int32, "target_ids": np.int32, "source_positions": np.int32, "position_ids": np.int32,
+        "segment_ids": np.int32, "response_ids": np.int32, "sequence_ids": np.int32, "loss_mask": np.float32,
+        "sampler_logprobs": np.float32, "advantages": np.float32, "temperature": np.float32,
+        "weight_step": np.int32, "sequence_slots": np.float32}
 
 
 def test_every_trained_target_is_the_response_token_with_its_logprob():
@@ -96,7 +106,7 @@ def test_every_trained_target_is_the_response_token_with_its_logprob():
         rollouts.append(rollout(rng.integers(0, 500, p), rng.integers(0, 500, r), mask=mask,
                                 logprobs=-rng.random(r), gid=f"g{i}"))
         advantages.append(float(rng.normal()))
-    config = BatchingConfig(max_length=64, min_bucket=8)
+    config = BatchingConfig(max_length=64, min_bucket=8, layout="padded")
     arrays = pack_rollouts(rollouts, advantages, batch_size=8, config=config)
     for i, r in enumerate(rollouts):
         trained = np.flatnonzero(arrays["loss_mask"][i])
@@ -121,14 +131,14 @@ def test_untrainable_rows_keep_their_tokens_but_no_mask():
 
 
 def test_pad_token_fills_padding():
-    config = BatchingConfig(max_length=8, min_bucket=4, pad_token_id=99)
+    config = BatchingConfig(max_length=8, min_bucket=4, pad_token_id=99, layout="padded")
     arrays = pack_rollouts([rollout([1], [2])], [0.5], batch_size=2, config=config)
     np.testing.assert_array_equal(arrays["input_ids"], [[1, 2, 99, 99], [99, 99, 99, 99]])
     np.testing.assert_array_equal(arrays["target_ids"], [[2, 99, 99, 99], [99, 99, 99, 99]])
 
 
 def test_shapes_come_from_the_buckets_only():
-    config = BatchingConfig(max_length=64, min_bucket=8)
+    config = BatchingConfig(max_length=64, min_bucket=8, layout="padded")
     shapes = {pack_rollouts([rollout([1] * p, [2] * r)], [0.0], batch_size=4, config=config)["input_ids"].shape
               for p in (1, 5, 20) for r in (1, 7, 30, 40) if p + r <= 64}
     assert shapes == {(4, 8), (4, 12), (4, 24), (4, 32), (4, 48), (4, 64)}
@@ -146,7 +156,8 @@ def test_errors_name_the_problem():
         pack_rollouts([ok], [np.zeros(3)], batch_size=2, config=SMALL)
     with pytest.raises(ValueError, match="empty prompt"):
         pack_rollouts([rollout([], [2, 3])], [0.0], batch_size=2, config=SMALL)
-    with pytest.raises(ValueError, match=r"group 'long'\) has 17 tokens \(7 prompt \+ 10 response\)"):
+    with pytest.raises(ValueError, match=r"group 'long'\) has 17 tokens \(7 prompt \+ 10 response\), more than a "
+                                         r"row holds: BatchingConfig.max_length=16"):
         pack_rollouts([rollout([1] * 7, [2] * 10, gid="long")], [0.0], batch_size=2, config=SMALL)
     with pytest.raises(ValueError, match="zero rollouts"):
         pack_rollouts([], [], batch_size=2, config=SMALL)
@@ -164,6 +175,5 @@ def test_training_batch_is_named_and_matches_the_numpy_arrays():
         assert field.axes == ((batch.Batch, batch.Pos) if arr.ndim == 2 else (batch.Batch,))
         np.testing.assert_array_equal(np.asarray(field.array), arr)
         assert field.array.dtype == arr.dtype
-    np.testing.assert_array_equal(np.asarray(batch.row_mask().array), [1, 1, 0, 0])
     same = TrainingBatch.from_rollouts(rollouts, [2.0, -1.0], batch_size=4, config=SMALL)
     assert np.array_equal(np.asarray(same.advantages.array), np.asarray(batch.advantages.array))

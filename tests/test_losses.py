@@ -554,7 +554,7 @@ def _manual_logprobs(model, batch):
     from levanter.layers.attention import AttentionMask
 
     logits = model(batch.input_ids, AttentionMask.causal()).rearrange(("batch", "position", "vocab")).array
-    logits = logits / batch.temperature.array[:, None, None]
+    logits = logits / batch.temperature.array[:, :, None]
     logp = jax.nn.log_softmax(logits, axis=-1)
     target = jnp.take_along_axis(logp, batch.target_ids.array[..., None], axis=-1)[..., 0]
     entropy = -(jnp.exp(logp) * logp).sum(-1)
@@ -572,15 +572,9 @@ def llama():
     for row, (start, stop) in enumerate([(2, 12), (4, 9), (1, 6), (3, 12)]):
         mask[row, start:stop] = 1.0
     two_d = ("batch", "position")
-    probe = TrainingBatch(
-        input_ids=hax.named(jnp.asarray(ids[:, :-1]), two_d),
-        target_ids=hax.named(jnp.asarray(ids[:, 1:]), two_d),
-        loss_mask=hax.named(jnp.asarray(mask), two_d),
-        sampler_logprobs=hax.named(jnp.zeros((LB, LP)), two_d),
-        advantages=hax.named(jnp.asarray(mask * rng.normal(size=(LB, 1)).astype(np.float32)), two_d),
-        temperature=hax.named(jnp.asarray(TEMPERATURES), ("batch",)),
-        weight_step=hax.named(jnp.zeros(LB, jnp.int32), ("batch",)),
-    )
+    probe = TrainingBatch.one_sequence_per_row(
+        input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=mask, sampler_logprobs=np.zeros((LB, LP)),
+        advantages=mask * rng.normal(size=(LB, 1)).astype(np.float32), temperature=TEMPERATURES)
     manual, entropy = _manual_logprobs(full, probe)
     noise = rng.normal(0.0, 0.3, (LB, LP)).astype(np.float32)
     sampler = np.where(mask > 0, np.asarray(manual.array) + noise, 0.0).astype(np.float32)
@@ -618,7 +612,7 @@ def test_token_logprobs_equal_manual_forward_at_each_rows_temperature(llama):
         assert got.axes == batch.target_ids.axes
         np.testing.assert_allclose(np.asarray(got.array), want, atol=2e-5, rtol=1e-5)
     # Temperature matters: the same row at T = 1 gives different numbers.
-    at_one = dataclasses.replace(batch, temperature=hax.named(jnp.ones(LB), ("batch",)))
+    at_one = dataclasses.replace(batch, temperature=hax.named(jnp.ones((LB, LP)), ("batch", "position")))
     assert not np.allclose(np.asarray(_token_logprobs(full, at_one).array)[1], want[1], atol=1e-3)
 
 

@@ -402,7 +402,7 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
     scale = returns.std() + 1e-6 if kind == "group_std" else 1.0
     # Token t is credited with the rewards from its own turn on: turn 2 loses what turn 1 earned.
     expected_turn2 = episode - np.array([a for a, _ in turns]) / scale
-    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=4))
+    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=4, layout="padded"))
     adv = np.asarray(batch.advantages.array)
     # Prompt of one token: the response's tokens are targets at positions 0, 1, 2 (1 is the env token).
     np.testing.assert_allclose(adv[:, 0], episode, rtol=1e-5, atol=1e-6)
@@ -413,7 +413,7 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
     # A single-turn group (reward on the last token) is unchanged: every token gets the episode advantage.
     buf.ingest([make_batch([make_group("single", [0, 1, 1, 0.5])])])
     single = buf.sample(0, 1, timeout_s=0)
-    packed = np.asarray(single.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=8))
+    packed = np.asarray(single.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=8, layout="padded"))
                         .advantages.array)
     np.testing.assert_allclose(packed[:, 1:4], np.repeat(single.advantages[:, None], 3, axis=1), rtol=1e-6)
 
@@ -421,7 +421,7 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
 def test_a_zero_variance_multi_turn_group_contributes_nothing():
     buf = ReplayConfig().build(clock=Clock(), advantage="group_mean")
     buf.ingest([make_batch([two_turn_group("tie", [(1.0, 0.0), (0.0, 1.0)])])])  # equal returns, different turns
-    batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4))
+    batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4, layout="padded"))
     assert np.all(np.asarray(batch.advantages.array) == 0)
 
 
@@ -461,9 +461,10 @@ def test_reward_fn_can_keep_a_rollout_in_the_baseline_without_training_it():
     s = buf.sample(0, 1, timeout_s=0)
     assert s.trainable.tolist() == [True, True, False]
     np.testing.assert_allclose(s.advantages, group_advantages(np.array([0.0, 1, 1])), rtol=1e-6)
-    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=16, min_bucket=8))
+    batch = s.training_batch(batch_size=4, config=BatchingConfig(max_length=16, min_bucket=8, layout="padded"))
     assert np.asarray(batch.loss_mask.array).sum(axis=1).tolist() == [3, 3, 0, 0]
-    assert np.asarray(batch.weight_step.array).tolist() == [0, 0, 0, -1]
+    # weight_step is per target token: the untrained rollout's tokens are no one's targets
+    assert np.asarray(batch.weight_step.array).max(axis=1).tolist() == [0, 0, -1, -1]
 
 
 def truncated_group(gid, rewards, lengths):

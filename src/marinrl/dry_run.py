@@ -224,11 +224,11 @@ def _lower_train(job, model_config, rows: int, length: int):
             return hax.NamedArray(jax.ShapeDtypeStruct(tuple(a.size for a in axes), dtype), axes)
 
         Batch, Pos = hax.Axis("batch", rows), hax.Axis("position", length)
-        batch = TrainingBatch(
-            input_ids=field(jnp.int32, Batch, Pos), target_ids=field(jnp.int32, Batch, Pos),
-            loss_mask=field(jnp.float32, Batch, Pos), sampler_logprobs=field(jnp.float32, Batch, Pos),
-            advantages=field(jnp.float32, Batch, Pos), temperature=field(jnp.float32, Batch),
-            weight_step=field(jnp.int32, Batch))
+        floats = {"loss_mask", "sampler_logprobs", "advantages", "temperature", "sequence_slots"}
+        batch = TrainingBatch(**{
+            name: field(jnp.float32 if name in floats else jnp.int32,
+                        *((Batch,) if TrainingBatch.field_axes(name) == ("batch",) else (Batch, Pos)))
+            for name in TrainingBatch.field_names()})
         batch_shardings = hax.partitioning.infer_resource_partitions(
             batch, trainer.compute_axis_mapping, preserve_existing_shardings=False, mesh=mesh)
         inp = StepInput(_with_shardings(batch, batch_shardings), None)

@@ -277,6 +277,7 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
     """(sample or None, global TrainingBatch, group ids) for `step` on every process, or None once process 0
     was asked to stop. Process 0 samples its replay buffer and broadcasts; the others pass `replay=None`."""
     from marinrl.train.batching import pack_rollouts
+    from marinrl.train.worker import row_multiple
 
     sample, arrays, groups, stopping = None, None, [], False
     if cohort.is_leader:
@@ -285,7 +286,8 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
             sample = replay.sample(step, config.groups_per_step)
             groups = [g.group.group_id for g in sample.groups]
             arrays = pack_rollouts(sample.rollouts, sample.token_advantages(), batch_size=config.trainer.train_batch_size,
-                                   config=config.batching, trainable=sample.trainable)
+                                   config=config.batching, trainable=sample.trainable,
+                                   row_multiple=row_multiple(trainer.config))
     arrays, groups, stopping = cohort.share_batch(arrays, groups, stopping)
     if stopping:
         return None
@@ -298,7 +300,7 @@ def global_batch(arrays: dict[str, np.ndarray], mapping, mesh):
     import haliax as hax
     import jax
 
-    from marinrl.train.batching import BATCH, POSITION, TrainingBatch
+    from marinrl.train.batching import TrainingBatch
 
     def named(name, axes):
         a = arrays[name]
@@ -306,9 +308,4 @@ def global_batch(arrays: dict[str, np.ndarray], mapping, mesh):
         sharding = hax.partitioning.sharding_for_axis(axes, mapping, mesh)
         return hax.named(jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx]), axes)
 
-    two_d = (BATCH, POSITION)
-    return TrainingBatch(
-        input_ids=named("input_ids", two_d), target_ids=named("target_ids", two_d),
-        loss_mask=named("loss_mask", two_d), sampler_logprobs=named("sampler_logprobs", two_d),
-        advantages=named("advantages", two_d), temperature=named("temperature", (BATCH,)),
-        weight_step=named("weight_step", (BATCH,)))
+    return TrainingBatch(**{name: named(name, TrainingBatch.field_axes(name)) for name in TrainingBatch.field_names()})

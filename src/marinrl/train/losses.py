@@ -1,8 +1,8 @@
 """GRPO-family policy losses: pure functions over named arrays (axes `batch` and `position`).
 
-Notation (docs/architecture.md, "The contracts"). Row i of a `TrainingBatch` is one response o_i; index t is one target token
+Notation (docs/architecture.md, "The contracts"). Response o_i is one rollout of a `TrainingBatch`; index t is one target token
 (`target_ids[t]`, see batching.py for the alignment). m_{i,t} ∈ {0, 1} is the loss mask, |o_i| = Σ_t m_{i,t}
-the trainable tokens of row i, N = Σ_{i,t} m_{i,t} those of the batch, B the number of rows.
+the trainable tokens of response i, N = Σ_{i,t} m_{i,t} those of the batch, B the number of rollout slots.
 π_θ is the policy being trained (its logprobs carry the gradient), μ the sampler that produced the
 tokens, π_old the trainer's own weights at the start of the step, π_ref a frozen reference.
 A_{i,t} is the advantage credited to token t (computed per group at ingestion, advantages.py).
@@ -19,198 +19,42 @@ One objective, `LossConfig`, covers the family; `LossConfig.preset(name)` gives 
 
 `rl_loss(model, batch, config=...)` runs the policy forward (`token_logprobs`) and returns
 `(loss, metrics)`: a Levanter `Trainer` loss function after `functools.partial(rl_loss, config=...)`.
-`describe(config)` is the one-line header every run prints.
+The configuration and its presets are in loss_config.py, the model forward in policy_forward.py (both
+re-exported here).
+
+Rows of a packed batch hold several responses: every per-response quantity (|o_i|, the GSPO sequence ratio,
+sequence-level corrections) is a sum over the tokens that share a `sequence_ids` value in a row
+(`sequence_sum`); without `sequence_ids` each row is one response.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
-from types import MappingProxyType
-from typing import Any, Literal, Mapping, get_args
 
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax import NamedArray
-from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
-from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
 
-from marinrl.train.advantages import AdvantageKind, OverlongMode
 from marinrl.train.batching import TrainingBatch
+from marinrl.train.loss_config import (  # noqa: F401  (re-exported)
+    LOSS_PRESETS,
+    Correction,
+    CorrectionLevel,
+    KLEstimator,
+    LossConfig,
+    Normalization,
+    Objective,
+    RatioAnchor,
+    RatioLevel,
+    describe,
+)
+from marinrl.train.policy_forward import policy_forward, token_logprobs  # noqa: F401  (re-exported)
 
 BATCH = "batch"
 POS = "position"
-
-Objective = Literal["ppo", "cispo"]
-RatioLevel = Literal["token", "sequence"]
-Normalization = Literal["token", "sequence", "constant"]
-RatioAnchor = Literal["sampler", "recomputed"]
-Correction = Literal["none", "tis", "mis"]
-CorrectionLevel = Literal["token", "sequence"]
-KLEstimator = Literal["k1", "k2", "k3"]
-
-
-# --------------------------------------------------------------------------------------------------
-# Configuration
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """The GRPO-family objective. Defaults are the `grpo` preset; see `LOSS_PRESETS` for the others.
-
-    Fields used by the loss itself come first; the last group (`advantage`, `drop_zero_variance_groups`,
-    `overlong*`) is applied by the replay buffer when rollouts are ingested, and lives here because it is
-    part of what a preset means.
-    """
-
-    objective: Objective = "ppo"
-    """`ppo`: w · min(r·A, clip(r, 1−ε_low, 1+ε_high)·A).
-    `cispo`: w · sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ."""
-    ratio_level: RatioLevel = "token"
-    """`token`: r_{i,t} = π_θ(o_{i,t}) / anchor(o_{i,t}). `sequence` (GSPO): s_i = exp(mean_t log r_{i,t}), used by
-    every token of the row."""
-    normalization: Normalization = "sequence"
-    """How per-token terms become one number. `token`: Σ ℓ / N (one token-level mean over the batch).
-    `sequence`: mean over non-empty rows of (Σ_t ℓ_{i,t} / |o_i|).
-    `constant`: Σ ℓ / (B · max_response_tokens)."""
-    clip_eps_low: float = 0.2
-    """Lower clip bound 1 − ε_low on the ratio (1.0 means no lower bound)."""
-    clip_eps_high: float = 0.2
-    """Upper clip bound 1 + ε_high on the ratio (DAPO's clip-higher uses 0.28)."""
-    ratio_anchor: RatioAnchor = "sampler"
-    """`sampler`: r = π_θ / μ, from the logprobs stored in the rollout (no extra forward pass).
-    `recomputed` (decoupled PPO): r = π_θ / π_old, times the detached importance weight w of `correction`."""
-    correction: Correction = "none"
-    """Importance weight w = π_old / μ under the `recomputed` anchor. `tis`: min(w, tis_cap).
-    `mis`: w · 1[mis_low ≤ w ≤ mis_high]. `none`: w = 1."""
-    correction_level: CorrectionLevel = "token"
-    """`token`: w per token. `sequence`: one w_i = Π_t π_old(o_{i,t}) / μ(o_{i,t}) per row, applied to all
-    its tokens."""
-    tis_cap: float = 2.0
-    """C of truncated importance sampling, min(w, C)."""
-    mis_low: float = 0.5
-    """α of masked importance sampling: tokens (rows) with w < α get weight 0."""
-    mis_high: float = 2.0
-    """β of masked importance sampling: tokens (rows) with w > β get weight 0."""
-    kl_beta: float = 0.0
-    """β of the KL term added to the loss. 0 means no KL and no reference model is built."""
-    kl_estimator: KLEstimator = "k3"
-    """Per-token estimator of KL(π_θ ‖ π_ref), δ = log π_ref − log π_θ: k1 = −δ, k2 = δ²/2, k3 = e^δ − δ − 1."""
-    max_response_tokens: int | None = None
-    """The generation budget L_max (response tokens). Needed by `constant` normalization and `penalty` overlong
-    shaping; ignored otherwise."""
-
-    advantage: AdvantageKind = "group_std"
-    """Group advantage computed at ingestion (advantages.group_advantages): group_std, group_mean or rloo."""
-    drop_zero_variance_groups: bool = False
-    """DAPO dynamic sampling: the replay buffer drops groups whose rewards are all equal."""
-    overlong: OverlongMode = "none"
-    """DAPO overlong shaping at ingestion (advantages.overlong_shaping): `none`, `mask` (truncated responses are
-    not trained) or `penalty` (linear penalty over the last `overlong_cache_tokens` of the budget)."""
-    overlong_cache_tokens: int = 0
-    """L_cache of the overlong penalty: it ramps from 0 at L_max − L_cache to −overlong_penalty at L_max."""
-    overlong_penalty: float = 1.0
-    """Size of the overlong penalty at the budget."""
-
-    def __post_init__(self):
-        for field, alias in (
-            ("objective", Objective),
-            ("ratio_level", RatioLevel),
-            ("normalization", Normalization),
-            ("ratio_anchor", RatioAnchor),
-            ("correction", Correction),
-            ("correction_level", CorrectionLevel),
-            ("kl_estimator", KLEstimator),
-            ("advantage", AdvantageKind),
-            ("overlong", OverlongMode),
-        ):
-            value = getattr(self, field)
-            if value not in get_args(alias):
-                raise ValueError(f"LossConfig.{field}: {value!r} is not one of {get_args(alias)}")
-        if not 0.0 <= self.clip_eps_low <= 1.0:
-            raise ValueError(f"LossConfig.clip_eps_low: must be in [0, 1], got {self.clip_eps_low}")
-        if not self.clip_eps_high >= 0.0:
-            raise ValueError(f"LossConfig.clip_eps_high: must be >= 0, got {self.clip_eps_high}")
-        if self.correction != "none" and self.ratio_anchor != "recomputed":
-            raise ValueError(
-                f"LossConfig.correction: {self.correction!r} corrects π_old/μ and needs ratio_anchor='recomputed'; "
-                "with the sampler anchor the ratio π_θ/μ already includes the mismatch"
-            )
-        if not self.tis_cap > 0:
-            raise ValueError(f"LossConfig.tis_cap: must be > 0, got {self.tis_cap}")
-        if not 0.0 <= self.mis_low < self.mis_high:
-            raise ValueError(
-                f"LossConfig.mis_low/mis_high: need 0 <= mis_low < mis_high, got {self.mis_low}, {self.mis_high}"
-            )
-        if not (self.kl_beta >= 0 and math.isfinite(self.kl_beta)):
-            raise ValueError(f"LossConfig.kl_beta: must be finite and >= 0, got {self.kl_beta}")
-        if self.max_response_tokens is not None and self.max_response_tokens <= 0:
-            raise ValueError(f"LossConfig.max_response_tokens: must be > 0, got {self.max_response_tokens}")
-        if self.normalization == "constant" and self.max_response_tokens is None:
-            raise ValueError(
-                "LossConfig.max_response_tokens: normalization='constant' divides by B × max_response_tokens; "
-                "set it to the generation budget (the lesson's max new tokens)"
-            )
-        if self.overlong == "penalty":
-            if self.max_response_tokens is None:
-                raise ValueError("LossConfig.max_response_tokens: overlong='penalty' needs the generation budget")
-            if not 0 < self.overlong_cache_tokens <= self.max_response_tokens:
-                raise ValueError(
-                    "LossConfig.overlong_cache_tokens: must be in "
-                    f"(0, max_response_tokens={self.max_response_tokens}], "
-                    f"got {self.overlong_cache_tokens}"
-                )
-        if not self.overlong_penalty >= 0:
-            raise ValueError(f"LossConfig.overlong_penalty: must be >= 0, got {self.overlong_penalty}")
-
-    @property
-    def uses_reference(self) -> bool:
-        """Whether the loss needs reference logprobs (and the run a frozen reference model)."""
-        return self.kl_beta != 0.0
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "LossConfig":
-        """A named preset of `LOSS_PRESETS`, with fields overridden by keyword (e.g. `max_response_tokens=512`)."""
-        if name not in LOSS_PRESETS:
-            raise ValueError(f"unknown loss preset {name!r}; expected one of {sorted(LOSS_PRESETS)}")
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"LossConfig has no field(s) {sorted(unknown)}")
-        return cls(**{**LOSS_PRESETS[name], **overrides})
-
-
-LOSS_PRESETS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
-    {
-        # A = (R − mean)/(std + ε); token-ratio PPO clip ε = 0.2; per-sequence mean then mean; optional k3 KL.
-        "grpo": MappingProxyType(
-            dict(objective="ppo", ratio_level="token", normalization="sequence", clip_eps_low=0.2, clip_eps_high=0.2,
-                 advantage="group_std", kl_estimator="k3", kl_beta=0.0)
-        ),
-        # A = R − mean; Σ ℓ / (G × L_max) per group, i.e. Σ ℓ / (B × L_max); no KL. Needs max_response_tokens.
-        "dr_grpo": MappingProxyType(
-            dict(objective="ppo", ratio_level="token", normalization="constant", clip_eps_low=0.2, clip_eps_high=0.2,
-                 advantage="group_mean", kl_beta=0.0)
-        ),
-        # Clip-higher 0.2/0.28, one token-level mean, dynamic sampling, truncated responses masked, no KL.
-        "dapo": MappingProxyType(
-            dict(objective="ppo", ratio_level="token", normalization="token", clip_eps_low=0.2, clip_eps_high=0.28,
-                 advantage="group_std", drop_zero_variance_groups=True, overlong="mask", kl_beta=0.0)
-        ),
-        # Sequence ratio exp(mean_t log r), tight clip 3e-4/4e-4, mean over responses.
-        "gspo": MappingProxyType(
-            dict(objective="ppo", ratio_level="sequence", normalization="sequence", clip_eps_low=3e-4,
-                 clip_eps_high=4e-4, advantage="group_std", kl_beta=0.0)
-        ),
-        # sg(clip(r, 0, 1.28)) · A · log π per token, token-level mean. No lower bound (MiniMax-M1 tunes only the
-        # upper one); 0.28 is our default for it.
-        "cispo": MappingProxyType(
-            dict(objective="cispo", ratio_level="token", normalization="token", clip_eps_low=1.0, clip_eps_high=0.28,
-                 advantage="group_std", kl_beta=0.0)
-        ),
-    }
-)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,9 +65,25 @@ def _stop(x: NamedArray) -> NamedArray:
     return jax.lax.stop_gradient(x)
 
 
-def _row_count(mask: NamedArray) -> NamedArray:
-    """|o_i| = Σ_t m_{i,t}, shape [batch]."""
-    return hax.sum(mask.astype(jnp.float32), axis=POS)
+def sequence_sum(x: NamedArray, mask: NamedArray, sequence_ids: NamedArray | None = None) -> NamedArray:
+    """Σ_{t' in the response of t} m_{t'} x_{t'} at every token t, shape [batch, position]: the sum over the
+    masked tokens that share t's row and `sequence_ids` value (the whole row when `sequence_ids` is None).
+    One scatter-add over (row, sequence) keys and a gather back; masked-out tokens add nothing."""
+    m = mask.astype(bool)
+    Batch, Pos = x.resolve_axis(BATCH), x.resolve_axis(POS)
+    values = hax.where(m, x, 0.0).rearrange((Batch, Pos)).array.astype(jnp.float32)
+    rows = jnp.arange(Batch.size, dtype=jnp.int32)[:, None] * Pos.size
+    if sequence_ids is None:
+        keys = jnp.broadcast_to(rows, (Batch.size, Pos.size))
+    else:
+        keys = rows + jnp.clip(sequence_ids.rearrange((Batch, Pos)).array, 0, Pos.size - 1)
+    sums = jax.ops.segment_sum(values.reshape(-1), keys.reshape(-1), num_segments=Batch.size * Pos.size)
+    return hax.named(sums[keys], (Batch, Pos))
+
+
+def _sequence_count(mask: NamedArray, sequence_ids: NamedArray | None) -> NamedArray:
+    """|o_i| = Σ_t m_{i,t} at every token of response i, shape [batch, position]."""
+    return sequence_sum(mask.astype(jnp.float32), mask, sequence_ids)
 
 
 def masked_mean(x: NamedArray, mask: NamedArray) -> jax.Array:
@@ -234,7 +94,8 @@ def masked_mean(x: NamedArray, mask: NamedArray) -> jax.Array:
 
 
 def importance_ratio(
-    logprobs: NamedArray, anchor_logprobs: NamedArray, mask: NamedArray, level: RatioLevel = "token"
+    logprobs: NamedArray, anchor_logprobs: NamedArray, mask: NamedArray, level: RatioLevel = "token",
+    sequence_ids: NamedArray | None = None,
 ) -> NamedArray:
     """The policy ratio against an anchor (μ or π_old), per token, shape [batch, position].
 
@@ -251,7 +112,7 @@ def importance_ratio(
     if level == "token":
         return hax.exp(log_r)
     if level == "sequence":
-        seq_log_r = hax.sum(log_r, axis=POS) / hax.maximum(_row_count(m), 1.0)
+        seq_log_r = sequence_sum(log_r, m, sequence_ids) / hax.maximum(_sequence_count(m, sequence_ids), 1.0)
         lp = hax.where(m, logprobs, 0.0)
         return hax.where(m, hax.exp(_stop(seq_log_r) + lp - _stop(lp)), 1.0)
     raise ValueError(f"unknown ratio level {level!r}")
@@ -267,6 +128,7 @@ def importance_weight(
     tis_cap: float = 2.0,
     mis_low: float = 0.5,
     mis_high: float = 2.0,
+    sequence_ids: NamedArray | None = None,
 ) -> tuple[NamedArray, NamedArray]:
     """Detached off-policy weight for staleness and sampler/trainer mismatch, and where it acted.
 
@@ -282,7 +144,7 @@ def importance_weight(
     m = mask.astype(bool)
     log_w = hax.where(m, _stop(old_logprobs) - _stop(sampler_logprobs), 0.0)
     if level == "sequence":
-        log_w = hax.broadcast_to(hax.sum(log_w, axis=POS), log_w.axes)
+        log_w = sequence_sum(log_w, m, sequence_ids)
     elif level != "token":
         raise ValueError(f"unknown correction level {level!r}")
     if correction == "none":
@@ -347,13 +209,17 @@ def kl_estimate(logprobs: NamedArray, reference_logprobs: NamedArray, estimator:
 
 
 def aggregate(
-    per_token: NamedArray, mask: NamedArray, normalization: Normalization, max_response_tokens: int | None = None
+    per_token: NamedArray, mask: NamedArray, normalization: Normalization, max_response_tokens: int | None = None,
+    *, sequence_ids: NamedArray | None = None, sequence_slots: NamedArray | None = None,
 ) -> jax.Array:
     """Reduces per-token terms x_{i,t} of shape [batch, position] to one scalar:
 
         token:     Σ_{i,t} m x / N                                   (N = trained tokens in the batch)
-        sequence:  (1/B') Σ_{i: |o_i|>0} (Σ_t m x / |o_i|)           (B' = rows with a trained token)
-        constant:  Σ_{i,t} m x / (B · L_max)                         (B = rows, padding included)
+        sequence:  (1/B') Σ_{i: |o_i|>0} (Σ_t m x / |o_i|)           (B' = responses with a trained token)
+        constant:  Σ_{i,t} m x / (B · L_max)                         (B = rollout slots, empty ones included)
+
+    Responses are told apart by `sequence_ids` (see `sequence_sum`); B is Σ `sequence_slots` (the rows when
+    None). B' = Σ_t m_t / |o_{i(t)}|: each response with a trained token contributes 1.
 
     `constant` is Dr. GRPO's (1/G)(1/L_max) per group averaged over groups: no response's weight depends on
     its own length or on how many tokens the batch holds. Masked positions never contribute, whatever
@@ -364,15 +230,17 @@ def aggregate(
     if normalization == "token":
         return masked_mean(per_token, m)
     if normalization == "sequence":
-        counts = _row_count(m)
-        rows = hax.sum(x, axis=POS) / hax.maximum(counts, 1.0)
-        nonempty = hax.sum((counts > 0).astype(jnp.float32)).array
-        return hax.sum(rows).array / jnp.maximum(nonempty, 1.0)
+        share = hax.where(m, 1.0 / hax.maximum(_sequence_count(m, sequence_ids), 1.0), 0.0)
+        nonempty = hax.sum(share).array
+        return hax.sum(x * share).array / jnp.maximum(nonempty, 1.0)
     if normalization == "constant":
         if max_response_tokens is None:
             raise ValueError("constant normalization needs max_response_tokens")
-        rows = per_token.resolve_axis(BATCH).size
-        return hax.sum(x).array / float(rows * max_response_tokens)
+        if sequence_slots is None:
+            slots = float(per_token.resolve_axis(BATCH).size)
+        else:
+            slots = hax.sum(sequence_slots).array
+        return hax.sum(x).array / (slots * max_response_tokens)
     raise ValueError(f"unknown normalization {normalization!r}")
 
 
@@ -389,8 +257,11 @@ def loss_from_logprobs(
     config: LossConfig,
     old_logprobs: NamedArray | None = None,
     reference_logprobs: NamedArray | None = None,
+    sequence_ids: NamedArray | None = None,
+    sequence_slots: NamedArray | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The configured loss from per-token logprobs of π_θ (all arrays [batch, position]).
+    """The configured loss from per-token logprobs of π_θ (all arrays [batch, position]; `sequence_ids` and
+    `sequence_slots` as in `aggregate`: without them each row is one response).
 
         anchor   = μ (sampler) | π_old (recomputed; sg(π_θ) when `old_logprobs` is None)
         r        = importance_ratio(π_θ, anchor)                  (token or sequence level)
@@ -417,7 +288,7 @@ def loss_from_logprobs(
         anchor = _stop(lp)
     else:
         anchor = hax.where(m, _stop(old_logprobs), 0.0)
-    ratio = importance_ratio(lp, anchor, m, config.ratio_level)
+    ratio = importance_ratio(lp, anchor, m, config.ratio_level, sequence_ids)
     weight, affected = importance_weight(
         anchor,
         mu,
@@ -427,7 +298,11 @@ def loss_from_logprobs(
         tis_cap=config.tis_cap,
         mis_low=config.mis_low,
         mis_high=config.mis_high,
+        sequence_ids=sequence_ids,
     )
+    agg = functools.partial(aggregate, normalization=config.normalization,
+                            max_response_tokens=config.max_response_tokens, sequence_ids=sequence_ids,
+                            sequence_slots=sequence_slots)
 
     eps_low, eps_high = config.clip_eps_low, config.clip_eps_high
     if config.objective == "ppo":
@@ -441,13 +316,13 @@ def loss_from_logprobs(
     else:
         raise ValueError(f"unknown objective {config.objective!r}")
     per_token = -weight * objective
-    policy_loss = aggregate(per_token, m, config.normalization, config.max_response_tokens)
+    policy_loss = agg(per_token, m)
 
     if config.uses_reference and reference_logprobs is None:
         raise ValueError(f"kl_beta={config.kl_beta} needs reference_logprobs (a frozen reference model's logprobs)")
     if reference_logprobs is not None:
         kl_tok = kl_estimate(lp, hax.where(m, reference_logprobs, 0.0), config.kl_estimator)
-        kl = aggregate(kl_tok, m, config.normalization, config.max_response_tokens)
+        kl = agg(kl_tok, m)
     else:
         kl = jnp.zeros((), jnp.float32)
     kl_loss = config.kl_beta * kl if config.uses_reference else jnp.zeros((), jnp.float32)
@@ -478,82 +353,6 @@ def loss_from_logprobs(
     return loss, metrics
 
 
-# --------------------------------------------------------------------------------------------------
-# The policy forward
-
-
-def _vocab_entropy(h: NamedArray, lm_head: NamedArray, Embed: hax.Axis, Vocab: hax.Axis, block_size: int) -> NamedArray:
-    """H = log Z − Σ_v p_v ℓ_v per position, over vocabulary blocks with an online max (never [.., Vocab] at once
-    when block_size < |Vocab|). For metrics: the caller passes detached inputs."""
-    shape = hax.sum(h, axis=Embed).axes
-    init = (hax.full(shape, -jnp.inf, jnp.float32), hax.zeros(shape, jnp.float32), hax.zeros(shape, jnp.float32))
-
-    def step(start, carry, size):
-        running_max, z, weighted = carry
-        Block = Vocab.resize(size)
-        logits = hax.dot(h, lm_head[Vocab, hax.dslice(start, Block)], axis=Embed).astype(jnp.float32)
-        new_max = hax.maximum(running_max, hax.max(logits, axis=Block))
-        scale = hax.exp(running_max - new_max)
-        e = hax.exp(logits - new_max)
-        return new_max, z * scale + hax.sum(e, axis=Block), weighted * scale + hax.sum(e * logits, axis=Block)
-
-    full, rest = divmod(Vocab.size, block_size)
-    carry = init
-    if full == 1:
-        carry = step(0, carry, block_size)
-    elif full > 1:
-        carry = jax.lax.fori_loop(0, full, lambda b, c: step(b * block_size, c, block_size), carry)
-    if rest:
-        carry = step(full * block_size, carry, rest)
-    running_max, z, weighted = carry
-    return running_max + hax.log(z) - weighted / z
-
-
-def _policy_forward(
-    model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool
-) -> tuple[NamedArray, NamedArray | None, jax.Array | float]:
-    """(log π(target_ids) at the batch temperature, entropy or None, auxiliary model loss)."""
-    out = model.activations(batch.input_ids, AttentionMask.causal(), key=key)
-    aux: jax.Array | float = 0.0
-    if isinstance(out, tuple):  # mixture-of-experts models return (activations, load-balancing loss)
-        out, aux = out
-    # logits / T = (h / T) · W: scaling the activations keeps the lm head blockwise. A temperature of 0
-    # (greedy) has no logprobs; such rows are scored at T = 1 and should not be trained on.
-    temperature = hax.where(batch.temperature > 0, batch.temperature, 1.0)
-    h = (out / temperature).astype(out.dtype)
-    lm_head = model.get_lm_head()
-    Vocab = lm_head.resolve_axis(model.Vocab.name)
-    block_size = min(model.config.cross_entropy_block_size or Vocab.size, Vocab.size)
-    # Levanter's blockwise cross-entropy has a custom VJP that recomputes each logits block in the
-    # backward pass, so neither pass holds [batch, position, vocab] beyond one block.
-    nll = fused_cross_entropy_loss_and_logsumexp_penalty(
-        h,
-        lm_head,
-        Contract=model.Embed,
-        Label=Vocab,
-        target_y=batch.target_ids,
-        reduction=None,
-        where=None,
-        logsumexp_weight=0.0,
-        block_size=block_size,
-        dtype=jnp.float32,
-    )
-    entropy = _vocab_entropy(_stop(h), _stop(lm_head), model.Embed, Vocab, block_size) if with_entropy else None
-    return -nll, entropy, aux
-
-
-def token_logprobs(model: LmHeadModel, batch: TrainingBatch, *, key=None) -> NamedArray:
-    """log π(target_ids[t] | input_ids[..t]) under `model`, shape [batch, position], float32.
-
-        log π(o_t) = z_t[o_t] − log Σ_v exp z_t[v],     z_t = logits_t / T_row
-
-    Logits are divided by each row's sampling temperature, so at the sampler's weights this equals the
-    sampler's logprobs. Used for the policy (inside `rl_loss`), the frozen reference and π_old.
-    Positions outside the loss mask hold whatever the model says; callers mask them.
-    """
-    return _policy_forward(model, batch, key=key, with_entropy=False)[0]
-
-
 def rl_loss(
     model: LmHeadModel,
     batch: TrainingBatch,
@@ -570,7 +369,7 @@ def rl_loss(
     Trainer loss: `functools.partial(rl_loss, config=config)`. Metrics are those of `loss_from_logprobs`
     plus `entropy`, the mean entropy of π_θ (at the sampling temperature) on trained tokens.
     """
-    logprobs, entropy, aux = _policy_forward(model, batch, key=key, with_entropy=True)
+    logprobs, entropy, aux = policy_forward(model, batch, key=key, with_entropy=True)
     loss, metrics = loss_from_logprobs(
         logprobs,
         sampler_logprobs=batch.sampler_logprobs,
@@ -579,66 +378,10 @@ def rl_loss(
         config=config,
         old_logprobs=old_logprobs,
         reference_logprobs=reference_logprobs,
+        sequence_ids=batch.sequence_ids,
+        sequence_slots=batch.sequence_slots,
     )
     metrics["entropy"] = masked_mean(entropy, batch.loss_mask)
     return loss + aux, metrics
 
 
-# --------------------------------------------------------------------------------------------------
-# The run header
-
-
-def _closest_preset(config: LossConfig) -> str:
-    best = None
-    for name in LOSS_PRESETS:
-        base = {f.name: f.default for f in dataclasses.fields(LossConfig)} | dict(LOSS_PRESETS[name])
-        diff = [f"{k}={getattr(config, k)!r}" for k in base if base[k] != getattr(config, k)]
-        if best is None or len(diff) < len(best[1]):
-            best = (name, diff)
-    name, diff = best
-    return name if not diff else f"{name} + {', '.join(diff)}"
-
-
-def describe(config: LossConfig) -> str:
-    """One line stating the objective, normalization, ratio anchor and correction, KL placement and the
-    ingestion-time choices, in words. Every run prints it: results under one preset name are not
-    comparable unless these match."""
-    lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
-    ratio = "token ratio r" if config.ratio_level == "token" else "sequence ratio s_i = exp(mean_t log r) (GSPO)"
-    if config.objective == "ppo":
-        objective = f"PPO clip on the {ratio}, min(r·A, clip(r, {lo:g}, {hi:g})·A)"
-    else:
-        objective = f"CISPO on the {ratio}, sg(clip(r, {lo:g}, {hi:g}))·A·log π"
-    normalization = {
-        "token": "one token-level mean over the batch",
-        "sequence": "mean over each response's tokens, then over responses",
-        "constant": f"sum over tokens / (rows × {config.max_response_tokens}) constant",
-    }[config.normalization]
-    if config.ratio_anchor == "sampler":
-        anchor = "anchor sampler (r = π_θ/μ from stored logprobs, no correction)"
-    else:
-        level = "per token" if config.correction_level == "token" else "per sequence"
-        correction = {
-            "none": "no importance weight",
-            "tis": f"× detached TIS weight min(π_old/μ, {config.tis_cap:g}) {level}",
-            "mis": f"× detached MIS weight π_old/μ kept in [{config.mis_low:g}, {config.mis_high:g}] {level}",
-        }[config.correction]
-        anchor = f"anchor recomputed (r = π_θ/π_old) {correction}"
-    if config.uses_reference:
-        kl = f"KL {config.kl_estimator}(π_θ‖π_ref) × β={config.kl_beta:g} in the loss, same normalization"
-    else:
-        kl = "no KL (no reference model)"
-    ingest = [f"advantages {config.advantage}"]
-    if config.drop_zero_variance_groups:
-        ingest.append("zero-variance groups dropped")
-    if config.overlong == "mask":
-        ingest.append("truncated responses masked")
-    elif config.overlong == "penalty":
-        ingest.append(
-            f"overlong penalty up to −{config.overlong_penalty:g} over the last {config.overlong_cache_tokens} "
-            f"of {config.max_response_tokens} tokens"
-        )
-    return (
-        f"loss [{_closest_preset(config)}]: {objective}; normalization: {normalization}; {anchor}; {kl}; "
-        f"{', '.join(ingest)}"
-    )

@@ -113,6 +113,12 @@ class TrainWorkerConfig:
                 f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")
 
 
+def row_multiple(trainer_config: TrainerConfig) -> int:
+    """Rows of a packed batch come in multiples of this: the microbatch (Levanter splits the batch axis into
+    equal microbatches) or, without microbatching, the data-parallel size (each device gets whole rows)."""
+    return trainer_config.microbatch_size or trainer_config.data_axis_size
+
+
 class CurriculumHandle(Protocol):
     """What the trainer needs of the curriculum: its clock and its checkpointed state."""
 
@@ -276,7 +282,8 @@ class TrainWorker:
                         sample = replay.sample(self.step, cfg.groups_per_step)
                         t1 = time.perf_counter()
                         group_ids = [g.group.group_id for g in sample.groups]
-                        batch = sample.training_batch(batch_size=batch_size, config=cfg.batching)
+                        batch = sample.training_batch(batch_size=batch_size, config=cfg.batching,
+                                                      row_multiple=row_multiple(trainer.config))
                         batch = hax.shard(batch, trainer.compute_axis_mapping)
                     ref = ref_fn(reference, batch) if reference is not None else None
                     if ref is not None:

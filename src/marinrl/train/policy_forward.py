@@ -1,0 +1,118 @@
+"""The policy forward on a `TrainingBatch`: per-token log π(target) at each target's sampling temperature.
+
+One code path for every layout of batching.py: attention is causal, inside one block (`segment_ids`), and a
+response token sees its block's prompt and its own response only (`response_ids`); positions come from
+`position_ids` (restarting per block, every response continuing from its prompt's length). The hidden state
+that predicts target t is the one at `source_positions[t]`: where a block's later response begins, that is the
+prompt's last position, computed once and gathered for each response.
+"""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from levanter.layers.attention import AttentionMask
+from levanter.models.lm_model import LmHeadModel
+from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
+
+from marinrl.train.batching import BATCH, POSITION, TrainingBatch
+
+KEY_POSITION = "key_position"
+"""Levanter's name for the attended-to position axis (`LlamaConfig.KeyPos`)."""
+
+
+def _stop(x):
+    return jax.lax.stop_gradient(x)
+
+
+def attention_mask(batch: TrainingBatch) -> AttentionMask:
+    """causal ∧ same block ∧ (key on the prompt ∨ key in the query's response), built inside the jitted step
+    from two small per-token arrays: the [batch, position, key_position] boolean lives only here."""
+    response_q = batch.response_ids
+    response_k = batch.response_ids.rename({POSITION: KEY_POSITION})
+    sees = (response_k == 0) | (response_q.broadcast_axis(response_k.resolve_axis(KEY_POSITION)) == response_k)
+    return (AttentionMask.causal() & AttentionMask.explicit(sees)).with_segment_ids(batch.segment_ids)
+
+
+def _gather_positions(h: NamedArray, source_positions: NamedArray) -> NamedArray:
+    """h'[b, t] = h[b, source_positions[b, t]]: the hidden state that predicts each target."""
+    Batch, Pos = source_positions.resolve_axis(BATCH), source_positions.resolve_axis(POSITION)
+    rest = tuple(a for a in h.axes if a.name not in (BATCH, POSITION))
+    arr = h.rearrange((Batch, Pos, *rest)).array
+    idx = source_positions.rearrange((Batch, Pos)).array.reshape(Batch.size, Pos.size, *([1] * len(rest)))
+    return hax.named(jnp.take_along_axis(arr, idx, axis=1), (Batch, Pos, *rest))
+def _vocab_entropy(h: NamedArray, lm_head: NamedArray, Embed: hax.Axis, Vocab: hax.Axis, block_size: int) -> NamedArray:
+    """H = log Z − Σ_v p_v ℓ_v per position, over vocabulary blocks with an online max (never [.., Vocab] at once
+    when block_size < |Vocab|). For metrics: the caller passes detached inputs."""
+    shape = hax.sum(h, axis=Embed).axes
+    init = (hax.full(shape, -jnp.inf, jnp.float32), hax.zeros(shape, jnp.float32), hax.zeros(shape, jnp.float32))
+
+    def step(start, carry, size):
+        running_max, z, weighted = carry
+        Block = Vocab.resize(size)
+        logits = hax.dot(h, lm_head[Vocab, hax.dslice(start, Block)], axis=Embed).astype(jnp.float32)
+        new_max = hax.maximum(running_max, hax.max(logits, axis=Block))
+        scale = hax.exp(running_max - new_max)
+        e = hax.exp(logits - new_max)
+        return new_max, z * scale + hax.sum(e, axis=Block), weighted * scale + hax.sum(e * logits, axis=Block)
+
+    full, rest = divmod(Vocab.size, block_size)
+    carry = init
+    if full == 1:
+        carry = step(0, carry, block_size)
+    elif full > 1:
+        carry = jax.lax.fori_loop(0, full, lambda b, c: step(b * block_size, c, block_size), carry)
+    if rest:
+        carry = step(full * block_size, carry, rest)
+    running_max, z, weighted = carry
+    return running_max + hax.log(z) - weighted / z
+
+
+def policy_forward(
+    model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool
+) -> tuple[NamedArray, NamedArray | None, jax.Array | float]:
+    """(log π(target_ids) at the batch temperature, entropy or None, auxiliary model loss)."""
+    out = model.activations(batch.input_ids, attention_mask(batch), key=key, pos_ids=batch.position_ids)
+    aux: jax.Array | float = 0.0
+    if isinstance(out, tuple):  # mixture-of-experts models return (activations, load-balancing loss)
+        out, aux = out
+    out = _gather_positions(out, batch.source_positions)
+    # logits / T = (h / T) · W: scaling the activations keeps the lm head blockwise. A temperature of 0
+    # (greedy) has no logprobs; such tokens are scored at T = 1 and should not be trained on.
+    temperature = hax.where(batch.temperature > 0, batch.temperature, 1.0)
+    h = (out / temperature).astype(out.dtype)
+    lm_head = model.get_lm_head()
+    Vocab = lm_head.resolve_axis(model.Vocab.name)
+    block_size = min(model.config.cross_entropy_block_size or Vocab.size, Vocab.size)
+    # Levanter's blockwise cross-entropy has a custom VJP that recomputes each logits block in the
+    # backward pass, so neither pass holds [batch, position, vocab] beyond one block.
+    nll = fused_cross_entropy_loss_and_logsumexp_penalty(
+        h,
+        lm_head,
+        Contract=model.Embed,
+        Label=Vocab,
+        target_y=batch.target_ids,
+        reduction=None,
+        where=None,
+        logsumexp_weight=0.0,
+        block_size=block_size,
+        dtype=jnp.float32,
+    )
+    entropy = _vocab_entropy(_stop(h), _stop(lm_head), model.Embed, Vocab, block_size) if with_entropy else None
+    return -nll, entropy, aux
+
+
+def token_logprobs(model: LmHeadModel, batch: TrainingBatch, *, key=None) -> NamedArray:
+    """log π(target_ids[t] | input_ids[..t]) under `model`, shape [batch, position], float32.
+
+        log π(o_t) = z_t[o_t] − log Σ_v exp z_t[v],     z_t = logits_t / T_row
+
+    Logits are divided by each row's sampling temperature, so at the sampler's weights this equals the
+    sampler's logprobs. Used for the policy (inside `rl_loss`), the frozen reference and π_old.
+    Positions outside the loss mask hold whatever the model says; callers mask them.
+    """
+    return policy_forward(model, batch, key=key, with_entropy=False)[0]
+
+

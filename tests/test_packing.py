@@ -1,0 +1,264 @@
+"""Packed rows and shared prompts against the padded layout (one rollout per row), through a tiny real
+Levanter Llama: per-token logprobs, every loss preset's value and gradient, the reference (KL) forward,
+multi-turn masks; attention isolation, positions, determinism and the shapes a run compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+import pytest
+
+from marinrl.train.batching import BatchingConfig, TrainingBatch, pack_rollouts, row_bucket
+from marinrl.train.losses import LossConfig, rl_loss, token_logprobs
+from marinrl.train.packing import plan_rows
+from marinrl.types import Rollout, RolloutMetadata
+
+VOCAB = 64
+EPS32 = float(np.finfo(np.float32).eps)
+LAYOUTS = ("padded", "packed", "shared")
+PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+
+
+@eqx.filter_jit
+def _init_llama(key):
+    from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
+
+    config = LlamaConfig(seq_len=64, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, initializer_range=0.3)
+    return LlamaLMHeadModel.init(hax.Axis("vocab", VOCAB), config, key=key)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _init_llama(jax.random.PRNGKey(0))
+
+
+def make_rollouts(seed: int, groups: int = 3, samples: int = 3, multi_turn: bool = True) -> list[Rollout]:
+    """Groups sharing a prompt; varied lengths and temperatures; env tokens (mask 0) inside responses.
+    Each rollout's `weight_step` is its index, so its tokens can be found in any layout."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(1, 9)))
+        for _ in range(samples):
+            n = int(rng.integers(1, 14))
+            mask = rng.random(n) < 0.75 if multi_turn else np.ones(n, bool)
+            mask[0] = True
+            out.append(Rollout(
+                prompt_tokens=prompt, response_tokens=rng.integers(0, VOCAB, n),
+                response_logprobs=(-0.2 - 3 * rng.random(n)).astype(np.float32),
+                temperature=float(rng.choice([0.7, 1.0, 1.3])), loss_mask=mask, token_rewards=np.zeros(n),
+                episode_reward=0.0, finish_reason="stop", env_name="e", lesson_id="l", group_id=f"g{g}",
+                metadata=RolloutMetadata("w", len(out), 0.0)))
+    return out
+
+
+def arrays_for(rollouts, layout, *, row_multiple=2, max_length=48, advantages=None):
+    adv = np.linspace(-1.0, 1.2, len(rollouts)) if advantages is None else advantages
+    config = BatchingConfig(max_length=max_length, min_bucket=8, layout=layout)
+    return pack_rollouts(rollouts, adv, batch_size=len(rollouts) + 2, config=config, row_multiple=row_multiple)
+
+
+def per_rollout(arrays, values) -> list[np.ndarray]:
+    """Each rollout's trained-token values, in response order (rollout i has weight_step i)."""
+    n = int(arrays["weight_step"].max()) + 1
+    return [np.asarray(values)[arrays["weight_step"] == i] for i in range(n)]
+
+
+_logprobs = eqx.filter_jit(token_logprobs)
+
+
+def logprobs_of(model, arrays):
+    return np.asarray(_logprobs(model, TrainingBatch.from_numpy(arrays)).array)
+
+
+def bound(scale: float, terms: int) -> float:
+    """Float32 rounding of a computation whose longest reduction sums `terms` numbers of size `scale`: the
+    layouts sum the same numbers in different orders (more masked keys, other blocks), never others."""
+    return terms * EPS32 * scale
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_logprobs_equal_the_padded_layout(llama, multi_turn):
+    rollouts = make_rollouts(0, multi_turn=multi_turn)
+    padded = per_rollout(arrays_for(rollouts, "padded"), logprobs_of(llama, arrays_for(rollouts, "padded")))
+    scale = max(np.abs(x).max() for x in padded)
+    assert scale > 1.0 and np.std(np.concatenate(padded)) > 0.3  # a real distribution, not uniform numbers
+    for layout in ("packed", "shared"):
+        arrays = arrays_for(rollouts, layout)
+        assert arrays["input_ids"].shape[0] < len(rollouts)  # really several rollouts per row
+        got = per_rollout(arrays, logprobs_of(llama, arrays))
+        for i, (g, want) in enumerate(zip(got, padded)):
+            assert g.shape == want.shape == (rollouts[i].loss_mask.sum(),)
+            # hidden 32, MLP 64: no dot product in the model sums more than 64 terms
+            np.testing.assert_allclose(g, want, rtol=0, atol=bound(scale, 64), err_msg=f"{layout} rollout {i}")
+
+
+@functools.partial(eqx.filter_jit)
+def _loss_and_grad(model, batch, reference, config):
+    fn = functools.partial(rl_loss, config=config, reference_logprobs=reference)
+    return eqx.filter_value_and_grad(fn, has_aux=True)(model, batch)
+
+
+def _config(name: str) -> LossConfig:
+    extra = dict(max_response_tokens=16) if name == "dr_grpo" else {}
+    # every preset with a KL term and the recomputed anchor's sequence-level correction where it applies
+    if name in ("grpo", "gspo"):
+        extra.update(ratio_anchor="recomputed", correction="tis", correction_level="sequence", tis_cap=1.5)
+    return LossConfig.preset(name, kl_beta=0.05, **extra)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loss_and_gradient_equal_the_padded_layout(llama, name):
+    config = _config(name)
+    rollouts = make_rollouts(1)
+    results = {}
+    for layout in LAYOUTS:
+        arrays = arrays_for(rollouts, layout)
+        batch = TrainingBatch.from_numpy(arrays)
+        reference = _logprobs(_init_llama(jax.random.PRNGKey(1)), batch)  # the reference forward, same layout
+        (loss, metrics), grads = _loss_and_grad(llama, batch, reference, config)
+        leaves = [np.asarray(g) for g in jax.tree_util.tree_leaves(eqx.filter(grads, eqx.is_inexact_array))]
+        results[layout] = (float(loss), {k: float(v) for k, v in metrics.items()}, leaves, arrays["loss_mask"].sum())
+    want_loss, want_metrics, want_leaves, tokens = results["padded"]
+    assert abs(want_loss) > 1e-3 and want_metrics["kl"] > 1e-3
+    for layout in ("packed", "shared"):
+        loss, metrics, leaves, _ = results[layout]
+        # the loss sums `tokens` per-token terms of the size of the logprobs (≤ 8 here)
+        assert abs(loss - want_loss) <= bound(8.0, int(tokens)), (layout, loss, want_loss)
+        for key in ("policy_loss", "kl", "num_tokens", "entropy", "ratio_mean", "is_weight_mean"):
+            assert abs(metrics[key] - want_metrics[key]) <= bound(max(8.0, abs(want_metrics[key])), int(tokens)), key
+        for g, w in zip(leaves, want_leaves):
+            # a parameter's gradient sums one term per token position of the batch
+            np.testing.assert_allclose(g, w, rtol=0, atol=bound(float(np.abs(w).max()), 4 * int(tokens)),
+                                       err_msg=f"{name} {layout}")
+
+
+def test_a_segment_cannot_see_its_neighbour(llama):
+    rollouts = make_rollouts(2, groups=6)  # enough blocks that rows of the longest block's length hold two
+    for layout in ("packed", "shared"):
+        arrays = arrays_for(rollouts, layout)
+        row = int(np.argmax((arrays["segment_ids"] >= 0).sum(1)))
+        segments = np.unique(arrays["segment_ids"][row][arrays["segment_ids"][row] >= 0])
+        assert segments.size >= 2
+        before = logprobs_of(llama, arrays)
+        changed = {k: v.copy() for k, v in arrays.items()}
+        first = arrays["segment_ids"][row] == segments[0]
+        changed["input_ids"][row, first] = (arrays["input_ids"][row, first] + 1) % VOCAB
+        after = logprobs_of(llama, changed)
+        others = (arrays["segment_ids"][row] != segments[0]) & (arrays["loss_mask"][row] > 0)
+        # the target slot just before a segment starts belongs to the previous one: skip the boundary
+        assert others.any()
+        np.testing.assert_array_equal(after[row, others], before[row, others])
+        assert not np.array_equal(after[row, first & (arrays["loss_mask"][row] > 0)],
+                                  before[row, first & (arrays["loss_mask"][row] > 0)])
+
+
+def test_a_response_sees_its_prompt_but_not_its_siblings(llama):
+    rollouts = make_rollouts(3, groups=1, samples=3, multi_turn=False)
+    arrays = arrays_for(rollouts, "shared", row_multiple=1)
+    assert arrays["input_ids"].shape[0] == 1 and (arrays["segment_ids"][0] == 0).sum() == \
+        rollouts[0].num_tokens + sum(r.response_tokens.size for r in rollouts[1:])  # one block: prompt once
+    before = logprobs_of(llama, arrays)
+    first, second = (arrays["weight_step"][0] == 0), (arrays["weight_step"][0] == 1)
+    sibling = {k: v.copy() for k, v in arrays.items()}
+    sibling["input_ids"][0, arrays["response_ids"][0] == 1] += 1  # response 1's tokens (rollout 0)
+    after = logprobs_of(llama, sibling)
+    # response 2's logprobs do not move when response 1's tokens change (its first target reads the prompt)
+    np.testing.assert_array_equal(after[0, second], before[0, second])
+    prompt = {k: v.copy() for k, v in arrays.items()}
+    prompt["input_ids"][0, 0] = (prompt["input_ids"][0, 0] + 1) % VOCAB
+    moved = logprobs_of(llama, prompt)
+    assert not np.allclose(moved[0, first], before[0, first]) and not np.allclose(moved[0, second], before[0, second])
+
+
+def test_positions_restart_and_first_tokens_read_the_prompts_last_position():
+    rollouts = make_rollouts(4, groups=2, samples=2, multi_turn=False)
+    # a third group of exactly 96 tokens (a row length) fills row 0, so the two groups above share row 1
+    long = [dataclasses.replace(rollouts[0], prompt_tokens=np.arange(8), response_tokens=np.ones(44, np.int64),
+                                response_logprobs=np.full(44, -1.0, np.float32), loss_mask=np.ones(44, bool),
+                                token_rewards=np.zeros(44), group_id="long",
+                                metadata=dataclasses.replace(rollouts[0].metadata, weight_step=4 + k))
+            for k in range(2)]
+    arrays = arrays_for(rollouts + long, "shared", row_multiple=1, max_length=128)
+    assert arrays["input_ids"].shape == (2, 96) and set(arrays["segment_ids"][0]) == {0}
+    arrays = {k: v[1:] for k, v in arrays.items()}
+    pos, src, resp, seg = (arrays[k][0] for k in ("position_ids", "source_positions", "response_ids", "segment_ids"))
+    for s in (0, 1):
+        block = seg == s
+        start = int(np.flatnonzero(block)[0])
+        rs = sorted({int(w) for w in arrays["weight_step"][0][block | np.roll(block, -1)] if w >= 0})
+        p = rollouts[rs[0]].prompt_tokens.size
+        assert len(rs) == 2 and np.array_equal(arrays["input_ids"][0, start:start + p], rollouts[rs[0]].prompt_tokens)
+        np.testing.assert_array_equal(pos[start:start + p], np.arange(p))
+        for j, i in enumerate(rs, start=1):
+            tokens = np.flatnonzero(block & (resp == j))
+            n = rollouts[i].response_tokens.size
+            np.testing.assert_array_equal(pos[tokens], np.arange(p, p + n))  # responses continue the prompt
+            np.testing.assert_array_equal(arrays["input_ids"][0, tokens], rollouts[i].response_tokens)
+            assert src[tokens[0] - 1] == start + p - 1  # first token predicted from the prompt's last position
+            assert arrays["target_ids"][0, tokens[0] - 1] == rollouts[i].response_tokens[0]
+    untouched = np.ones_like(src, bool)
+    for s in (0, 1):
+        block = np.flatnonzero((seg == s) & (resp > 1))
+        untouched[[t - 1 for t in block if resp[t - 1] != resp[t]]] = False
+    np.testing.assert_array_equal(src[untouched], np.flatnonzero(untouched))  # elsewhere a target reads its own
+
+
+def test_packing_is_deterministic_and_fills_rows():
+    rollouts = make_rollouts(5, groups=6, samples=4)
+    for layout in ("packed", "shared"):
+        a, b = arrays_for(rollouts, layout), arrays_for(list(rollouts), layout)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    shared, packed = arrays_for(rollouts, "shared"), arrays_for(rollouts, "packed")
+    padded = arrays_for(rollouts, "padded")
+    assert shared["input_ids"].size <= packed["input_ids"].size < padded["input_ids"].size
+    assert (shared["segment_ids"] >= 0).sum() < (packed["segment_ids"] >= 0).sum()  # prompts once per group
+    # every layout trains the same tokens with the same sampler logprobs and advantages
+    for name in ("sampler_logprobs", "advantages", "temperature"):
+        want = per_rollout(padded, padded[name])
+        for arrays in (shared, packed):
+            for x, y in zip(per_rollout(arrays, arrays[name]), want):
+                np.testing.assert_array_equal(x, y)
+    assert shared["loss_mask"].sum() == packed["loss_mask"].sum() == padded["loss_mask"].sum()
+    # first-fit decreasing: ties keep their order; a group too long for a row is split with its prompt repeated
+    assert plan_rows([1, 1, 1], [[0], [1], [2]], [3, 3, 3], length=8, split=False) == [[(0, [0]), (1, [1])], [(2, [2])]]
+    assert plan_rows([2], [[0, 1, 2]], [3, 3, 3], length=8, split=True) == [[(0, [0, 1])], [(0, [2])]]
+
+
+def test_row_counts_and_lengths_come_from_ladders_so_a_run_compiles_few_shapes():
+    """Rows as long as the longest block (not max_length for short rollouts); row counts on a ladder: over
+    batches of 1..64 rollouts of 4 tokens the (rows, length) shapes are few and padding rows stay <= 1/4."""
+    assert [row_bucket(n) for n in (1, 8, 9, 11, 16, 17, 33, 65)] == [1, 8, 10, 12, 16, 20, 40, 80]
+    one = make_rollouts(0, groups=1, samples=1, multi_turn=False)[0]
+    shapes = set()
+    for n in range(1, 65):
+        rollouts = [dataclasses.replace(one, prompt_tokens=np.array([1, 2]), response_tokens=np.array([3, 4]),
+                                        response_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool),
+                                        token_rewards=np.zeros(2), group_id=f"g{i}") for i in range(n)]
+        arrays = pack_rollouts(rollouts, np.ones(n), batch_size=64, row_multiple=1,
+                               config=BatchingConfig(max_length=256, min_bucket=8, layout="packed"))
+        rows, length = arrays["input_ids"].shape
+        assert length == 8  # the smallest bucket that holds a 4-token rollout, not max_length
+        real = int((arrays["segment_ids"] >= 0).any(axis=1).sum())
+        assert real == math.ceil(n / 2) and (rows - real) * 4 <= rows
+        shapes.add(rows)
+    assert sorted(shapes) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32]
+
+
+def test_rows_come_in_multiples_and_a_too_long_rollout_names_the_field():
+    rollouts = make_rollouts(6)
+    for m in (1, 2, 4):
+        for layout in LAYOUTS:
+            assert arrays_for(rollouts, layout, row_multiple=m)["input_ids"].shape[0] % m == 0
+    with pytest.raises(ValueError, match=r"rollout \d+ \(group 'g\d'\) has \d+ tokens .* BatchingConfig.max_length=8"):
+        arrays_for(rollouts, "shared", max_length=8)
+    # constant normalization still counts every rollout slot: Σ sequence_slots = batch_size
+    for layout in LAYOUTS:
+        assert arrays_for(rollouts, layout)["sequence_slots"].sum() == pytest.approx(len(rollouts) + 2)
