@@ -3,9 +3,11 @@ session-scoped real services (a local Ray, the in-process GCS emulator) that eve
 
 from __future__ import annotations
 
+import gc
 import os
 import pathlib
 import socket
+import sys
 import uuid
 
 # Must be set before anything imports jax.
@@ -28,6 +30,21 @@ os.environ.setdefault("TENSORSTORE_GCS_REQUEST_CONCURRENCY", "1")
 import pytest  # noqa: E402
 
 GCS_BUCKET = "marinrl-test"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's in-memory compiled programs after each test file.
+
+    Each XLA:CPU executable holds about ten memory maps, and a whole suite in one process compiles
+    thousands: the count passes Linux's vm.max_map_count (65530 by default), after which XLA's next
+    mmap fails and the process dies with SIGSEGV, no Python traceback. Clearing after each file keeps
+    the count to one file's programs; the persistent compile cache makes a later file's recompiles cheap.
+    """
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+        gc.collect()
 
 
 def free_port() -> int:
