@@ -262,3 +262,39 @@ def test_rows_come_in_multiples_and_a_too_long_rollout_names_the_field():
     # constant normalization still counts every rollout slot: Σ sequence_slots = batch_size
     for layout in LAYOUTS:
         assert arrays_for(rollouts, layout)["sequence_slots"].sum() == pytest.approx(len(rollouts) + 2)
+
+
+def _short_rollouts(n: int) -> list[Rollout]:
+    one = make_rollouts(0, groups=1, samples=1, multi_turn=False)[0]
+    return [dataclasses.replace(one, prompt_tokens=np.array([1, 2]), response_tokens=np.array([3, 4]),
+                                response_logprobs=np.zeros(2, np.float32), loss_mask=np.ones(2, bool),
+                                token_rewards=np.zeros(2), group_id=f"g{i}") for i in range(n)]
+
+
+def test_a_microbatch_aligns_rows_only_past_one_microbatch():
+    config = BatchingConfig(max_length=256, min_bucket=8, layout="packed")
+    rows = [pack_rollouts(_short_rollouts(n), np.ones(n), batch_size=64, config=config, row_multiple=2,
+                          microbatch_rows=8)["input_ids"].shape[0] for n in (2, 6, 14, 20, 40)]
+    assert rows == [2, 4, 8, 16, 24]  # 1, 3 real rows: multiples of 2; 7, 10, 20: one microbatch, then whole ones
+    with pytest.raises(ValueError, match="microbatch_rows must be a positive multiple of row_multiple=4, got 6"):
+        pack_rollouts(_short_rollouts(2), np.ones(2), batch_size=64, config=config, row_multiple=4, microbatch_rows=6)
+
+
+def test_the_trainer_pads_packed_rows_to_its_data_parallel_size_not_to_the_whole_batch():
+    """Levanter fills an unset per_device_parallelism with the whole batch (microbatch_size = train_batch_size):
+    aligning rows to that microbatch padded every packed batch back to train_batch_size rows."""
+    from marinrl.train.worker import cpu_trainer_config, row_alignment
+
+    plain = cpu_trainer_config(train_batch_size=64)
+    plain._validate_and_set_defaults()  # what levanter.initialize(config) does to the worker's config
+    assert plain.microbatch_size == 64  # the reason row_alignment exists
+    aligned = row_alignment(plain)
+    assert aligned == {"row_multiple": plain.data_axis_size, "microbatch_rows": None}
+    arrays = pack_rollouts(_short_rollouts(12), np.ones(12), batch_size=64, **aligned,
+                           config=BatchingConfig(max_length=256, min_bucket=8, layout="packed"))
+    d = plain.data_axis_size  # 12 blocks of 4 tokens fill 6 rows of 8, then whole rows for each device
+    assert arrays["input_ids"].shape[0] == math.ceil(6 / d) * d < 64
+    accumulating = cpu_trainer_config(train_batch_size=64, per_device_parallelism=2)
+    accumulating._validate_and_set_defaults()
+    assert row_alignment(accumulating) == {"row_multiple": accumulating.data_axis_size,
+                                           "microbatch_rows": 2 * accumulating.data_axis_size}

@@ -151,7 +151,7 @@ def assert_same_state(got: dict[str, np.ndarray], want: dict[str, np.ndarray], w
 
 
 def worker_config(tmp: pathlib.Path, *, steps: int, sampling, run_id: str, checkpoint_every: int = 0,
-                  loss: LossConfig | None = None, **trainer_overrides) -> TrainWorkerConfig:
+                  loss: LossConfig | None = None, layout: str = "packed", **trainer_overrides) -> TrainWorkerConfig:
     return TrainWorkerConfig(
         rollout_root=str(tmp / "rollouts"),
         weights=FilesystemTransferConfig(root=str(tmp / "weights")),
@@ -160,7 +160,7 @@ def worker_config(tmp: pathlib.Path, *, steps: int, sampling, run_id: str, check
                                    checkpointer=CheckpointerConfig(base_path=str(tmp / "ckpt")), **trainer_overrides),
         loss=loss or LossConfig(),
         replay=ReplayConfig(sampling=sampling, timeout_s=120, poll_interval_s=0.05),
-        batching=BatchingConfig(max_length=64, min_bucket=16),
+        batching=BatchingConfig(max_length=64, min_bucket=16, layout=layout),
         groups_per_step=GROUPS,
         checkpoint_every=checkpoint_every,
     )
@@ -168,7 +168,7 @@ def worker_config(tmp: pathlib.Path, *, steps: int, sampling, run_id: str, check
 
 def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
     cfg = worker_config(tmp_path, steps=4, sampling=OnPolicyConfig(), run_id="onpolicy",
-                        loss=LossConfig.preset("grpo", kl_beta=0.04))
+                        loss=LossConfig.preset("grpo", kl_beta=0.04), layout="shared")
     producer = Producer(cfg.weights, cfg.rollout_root)
     producer.start()
     steps: dict[int, dict] = {}
@@ -180,6 +180,8 @@ def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
         assert len(m["groups"]) == GROUPS
         assert {w for _, w in m["groups"]} == {s - 1}  # trained at step s on weights s-1: staleness 0
         assert np.isfinite(m["loss"])
+        # one row per group (the prompt once, then its 4 responses), whole rows per device: not one per rollout
+        assert m["batch/rows"] < GROUPS * G and m["batch/row_length"] <= 64
     trained = [gid for m in steps.values() for gid, _ in m["groups"]]
     assert len(trained) == len(set(trained))
     assert (tmp_path / "ckpt" / "onpolicy" / "step-3" / "marinrl.json").exists()  # the final, forced checkpoint

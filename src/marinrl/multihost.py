@@ -277,7 +277,7 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
     """(sample or None, global TrainingBatch, group ids) for `step` on every process, or None once process 0
     was asked to stop. Process 0 samples its replay buffer and broadcasts; the others pass `replay=None`."""
     from marinrl.train.batching import pack_rollouts
-    from marinrl.train.worker import row_multiple
+    from marinrl.train.worker import row_alignment
 
     sample, arrays, groups, stopping = None, None, [], False
     if cohort.is_leader:
@@ -287,7 +287,7 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
             groups = [g.group.group_id for g in sample.groups]
             arrays = pack_rollouts(sample.rollouts, sample.token_advantages(), batch_size=config.trainer.train_batch_size,
                                    config=config.batching, trainable=sample.trainable,
-                                   row_multiple=row_multiple(trainer.config))
+                                   **row_alignment(trainer.config))
     arrays, groups, stopping = cohort.share_batch(arrays, groups, stopping)
     if stopping:
         return None

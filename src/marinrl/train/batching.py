@@ -25,8 +25,8 @@ are not shared). Per-token values are 0 wherever `loss_mask` is 0 (temperature 1
 Shapes. The row length is the shortest bucket of `BatchingConfig.bucket_lengths()` that holds the longest
 block (one rollout when packed; a group's prompt and responses when shared, split at `max_length`): longer
 rows would only add attention over keys the mask hides. The number of rows comes from a ladder
-(`row_bucket`: 1..8, then 4 per octave) and is a multiple of `row_multiple` (the trainer's data-parallel or
-microbatch size), so a run compiles a few (rows, length) shapes. Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
+(`row_bucket`: 1..8, then 4 per octave) and is a multiple of `row_multiple` (the trainer's data-parallel size),
+and of `microbatch_rows` once it has more rows than one microbatch, so a run compiles a few (rows, length) shapes. Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ class TrainingBatch(eqx.Module):
 
     @classmethod
     def from_rollouts(cls, rollouts: Sequence[Rollout], advantages, *, batch_size: int, config: BatchingConfig,
-                      trainable=None, row_multiple: int = 1) -> TrainingBatch:
+                      trainable=None, row_multiple: int = 1, microbatch_rows: int | None = None) -> TrainingBatch:
         """See `make_training_batch`."""
         return make_training_batch(rollouts, advantages, batch_size=batch_size, config=config, trainable=trainable,
-                                   row_multiple=row_multiple)
+                                   row_multiple=row_multiple, microbatch_rows=microbatch_rows)
 
     @classmethod
     def from_numpy(cls, arrays: dict[str, np.ndarray]) -> TrainingBatch:
@@ -184,7 +184,7 @@ class BatchingConfig:
 
 def pack_rollouts(
     rollouts: Sequence[Rollout], advantages, *, batch_size: int, config: BatchingConfig, trainable=None,
-    row_multiple: int = 1,
+    row_multiple: int = 1, microbatch_rows: int | None = None,
 ) -> dict[str, np.ndarray]:
     """The NumPy arrays of a `TrainingBatch` (same names), following the module's layout and alignment.
 
@@ -193,7 +193,8 @@ def pack_rollouts(
     `trainable[i] = False` (e.g. a truncated response under DAPO's overlong masking) keeps the rollout but
     masks all of its tokens out. `batch_size` is the batch's rollout slots (`len(rollouts)` or more: the
     rest count as empty rollouts, as padding rows did, for `constant` normalization); the number of rows
-    is a multiple of `row_multiple`. Rollouts sharing a `group_id` and an identical prompt share a block
+    is a multiple of `row_multiple` (each data-parallel device gets whole rows) and, when there are more than
+    `microbatch_rows` (gradient accumulation), of that too (Levanter splits the batch into equal microbatches). Rollouts sharing a `group_id` and an identical prompt share a block
     under the `shared` layout.
     """
     n = len(rollouts)
@@ -220,6 +221,9 @@ def pack_rollouts(
         raise ValueError(f"{n} rollouts do not fit a batch of {batch_size} rows")
     if row_multiple < 1:
         raise ValueError(f"row_multiple must be >= 1, got {row_multiple}")
+    if microbatch_rows is not None and (microbatch_rows < 1 or microbatch_rows % row_multiple):
+        raise ValueError(f"microbatch_rows must be a positive multiple of row_multiple={row_multiple}, got "
+                         f"{microbatch_rows}")
     for i, r in enumerate(rollouts):
         if r.prompt_tokens.size == 0:
             raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty prompt: the first response token "
@@ -235,14 +239,17 @@ def pack_rollouts(
     if config.layout == "padded":
         length = config.bucket_for(longest)
         rows = [[(i, [i])] for i in range(n)]
-        num_rows = _round_up(batch_size, row_multiple)
+        num_rows = _round_up(batch_size, microbatch_rows or row_multiple)
     else:
         # rows as long as the longest block (a split shared block fills max_length): attention costs
         # rows x length^2, so longer rows than that would only add attention over masked-out keys
         longest_block = max(p + sum(response_lengths[i] for i in m) for p, m in zip(prompt_lengths, members))
         length = config.bucket_for(min(config.max_length, longest_block))
         rows = plan_rows(prompt_lengths, members, response_lengths, length=length, split=config.layout == "shared")
-        num_rows = min(_round_up(row_bucket(len(rows)), row_multiple), _round_up(batch_size, row_multiple))
+        num_rows = _round_up(row_bucket(len(rows)), row_multiple)
+        if microbatch_rows is not None and num_rows > microbatch_rows:
+            num_rows = _round_up(num_rows, microbatch_rows)
+        num_rows = min(num_rows, _round_up(batch_size, microbatch_rows or row_multiple))
 
     shape = (num_rows, length)
     input_ids = np.full(shape, config.pad_token_id, dtype=np.int32)
@@ -336,13 +343,14 @@ def _round_up(value: int, multiple: int) -> int:
 
 def make_training_batch(
     rollouts: Sequence[Rollout], advantages, *, batch_size: int, config: BatchingConfig, trainable=None,
-    row_multiple: int = 1,
+    row_multiple: int = 1, microbatch_rows: int | None = None,
 ) -> TrainingBatch:
     """Packs rollouts (with their advantages) into a `TrainingBatch` (`pack_rollouts`, moved to JAX).
 
-    The position axis is a bucket of `config` and the rows a multiple of `row_multiple`, so a run compiles
+    The position axis is a bucket of `config` and the rows a multiple of `row_multiple` (and of `microbatch_rows`
+    past one microbatch), so a run compiles
     a few shapes, not one per batch.
     """
     arrays = pack_rollouts(rollouts, advantages, batch_size=batch_size, config=config, trainable=trainable,
-                           row_multiple=row_multiple)
+                           row_multiple=row_multiple, microbatch_rows=microbatch_rows)
     return TrainingBatch.from_numpy(arrays)

@@ -73,11 +73,13 @@ class ReplaySample:
     def trainable(self) -> np.ndarray:
         return np.concatenate([g.trainable for g in self.groups])
 
-    def training_batch(self, *, batch_size: int, config: BatchingConfig, row_multiple: int = 1) -> TrainingBatch:
+    def training_batch(self, *, batch_size: int, config: BatchingConfig, row_multiple: int = 1,
+                       microbatch_rows: int | None = None) -> TrainingBatch:
         """This step's `TrainingBatch`: `batch_size` rollout slots (n_groups × n_generations; trimmed groups
-        leave empty slots), rollouts in group order, rows a multiple of `row_multiple` (batching.py)."""
+        leave empty slots), rollouts in group order, rows aligned as batching.py says."""
         return make_training_batch(self.rollouts, self.token_advantages(), batch_size=batch_size, config=config,
-                                   trainable=self.trainable, row_multiple=row_multiple)
+                                   trainable=self.trainable, row_multiple=row_multiple,
+                                   microbatch_rows=microbatch_rows)
 
     def metrics(self) -> dict[str, float]:
         """Per-step numbers for the tracker: staleness, uses, rewards and the env mix of this batch."""

@@ -113,10 +113,14 @@ class TrainWorkerConfig:
                 f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")
 
 
-def row_multiple(trainer_config: TrainerConfig) -> int:
-    """Rows of a packed batch come in multiples of this: the microbatch (Levanter splits the batch axis into
-    equal microbatches) or, without microbatching, the data-parallel size (each device gets whole rows)."""
-    return trainer_config.microbatch_size or trainer_config.data_axis_size
+def row_alignment(trainer_config: TrainerConfig) -> dict[str, int | None]:
+    """`make_training_batch`'s row arguments for this trainer: rows in multiples of the data-parallel size (each
+    device gets whole rows) and, only when Levanter accumulates gradients (its microbatch is smaller than the
+    batch), of the microbatch past one. Levanter fills an unset `per_device_parallelism` with the whole batch,
+    so its `microbatch_size` alone would pad every packed batch back to `train_batch_size` rows."""
+    mbs = trainer_config.microbatch_size
+    accumulating = mbs is not None and mbs < trainer_config.train_batch_size
+    return {"row_multiple": trainer_config.data_axis_size, "microbatch_rows": mbs if accumulating else None}
 
 
 class CurriculumHandle(Protocol):
@@ -283,7 +287,7 @@ class TrainWorker:
                         t1 = time.perf_counter()
                         group_ids = [g.group.group_id for g in sample.groups]
                         batch = sample.training_batch(batch_size=batch_size, config=cfg.batching,
-                                                      row_multiple=row_multiple(trainer.config))
+                                                      **row_alignment(trainer.config))
                         batch = hax.shard(batch, trainer.compute_axis_mapping)
                     ref = ref_fn(reference, batch) if reference is not None else None
                     if ref is not None:
@@ -309,6 +313,7 @@ class TrainWorker:
                     metrics = {
                         "train/step_s": t4 - t0, "train/wait_s": t1 - t0, "train/batch_s": t2 - t1,
                         "train/update_s": t3 - t2, "train/publish_s": t4 - t3 if published else 0.0,
+                        "batch/rows": float(batch.Batch.size), "batch/row_length": float(batch.Pos.size),
                         **{f"weights/{k}": v for k, v in server.metrics.items()}, **self._checkpoint_metrics(skipped),
                     }
                     if sample is not None:  # process 0 (or the only one)
