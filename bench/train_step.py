@@ -104,7 +104,7 @@ from marinrl.models import ModelConfig, build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
 from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch  # noqa: E402
 from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
-from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
+from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config, row_alignment  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512
@@ -215,6 +215,9 @@ class Mode:
                                  "bucket<N> or scanned")
         model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers,
                                        seq_len=max(256, max_length))
+        if args.shape == "quickstart":  # experiments/quickstart.yaml's model
+            llama = dataclasses.replace(model.model, seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2)
+            model = dataclasses.replace(model, model=llama, init_std=None)
         return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
 
     def setup(self, trainer_cfg, optimizer) -> None:
@@ -289,7 +292,7 @@ def main(args) -> None:
     steps = [synthetic_rollouts(rng, step, args.shape) for step in range(args.steps)]
     for mode in modes:
         mode.batches = [make_training_batch(r, a, batch_size=batch_size, config=mode.batching,
-                                            row_multiple=trainer_cfg.data_axis_size) for r, a in steps]
+                                            **row_alignment(trainer_cfg)) for r, a in steps]
         mode.trained = [float(np.asarray(b.loss_mask.array).sum()) for b in mode.batches]
         mode.padding = [float((np.asarray(b.segment_ids.array) < 0).mean()) for b in mode.batches]
     trained = float(np.mean(modes[0].trained))
