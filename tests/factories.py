@@ -80,6 +80,9 @@ def rollouts(draw, group_id: str, weight_step: int, worker_id: str) -> Rollout:
         metadata=RolloutMetadata(worker_id, weight_step, draw(st.floats(0, 4e9))),
         agent_name=draw(_names),
         policy_name=draw(_names),
+        # in-flight updates: each token's weight step, never below the rollout's and never decreasing
+        weight_steps=draw(st.none() | st.lists(st.integers(0, 2), min_size=n, max_size=n).map(
+            lambda jumps: weight_step + np.cumsum(jumps))),
     )
 
 

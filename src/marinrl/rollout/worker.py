@@ -29,6 +29,7 @@ from marinrl.logs import ENV_ERRORS
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
+from marinrl.train.staleness import version_spread_metrics
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
@@ -238,6 +239,7 @@ class RolloutWorker:
             "rollout/staleness_at_write": float(target - self.weight_step),
             "rollout/generation_s": gen_s,
             "rollout/gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+            **version_spread_metrics(batch.rollouts, "rollout"),
             "rollout/batches_written": self.counters.batches_written,
             "rollout/write_failures": self.counters.write_failures,
             **self._failure_metrics(metrics),
