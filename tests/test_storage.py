@@ -17,7 +17,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from factories import batches, make_batch
+from factories import batches, encode_batch_v1, make_batch
 from marinrl import fs as marinrl_fs
 from marinrl import storage
 from marinrl.fs import RolloutStorageError
@@ -78,6 +78,16 @@ def test_a_version_1_file_still_reads_with_every_token_at_its_weight_step():
     back = decode_batch(data, "v1.parquet")
     assert back.rollouts == make_batch(n_groups=2, group_size=2, weight_step=3, seed=11, response_len=5).rollouts
     assert all(r.token_weight_steps.tolist() == [3] * 5 for r in back.rollouts)
+
+
+def test_the_version_1_helper_writes_the_layout_of_the_genuine_version_1_file():
+    with open(V1_FIXTURE, "rb") as f:
+        genuine = pq.read_schema(io.BytesIO(f.read()))
+    batch = make_batch(n_groups=2, group_size=2, weight_step=3, seed=11, response_len=5)
+    helper = pq.read_schema(io.BytesIO(encode_batch_v1(batch)))
+    assert helper.equals(genuine, check_metadata=False) and helper.metadata.keys() == genuine.metadata.keys()
+    assert helper.metadata[b"marinrl.format_version"] == b"1"
+    assert decode_batch(encode_batch_v1(batch)).rollouts == batch.rollouts
 
 
 def test_per_token_weight_steps_round_trip_and_bad_ones_are_format_errors():
