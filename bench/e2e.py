@@ -8,7 +8,16 @@ new tokens at temperature 1.0 (a random-init model rarely emits EOS, so response
 
 Modes, run one after the other, each a fresh RLJob with its own local Ray (1 trainer, 1 rollout worker):
 - `on_policy`: max_staleness 0 (generation of step s waits for weights s-1; training waits for it);
-- `async`: max_staleness 1 (generation of step s+1 overlaps training on step s).
+- `async`: max_staleness 1 (generation of step s+1 overlaps training on step s; weights swap between batches);
+- `inflight`: `async` plus in-flight weight updates (`inflight.enabled`, swaps every 16 decode steps, KV kept):
+  new weights are taken while a batch is being generated.
+
+Shapes (`--shape`):
+- `reference` (above): 32 new tokens, which a random-init model runs to the end;
+- `long`: up to `--max_tokens` (256) new tokens whose lengths vary widely: the lesson stops at any of 8 digit
+  characters, each about 1/512 likely per token under a near-uniform random-init model, so a response's
+  length is roughly geometric with mean ~64 and a tail to the cap (the model's seq_len is 512). This is where
+  a batch waits for its longest sequence, and where in-flight updates should help most.
 
 Figures (median, min, max over trainer steps 3..--steps, 1-based):
 - `step_s`: `train/step_s` of the trainer's history (wall time of one trainer step);
@@ -19,6 +28,9 @@ Figures (median, min, max over trainer steps 3..--steps, 1-based):
   bench/train_step.py measures them alone);
 - `generation_s`, `gen_tokens_per_s`: the rollout worker's `rollout/generation_s` and `rollout/gen_tokens_per_s`
   per batch (its TensorBoard event file), over batches for weight steps 2..steps-1;
+- `token_staleness`, `version_spread_max`: the trainer's `batch/token_staleness_mean` (trainer step minus the
+  weight step of each trained token) and `batch/version_spread_max` (weight versions inside one rollout);
+  `inflight_swaps`: the rollout worker's swaps over the run;
 - `first_step_s`: from calling `RLJob.run()` (Ray start, actor start, model init, compiles) to the wall time of
   the trainer's first logged step;
 - `peak_rss_mb`: VmHWM of the trainer actor and rollout actor processes (sampled from /proc every 0.2 s while
@@ -28,6 +40,7 @@ The JAX persistent compilation cache (.jax_cache) is used as the job configures 
 depends on whether earlier runs filled it. Prints a table, then one JSON line per mode.
 
     python bench/e2e.py [--steps 20] [--modes on_policy,async]
+    python bench/e2e.py --shape long --modes async,inflight [--max_tokens 256]
 """
 
 from __future__ import annotations
@@ -53,6 +66,7 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.envs.base import EnvConfig  # noqa: E402
+from marinrl.inference.inflight import InflightConfig  # noqa: E402
 from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
@@ -60,20 +74,28 @@ from marinrl.train.batching import BatchingConfig  # noqa: E402
 from marinrl.train.losses import LossConfig  # noqa: E402
 from marinrl.train.trainer_config import RLAdamConfig  # noqa: E402
 
-MODES = {"on_policy": 0, "async": 1}
+MODES = {"on_policy": 0, "async": 1, "inflight": 1}
+"""Each mode's max_staleness."""
+SHAPES = ("reference", "long")
+LONG_STOPS = tuple("01234567")
 
 
-def job_config(mode: str, steps: int, root: str) -> RLJobConfig:
+def job_config(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256) -> RLJobConfig:
+    long = shape == "long"
     lesson = LessonConfig(lesson_id="echo14", env=EnvConfig("echo", {"alphabet_size": 26, "length": 14}),
-                          max_tokens=32, temperature=1.0, graduate_at=None)
-    llama = LlamaConfig(seq_len=64, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
-                        gradient_checkpointing=False, tie_word_embeddings=False, scan_layers=False)
+                          max_tokens=max_tokens if long else 32, stop=LONG_STOPS if long else (), temperature=1.0,
+                          graduate_at=None)
+    llama = LlamaConfig(seq_len=512 if long else 64, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4,
+                        num_kv_heads=4, gradient_checkpointing=False, tie_word_embeddings=False, scan_layers=False)
+    batching = BatchingConfig(max_length=16 + max_tokens + 16, min_bucket=16) if long else BatchingConfig(
+        max_length=64, min_bucket=16)
     return RLJobConfig(
-        run_id=f"e2e-{mode}", run_root=root,
+        run_id=f"e2e-{shape}-{mode}", run_root=root,
         model=ModelConfig(model=llama, vocab_size=512, seed=0, init_std=0.02, dtype="float32"),
         curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=steps, groups_per_step=8, n_generations=8,
         max_staleness=MODES[mode], loss=LossConfig.preset("grpo", kl_beta=0.04),
-        optimizer=RLAdamConfig(learning_rate=1e-4), eval_every=10_000, eval_examples=8, batching=BatchingConfig(max_length=64, min_bucket=16))
+        optimizer=RLAdamConfig(learning_rate=1e-4), eval_every=10_000, eval_examples=8, batching=batching,
+        inflight=InflightConfig(enabled=mode == "inflight", swap_every_tokens=16, kv="keep"))
 
 
 class RssWatcher:
@@ -127,8 +149,8 @@ def stats(values: list[float]) -> dict | None:
     return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def run_mode(mode: str, steps: int, root: str) -> dict:
-    cfg = job_config(mode, steps, root)
+def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256) -> dict:
+    cfg = job_config(mode, steps, root, shape, max_tokens)
     started = time.time()
     # The local Ray is started here, as RLJob would start it, but with address="local": a bare ray.init()
     # connects to any other Ray found running on the machine (e.g. a test session) instead of starting one.
@@ -153,6 +175,7 @@ def run_mode(mode: str, steps: int, root: str) -> dict:
     peaks["driver"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return {
         "mode": mode,
+        "shape": shape,
         "steps": result.train["final_step"],
         "step_s": stats([h["train/step_s"] for h in history]),
         "update_s": stats([h["train/update_s"] for h in history]),
@@ -162,6 +185,10 @@ def run_mode(mode: str, steps: int, root: str) -> dict:
         "generation_s": stats(worker_values("rollout/generation_s")),
         "gen_tokens_per_s": stats(worker_values("rollout/gen_tokens_per_s")),
         "idle_fraction": stats([h["train/wait_s"] / h["train/step_s"] for h in history]),
+        "token_staleness": stats([h.get("batch/token_staleness_mean") for h in history]),
+        "version_spread_max": stats([h.get("batch/version_spread_max") for h in history]),
+        "inflight_swaps": result.rollouts[0].get("inflight_swaps") if result.rollouts else None,
+        "response_length": stats(worker_values("rollout/response_length_mean")),
         "first_step_s": round(min(first_logged.values()) - started, 2) if first_logged else None,
         "peak_rss_mb": peaks,
         "staleness_max": max((h["batch/staleness_max"] for h in result.train["history"]), default=None),
@@ -178,6 +205,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="trainer steps per mode; medians over 3..steps")
     parser.add_argument("--modes", default="on_policy,async")
     parser.add_argument("--root", default=None, help="run root (default: a temporary directory)")
+    parser.add_argument("--shape", default="reference", choices=SHAPES)
+    parser.add_argument("--max_tokens", type=int, default=256, help="long shape: the cap on new tokens")
     args = parser.parse_args()
     modes = args.modes.split(",")
     for m in modes:
@@ -186,12 +215,14 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="marinrl-e2e-") as tmp:
         for mode in modes:
-            results.append(run_mode(mode, args.steps, args.root or tmp))
-    print(f"\nRLJob at the BENCHMARK.md shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
+            results.append(run_mode(mode, args.steps, args.root or tmp, args.shape, args.max_tokens))
+    print(f"\nRLJob at the {args.shape} shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
     for r in results:
         print(f"\n{r['mode']} ({r['steps']} steps, job {r['job_s']} s, max staleness trained {r['staleness_max']})")
-        for key in ("step_s", "update_s", "wait_s", "batch_s", "publish_s", "generation_s", "gen_tokens_per_s", "idle_fraction"):
+        for key in ("step_s", "update_s", "wait_s", "batch_s", "publish_s", "generation_s", "gen_tokens_per_s",
+                    "idle_fraction", "token_staleness", "version_spread_max", "response_length"):
             print(f"  {key:18s} {_fmt(r[key])}")
+        print(f"  {'inflight_swaps':18s} {r['inflight_swaps']}")
         print(f"  {'first_step_s':18s} {r['first_step_s']}")
         print(f"  {'peak_rss_mb':18s} {r['peak_rss_mb']}")
     for r in results:

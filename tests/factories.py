@@ -10,6 +10,26 @@ from hypothesis import strategies as st
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 
+def encode_batch_v1(batch: RolloutBatch) -> bytes:
+    """The bytes the version-1 writer made of `batch` (no `weight_steps` column, format_version "1"):
+    for batches a checked-in v1 file cannot hold (tests/test_storage.py checks that this layout is the
+    one of tests/fixtures/rollouts_format_v1.parquet). Version 1 cannot say that tokens came from
+    newer weights, so such rollouts are refused."""
+    import io
+
+    import pyarrow.parquet as pq
+
+    from marinrl.rollout_format import VERSION_KEY, encode_batch
+
+    assert all(r.weight_steps is None for r in batch.rollouts), "version 1 holds one weight step per rollout"
+    table = pq.read_table(io.BytesIO(encode_batch(batch)))
+    meta = {**table.schema.metadata, VERSION_KEY: b"1"}
+    table = table.drop_columns(["weight_steps"]).replace_schema_metadata(meta)
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="lz4", write_statistics=False)
+    return sink.getvalue()
+
+
 def make_rollout(
     group_id: str = "g0",
     reward: float = 1.0,
@@ -80,6 +100,9 @@ def rollouts(draw, group_id: str, weight_step: int, worker_id: str) -> Rollout:
         metadata=RolloutMetadata(worker_id, weight_step, draw(st.floats(0, 4e9))),
         agent_name=draw(_names),
         policy_name=draw(_names),
+        # in-flight updates: each token's weight step, never below the rollout's and never decreasing
+        weight_steps=draw(st.none() | st.lists(st.integers(0, 2), min_size=n, max_size=n).map(
+            lambda jumps: weight_step + np.cumsum(jumps))),
     )
 
 

@@ -177,3 +177,18 @@ def test_training_batch_is_named_and_matches_the_numpy_arrays():
         assert field.array.dtype == arr.dtype
     same = TrainingBatch.from_rollouts(rollouts, [2.0, -1.0], batch_size=4, config=SMALL)
     assert np.array_equal(np.asarray(same.advantages.array), np.asarray(batch.advantages.array))
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
+def test_each_trained_token_carries_the_weight_step_that_sampled_it(layout):
+    """In-flight swaps stamp tokens of one rollout with several steps: the batch keeps each token's own."""
+    import dataclasses
+
+    mixed = dataclasses.replace(rollout([1, 2], [5, 6, 7, 8], w=3), weight_steps=np.array([3, 3, 4, 5]))
+    plain = rollout([1, 2], [9, 9], w=3, gid="g")
+    arrays = pack_rollouts([mixed, plain], [1.0, -1.0], batch_size=2,
+                           config=BatchingConfig(max_length=16, min_bucket=8, layout=layout))
+    trained = arrays["loss_mask"] > 0
+    steps = sorted(arrays["weight_step"][trained].tolist())
+    assert steps == [3, 3, 3, 3, 4, 5]
+    assert np.all(arrays["weight_step"][~trained] == PAD_ROW_WEIGHT_STEP)

@@ -14,6 +14,7 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.envs.base import EnvConfig
+from marinrl.inference.inflight import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
 from marinrl.storage import RolloutReader, summarize
@@ -45,6 +46,7 @@ def job_config(tmp_path, **overrides) -> RLJobConfig:
         (dict(curriculum=CurriculumConfig(lessons=(dataclasses.replace(ECHO, temperature=0.0),))),
          r"curriculum.lessons\[echo\].temperature"),
         (dict(max_uses=2, max_staleness=0), "max_uses"),
+        (dict(max_staleness=0, inflight=InflightConfig(enabled=True)), "inflight.enabled"),
     ],
 )
 def test_a_bad_config_names_the_field_before_anything_starts(tmp_path, overrides, field):

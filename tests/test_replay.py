@@ -125,6 +125,45 @@ def test_a_group_from_the_future_at_sample_time_is_never_trained():
         buf.sample(1, 1, timeout_s=0)
 
 
+def mixed_group(gid: str, steps_per_rollout, *, start: int, created_at: float = 1001.0) -> RolloutGroup:
+    """A group whose rollouts began with weights `start` and had tokens sampled by newer ones (in flight)."""
+    group = make_group(gid, [float(i % 2) for i in range(len(steps_per_rollout))], w=start, created_at=created_at,
+                       lengths=[len(s) for s in steps_per_rollout])
+    return RolloutGroup(tuple(dataclasses.replace(r, weight_steps=s) for r, s in zip(group.rollouts, steps_per_rollout)))
+
+
+MIXED_STEPS = ([3, 3, 5, 5], [3, 5, 5, 5])
+"""Tokens at steps 3 (3 of them) and 5 (5 of them): oldest 3, newest 5, mean 34 / 8 = 4.25 -> 4."""
+
+
+@pytest.mark.parametrize("reduction, staleness", [("oldest", 3), ("newest", 1), ("mean", 2)])
+def test_token_version_reduction_decides_a_mixed_groups_staleness(reduction, staleness):
+    buf = ReplayConfig(sampling=OffPolicyConfig(staleness=10), token_version_reduction=reduction).build(clock=Clock())
+    buf.ingest([make_batch([mixed_group("mixed", MIXED_STEPS, start=3)], w=3, created_at=1001.0)])
+    sample = buf.sample(6, 1, timeout_s=0)
+    assert [g.staleness for g in sample.groups] == [staleness]
+    metrics = sample.metrics()
+    assert metrics["batch/version_spread_max"] == 2 and metrics["batch/version_spread_mean"] == 2
+    assert metrics["batch/mixed_version_frac"] == 1
+    assert metrics["batch/token_staleness_mean"] == (3 * 3 + 5 * 1) / 8 and metrics["batch/token_staleness_max"] == 3
+
+
+def test_the_window_drops_a_mixed_group_by_its_oldest_token_by_default():
+    for reduction, dropped in (("oldest", {"stale": 1}), ("newest", {})):
+        buf = ReplayConfig(sampling=OffPolicyConfig(staleness=1), token_version_reduction=reduction).build(
+            clock=Clock(), start_step=5)
+        buf.ingest([make_batch([mixed_group("mixed", MIXED_STEPS, start=3)], w=3, created_at=1001.0)])
+        assert drops(buf) == dropped, reduction
+
+
+def test_a_group_with_a_token_from_the_future_is_never_trained():
+    buf = ReplayConfig().build(clock=Clock())
+    buf.ingest([make_batch([mixed_group("half-ahead", ([0, 0, 1],), start=0)], w=0, created_at=1001.0)])
+    with pytest.raises(ReplayTimeoutError):
+        buf.sample(0, 1, timeout_s=0)  # its oldest token is current, but one token's weights are newer
+    assert drops(buf) == {"future": 1}
+
+
 def test_steps_only_go_up():
     buf = ReplayConfig().build(clock=Clock())
     buf.ingest([batch_of(3, "a", created_at=1001.0)])
@@ -788,6 +827,7 @@ def test_config_is_draccus_friendly():
 
 @pytest.mark.parametrize("bad", [
     dict(env_weights={}), dict(env_weights={"a": -1.0}), dict(capacity_per_env=0), dict(max_age_s=0.0),
+    dict(token_version_reduction="median"),
 ])
 def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):

@@ -1,3 +1,4 @@
+import dataclasses
 import io
 import json
 import multiprocessing as mp
@@ -16,12 +17,13 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from factories import batches, make_batch
+from factories import batches, encode_batch_v1, make_batch
 from marinrl import fs as marinrl_fs
 from marinrl import storage
 from marinrl.fs import RolloutStorageError
 from marinrl.rollout_format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
 from marinrl.storage import RolloutReader, RolloutWriter
+from marinrl.types import RolloutGroup
 
 fixture_settings = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -57,10 +59,55 @@ def test_files_are_readable_by_plain_pyarrow_and_pandas(tmp_path):
     batch = make_batch(n_groups=2, group_size=3, weight_step=7)
     path = RolloutWriter(str(tmp_path)).write(batch)
     table = pq.read_table(path)
-    assert table.schema.metadata[b"marinrl.format_version"] == b"1"
+    assert table.schema.metadata[b"marinrl.format_version"] == b"2"
     df = table.to_pandas()
     assert len(df) == 6 and set(df.weight_step) == {7}
     assert list(df.response_tokens[0]) == batch.rollouts[0].response_tokens.tolist()
+
+
+V1_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "rollouts_format_v1.parquet")
+"""Written by the version-1 writer (marinrl at f7134af): make_batch(n_groups=2, group_size=2, weight_step=3,
+seed=11, response_len=5), before rollout files had `weight_steps`."""
+
+
+def test_a_version_1_file_still_reads_with_every_token_at_its_weight_step():
+    with open(V1_FIXTURE, "rb") as f:
+        data = f.read()
+    assert pq.read_schema(io.BytesIO(data)).metadata[b"marinrl.format_version"] == b"1"
+    assert "weight_steps" not in pq.read_schema(io.BytesIO(data)).names
+    back = decode_batch(data, "v1.parquet")
+    assert back.rollouts == make_batch(n_groups=2, group_size=2, weight_step=3, seed=11, response_len=5).rollouts
+    assert all(r.token_weight_steps.tolist() == [3] * 5 for r in back.rollouts)
+
+
+def test_the_version_1_helper_writes_the_layout_of_the_genuine_version_1_file():
+    with open(V1_FIXTURE, "rb") as f:
+        genuine = pq.read_schema(io.BytesIO(f.read()))
+    batch = make_batch(n_groups=2, group_size=2, weight_step=3, seed=11, response_len=5)
+    helper = pq.read_schema(io.BytesIO(encode_batch_v1(batch)))
+    assert helper.equals(genuine, check_metadata=False) and helper.metadata.keys() == genuine.metadata.keys()
+    assert helper.metadata[b"marinrl.format_version"] == b"1"
+    assert decode_batch(encode_batch_v1(batch)).rollouts == batch.rollouts
+
+
+def test_per_token_weight_steps_round_trip_and_bad_ones_are_format_errors():
+    batch = make_batch(n_groups=1, group_size=2, weight_step=3, response_len=4)
+    mixed = dataclasses.replace(batch.rollouts[0], weight_steps=[3, 3, 4, 6])
+    batch = dataclasses.replace(batch, groups=(RolloutGroup((mixed, batch.rollouts[1])),))
+    back = decode_batch(encode_batch(batch))
+    assert back.rollouts[0].token_weight_steps.tolist() == [3, 3, 4, 6]
+    assert back.rollouts[1].weight_steps is None and back.rollouts == batch.rollouts
+    table = pq.read_table(io.BytesIO(encode_batch(batch)))
+    for bad, problem in (([[3, 3, 4, 2], [3] * 4], "below the batch's weight_step 3"),
+                         ([[3, 5, 4, 6], [3] * 4], "decreases inside a row"),
+                         ([[3, 3, 4], [3] * 4], "weight_steps has length 3")):
+        column = pa.array(bad, type=table.schema.field("weight_steps").type)
+        broken = table.set_column(table.schema.get_field_index("weight_steps"), table.schema.field("weight_steps"),
+                                  column)
+        sink = io.BytesIO()
+        pq.write_table(broken, sink)
+        with pytest.raises(RolloutFormatError, match=problem):
+            decode_batch(sink.getvalue())
 
 
 def test_reader_is_incremental_and_filters_by_step(fsspec_root):

@@ -188,6 +188,29 @@ def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
     assert result.metrics["replay/trained_staleness/0"] == 4 * GROUPS
 
 
+def test_rollout_files_of_format_version_1_still_train(tmp_path):
+    """Files written before per-token weight steps (format 1) are read, with every token at the file's
+    weight step, and trained on."""
+    from factories import encode_batch_v1
+    from marinrl.train.sampling import OffPolicyConfig
+
+    cfg = worker_config(tmp_path, steps=2, sampling=OffPolicyConfig(staleness=1), run_id="v1files")
+    rng = np.random.default_rng(5)
+    written = set()
+    folder = pathlib.Path(cfg.rollout_root) / "step=00000000"
+    folder.mkdir(parents=True)
+    for i in range(2):  # weights 0: usable at steps 0 and 1
+        batch = make_rollout_batch(0, rng)
+        (folder / f"v1-{i:06d}-old.parquet").write_bytes(encode_batch_v1(batch))
+        written |= {g.group_id for g in batch.groups}
+    steps: dict[int, dict] = {}
+    result = TrainWorker(cfg, on_step=lambda s, m: steps.__setitem__(s, m)).run()
+    assert (result.first_step, result.final_step) == (0, 2)
+    assert {gid for m in steps.values() for gid, _ in m["groups"]} == written
+    assert all(np.isfinite(m["loss"]) for m in steps.values())
+    assert result.metrics.get("replay/quarantined_files", 0) == 0
+
+
 def child_main(tmp: str, log_path: str) -> None:
     """A trainer in its own process, appending what each step trained to `log_path` (JSON lines)."""
     import json

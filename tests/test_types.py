@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,11 +35,27 @@ def test_valid_rollout_normalizes_dtypes():
         (dict(temperature=-1.0), "temperature"),
         (dict(group_id=""), "group_id"),
         (dict(metadata="w0"), "metadata"),
+        (dict(weight_steps=np.array([5, 5])), "weight_steps"),
+        (dict(weight_steps=np.array([5, 6, 5])), "weight_steps"),
+        (dict(weight_steps=np.array([4, 5, 5])), "weight_steps"),  # below the rollout's weight_step 5
+        (dict(weight_steps=np.array([5.0, 5.0, 6.0])), "weight_steps"),
     ],
 )
 def test_inconsistent_rollout_names_the_field(overrides, field):
     with pytest.raises(RolloutValidationError, match=rf"Rollout\.{field}:"):
-        make_rollout(response_len=3, **overrides)
+        make_rollout(response_len=3, weight_step=5, **overrides)
+
+
+def test_token_weight_steps_default_to_the_rollout_weight_step_and_survive_stamping():
+    plain = make_rollout(response_len=3, weight_step=4)
+    assert plain.weight_steps is None and plain.token_weight_steps.tolist() == [4, 4, 4]
+    assert plain == make_rollout(response_len=3, weight_step=4, weight_steps=[4, 4, 4])  # the same rollout
+    mixed = make_rollout(response_len=3, weight_step=0, weight_steps=[4, 4, 6])  # unstamped, as envs make them
+    assert mixed.token_weight_steps.dtype == np.int64 and mixed != plain
+    stamped = dataclasses.replace(mixed, metadata=RolloutMetadata("w0", 4))
+    assert stamped.token_weight_steps.tolist() == [4, 4, 6]
+    with pytest.raises(RolloutValidationError, match="below the rollout's metadata.weight_step 5"):
+        dataclasses.replace(mixed, metadata=RolloutMetadata("w0", 5))
 
 
 def test_empty_response_is_rejected():

@@ -9,6 +9,7 @@ import logging
 from typing import Optional
 
 from marinrl.curriculum_config import CurriculumConfig
+from marinrl.inference.inflight import InflightConfig
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig
@@ -94,6 +95,9 @@ class RLJobConfig:
     checkpoint_keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this; 0: none."""
     inference: InferenceServerConfig = dataclasses.field(default_factory=InferenceServerConfig)
+    inflight: InflightConfig = dataclasses.field(default_factory=InflightConfig)
+    """In-flight weight updates: rollout workers take newer weights while a batch is generated
+    (`enabled`, `swap_every_tokens`, `kv: keep | recompute`; docs/weight_transfer.md). Off by default."""
     weights: Optional[WeightTransferConfig] = None
     """None: files under the run directory."""
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
@@ -166,6 +170,12 @@ class RLJobConfig:
                 bad(f"curriculum.lessons[{lesson.lesson_id}].max_tokens",
                     f"{lesson.max_tokens} new tokens do not fit a training row of batching.max_length="
                     f"{self.batching.max_length} (prompt + response)")
+        if self.inflight.enabled and self.max_staleness == 0:
+            bad("inflight.enabled", "on-policy (max_staleness 0) never mixes weight versions inside a rollout: "
+                                    "turn inflight off, or allow max_staleness >= 1")
+        if self.inflight.enabled and self.inference.backend != "scan":
+            bad("inflight.enabled", f"needs inference.backend: scan, got {self.inference.backend!r} (the engine "
+                                    "backend has no chunk boundaries to swap weights at)")
         if self.max_uses > 1 and self.max_staleness < 1:
             bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
         trainer = self.trainer_config()  # a derived field set twice, differently
@@ -232,4 +242,5 @@ class RLJobConfig:
             max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
             eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
             micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
-            max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler)
+            max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler,
+            inflight=self.inflight)

@@ -17,7 +17,9 @@ import pyarrow.parquet as pq
 
 from marinrl.types import FINISH_REASONS, Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2 added `weight_steps` (the weight step of each response token); files of version 1 still read, with
+every token at the rollout's weight step."""
 VERSION_KEY = b"marinrl.format_version"
 BATCH_KEY = b"marinrl.batch"
 
@@ -47,15 +49,19 @@ SCHEMA = pa.schema(
             ("worker_id", pa.string()),
             ("weight_step", pa.int64()),
             ("created_at", pa.float64()),
+            ("weight_steps", _list(pa.int64())),
         ]
     ]
 )
+SCHEMA_V1 = pa.schema([f for f in SCHEMA if f.name != "weight_steps"])
+"""Version 1: no `weight_steps` column."""
 _LIST_COLUMNS = {
     "prompt_tokens": np.int32,
     "response_tokens": np.int32,
     "response_logprobs": np.float32,
     "loss_mask": np.bool_,
     "token_rewards": np.float32,
+    "weight_steps": np.int64,
 }
 _STRING_COLUMNS = ("group_id", "finish_reason", "env_name", "lesson_id", "agent_name", "policy_name", "worker_id")
 
@@ -84,7 +90,8 @@ def encode_batch(batch: RolloutBatch) -> bytes:
     rollouts = batch.rollouts
     cols: dict[str, Any] = {}
     for name, dtype in _LIST_COLUMNS.items():
-        cols[name] = _list_array([getattr(r, name) for r in rollouts], dtype, SCHEMA.field(name).type)
+        attr = "token_weight_steps" if name == "weight_steps" else name
+        cols[name] = _list_array([getattr(r, attr) for r in rollouts], dtype, SCHEMA.field(name).type)
     for name in _STRING_COLUMNS:
         src = (lambda r: r.metadata.worker_id) if name == "worker_id" else (lambda r, n=name: getattr(r, n))
         cols[name] = pa.array([src(r) for r in rollouts], type=pa.string())
@@ -150,14 +157,15 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
         table = pf.read(use_threads=False)  # small files: a thread pool costs more than it saves
     except Exception as e:
         _fail(path, f"cannot read the Parquet data ({e})")
+    schema = SCHEMA if version_int >= 2 else SCHEMA_V1
     present = set(table.column_names)
-    missing = [name for name in SCHEMA.names if name not in present]
+    missing = [name for name in schema.names if name not in present]
     if missing:
         _fail(path, f"missing columns {missing}")
-    table = table.select(SCHEMA.names)
-    if not table.schema.equals(SCHEMA, check_metadata=False):
+    table = table.select(schema.names)
+    if not table.schema.equals(schema, check_metadata=False):
         try:
-            table = table.cast(SCHEMA.with_metadata(None))
+            table = table.cast(schema.with_metadata(None))
         except Exception as e:
             _fail(path, f"columns of the wrong type ({e})")
     try:
@@ -173,6 +181,8 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
     # Columnar views: one flat array plus offsets per list column.
     flat: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name, dtype in _LIST_COLUMNS.items():
+        if name not in schema.names:
+            continue
         col = table.column(name)
         arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
         if arr.null_count:
@@ -185,7 +195,9 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
     lengths = np.diff(flat["response_tokens"][1])
     if np.any(lengths == 0):
         _fail(path, f"row {int(np.flatnonzero(lengths == 0)[0])}: response_tokens is empty")
-    for name in ("response_logprobs", "loss_mask", "token_rewards"):
+    for name in ("response_logprobs", "loss_mask", "token_rewards", "weight_steps"):
+        if name not in flat:
+            continue
         other = np.diff(flat[name][1])
         if not np.array_equal(other, lengths):
             row = int(np.flatnonzero(other != lengths)[0])
@@ -208,6 +220,18 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
         _fail(path, "temperature holds a negative value")
     if np.any(scalars["weight_step"] != metadata.weight_step):
         _fail(path, f"weight_step of a row differs from the batch's {metadata.weight_step}")
+    uniform_steps = None  # per row: every token at the batch's weight step (stored as None, as built)
+    if "weight_steps" in flat:
+        steps, offsets = flat["weight_steps"]
+        if steps.size and steps.min() < metadata.weight_step:
+            _fail(path, f"weight_steps holds step {int(steps.min())}, below the batch's weight_step "
+                        f"{metadata.weight_step}")
+        falls = np.flatnonzero(np.diff(steps) < 0) + 1  # a decrease inside a row (row starts excluded)
+        starts = set(offsets[1:-1].tolist())
+        if any(int(i) not in starts for i in falls):
+            _fail(path, "weight_steps decreases inside a row: weights only move forward within a rollout")
+        newer = np.add.reduceat(steps > metadata.weight_step, offsets[:-1]) if steps.size else np.zeros(n)
+        uniform_steps = newer == 0
     strings = {name: table.column(name).to_pylist() for name in _STRING_COLUMNS}
     for name, values in strings.items():
         if "" in values or None in values:
@@ -216,7 +240,7 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
     if bad_reasons:
         _fail(path, f"finish_reason holds unknown values {sorted(bad_reasons)}")
 
-    split = {}
+    split: dict[str, list] = {"weight_steps": [None] * n}
     for name, (values, offsets) in flat.items():
         bounds = offsets.tolist()
         split[name] = [values[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
@@ -245,6 +269,7 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
             metadata=meta,
             agent_name=strings["agent_name"][i],
             policy_name=strings["policy_name"][i],
+            weight_steps=None if uniform_steps is None or uniform_steps[i] else split["weight_steps"][i],
         )
         by_group[rollout.group_id].append(rollout)
     if len(group_order) != len(by_group) or set(group_order) != by_group.keys():

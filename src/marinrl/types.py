@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 
@@ -54,6 +54,24 @@ def _check_finite(owner: str, field: str, arr: np.ndarray) -> None:
         _fail(owner, field, f"must be finite, got {arr[bad]} at index {bad}")
 
 
+def check_weight_steps(owner: str, value, n: int, start_step: int) -> np.ndarray:
+    """`Rollout.weight_steps` as int64, checked: one per response token, >= `start_step` (the rollout's
+    `metadata.weight_step`), never decreasing (weights only move forward while a rollout is sampled)."""
+    if isinstance(value, np.ndarray) and value.dtype.kind not in "iu":
+        _fail(owner, "weight_steps", f"must be integers, got dtype {value.dtype}")
+    arr = _as_1d(owner, "weight_steps", value, np.int64)
+    if arr.size != n:
+        _fail(owner, "weight_steps", f"has length {arr.size} but response_tokens has length {n}")
+    if arr.size and arr.min() < start_step:
+        _fail(owner, "weight_steps", f"holds step {int(arr.min())}, below the rollout's metadata.weight_step "
+                                     f"{start_step} (the weights it began with)")
+    if arr.size > 1 and np.any(np.diff(arr) < 0):
+        bad = int(np.flatnonzero(np.diff(arr) < 0)[0])
+        _fail(owner, "weight_steps", f"decreases from {int(arr[bad])} to {int(arr[bad + 1])} at index {bad + 1}: "
+                                     "weights only move forward within a rollout")
+    return arr
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutMetadata:
     """Who made a rollout, with which weights, and when."""
@@ -79,8 +97,8 @@ class RolloutMetadata:
 class Rollout:
     """One sampled response to one prompt, with everything the loss needs.
 
-    Per-token arrays (`response_logprobs`, `loss_mask`, `token_rewards`) are aligned with
-    `response_tokens`. The stop token the model sampled is part of the response: stopping is an
+    Per-token arrays (`response_logprobs`, `loss_mask`, `token_rewards`, `weight_steps`) are aligned
+    with `response_tokens`. The stop token the model sampled is part of the response: stopping is an
     action and is trained. In multi-turn episodes, environment tokens sit inside the response with
     `loss_mask` 0 (their logprobs are then ignored).
     """
@@ -103,6 +121,11 @@ class Rollout:
     metadata: RolloutMetadata
     agent_name: str = DEFAULT_AGENT
     policy_name: str = DEFAULT_POLICY
+    weight_steps: Optional[np.ndarray] = None
+    """Weight step of the weights that sampled each response token, when weights were swapped while the
+    rollout was generated (in-flight updates, docs/weight_transfer.md); environment tokens carry the step
+    of the token before them. Never below `metadata.weight_step` (the weights the rollout began with)
+    and never decreasing. None: every token at `metadata.weight_step` (`token_weight_steps`)."""
 
     def __post_init__(self):
         o = "Rollout"
@@ -142,16 +165,28 @@ class Rollout:
                 _fail(o, field, f"must be a non-empty string, got {value!r}")
         if not isinstance(self.metadata, RolloutMetadata):
             _fail(o, "metadata", f"must be a RolloutMetadata, got {type(self.metadata).__name__}")
+        if self.weight_steps is not None:
+            set_(self, "weight_steps", check_weight_steps(o, self.weight_steps, n, self.metadata.weight_step))
 
     @property
     def num_tokens(self) -> int:
         return int(self.prompt_tokens.size + self.response_tokens.size)
 
+    @property
+    def token_weight_steps(self) -> np.ndarray:
+        """int64 [len(response_tokens)]: the weight step that sampled each response token."""
+        if self.weight_steps is not None:
+            return self.weight_steps
+        return np.full(self.response_tokens.size, self.metadata.weight_step, dtype=np.int64)
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, Rollout):
             return NotImplemented
         for f in dataclasses.fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name == "weight_steps":  # None and the array it stands for are the same rollout
+                a, b = self.token_weight_steps, other.token_weight_steps
+            else:
+                a, b = getattr(self, f.name), getattr(other, f.name)
             if isinstance(a, np.ndarray):
                 if a.dtype != b.dtype or not np.array_equal(a, b):
                     return False
@@ -194,8 +229,9 @@ class RolloutGroup:
 class RolloutBatch:
     """What one RolloutManager call returns, and what one rollout file holds.
 
-    All rollouts of a batch were made by one worker with one set of weights, so the batch's weight
-    step can name the file without opening it.
+    All rollouts of a batch were made by one worker and began with one set of weights, so the batch's
+    weight step can name the file without opening it (with in-flight weight updates, later tokens of a
+    rollout may come from newer weights: `Rollout.weight_steps`).
     """
 
     groups: tuple[RolloutGroup, ...]

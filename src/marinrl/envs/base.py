@@ -205,6 +205,7 @@ def make_rollout(
         metadata=UNSTAMPED,
         agent_name=agent_name,
         policy_name=policy_name,
+        weight_steps=generation.weight_steps,
     )
 
 

@@ -72,6 +72,9 @@ class EpisodeRecord:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     loss_mask: list[bool] = dataclasses.field(default_factory=list)
     token_rewards: list[float] = dataclasses.field(default_factory=list)
+    weight_steps: list[int | None] = dataclasses.field(default_factory=list)
+    """Weight step that sampled each response token (None where the server did not say); observation
+    tokens carry the step of the token before them."""
     actions: list[str] = dataclasses.field(default_factory=list)
     """The text of each turn (without the EOS or stop sequence that ended it)."""
     rewards: list[float] = dataclasses.field(default_factory=list)
@@ -90,6 +93,8 @@ class EpisodeRecord:
         self.logprobs += [float(x) for x in np.asarray(generation.logprobs).tolist()]
         self.loss_mask += [True] * len(generation.tokens)
         self.token_rewards += [0.0] * len(generation.tokens)
+        steps = generation.weight_steps
+        self.weight_steps += [None] * len(generation.tokens) if steps is None else [int(x) for x in steps]
         self.actions.append(text)
 
     def add_reward(self, reward: float) -> None:
@@ -101,6 +106,19 @@ class EpisodeRecord:
         self.logprobs += [0.0] * len(tokens)
         self.loss_mask += [False] * len(tokens)
         self.token_rewards += [0.0] * len(tokens)
+        self.weight_steps += [self.weight_steps[-1] if self.weight_steps else None] * len(tokens)
+
+    def token_weight_steps(self) -> np.ndarray | None:
+        """`weight_steps` as the rollout wants them: None if no turn had any; turns without take the
+        step of the token before them (the first ones: the first known step)."""
+        known = [s for s in self.weight_steps if s is not None]
+        if not known:
+            return None
+        out, last = [], known[0]
+        for s in self.weight_steps:
+            last = last if s is None else s
+            out.append(last)
+        return np.asarray(out, np.int64)
 
 
 class MultiTurnEnv:
@@ -207,7 +225,7 @@ def run_turns(ctx: InferenceContext, episodes: Sequence[EpisodeRecord], sampling
                 raise RuntimeError(f"ctx.generate returned {len(row)} samples, asked for 1")
             gen = row[0]
             if len(gen.tokens) > budget:
-                gen = Generation(np.asarray(gen.tokens)[:budget], np.asarray(gen.logprobs)[:budget], "length")
+                gen = gen.truncated(budget)
             e.add_turn(gen, completion_text(tokenizer, gen, sampling))
             feedback = step(e)
             if not isinstance(feedback, Feedback):
@@ -232,7 +250,8 @@ def run_turns(ctx: InferenceContext, episodes: Sequence[EpisodeRecord], sampling
 def episode_rollout(e: EpisodeRecord, sampling: SamplingParams, env_name: str, group_id: str,
                     agent_name: str, policy_name: str):
     """The rollout of one finished episode (unstamped)."""
-    gen = Generation(np.asarray(e.response, np.int32), np.asarray(e.logprobs, np.float32), e.finish_reason)
+    gen = Generation(np.asarray(e.response, np.int32), np.asarray(e.logprobs, np.float32), e.finish_reason,
+                     e.token_weight_steps())
     return make_rollout(e.prompt, gen, reward=float(sum(e.rewards)), temperature=sampling.temperature,
                         env_name=env_name, group_id=group_id, loss_mask=np.asarray(e.loss_mask, bool),
                         token_rewards=np.asarray(e.token_rewards, np.float32), agent_name=agent_name,

@@ -7,7 +7,7 @@ runs against the in-process Levanter engine and (for agent code) the OpenAI-comp
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol, Sequence
+from typing import Literal, Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -40,6 +40,14 @@ class Generation:
     logprobs: np.ndarray
     """float32 log μ(token) of each new token, at the sampling temperature."""
     finish_reason: Literal["stop", "length"]
+    weight_steps: Optional[np.ndarray] = None
+    """int64 weight step of the weights that sampled each new token, when the server swapped weights in
+    flight (`InferenceServer.inflight_updates`); None: all by the weights the call began with."""
+
+    def truncated(self, k: int) -> "Generation":
+        """The first `k` tokens, finish_reason "length" (a prefix's logprobs do not depend on what follows)."""
+        steps = None if self.weight_steps is None else np.asarray(self.weight_steps)[:k]
+        return Generation(np.asarray(self.tokens)[:k], np.asarray(self.logprobs)[:k], "length", steps)
 
 
 class InferenceContext(Protocol):

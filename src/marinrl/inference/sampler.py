@@ -50,6 +50,9 @@ class SampleOutput:
     """int32 [R] number of generated tokens, the stopping token or sequence included."""
     stopped: np.ndarray
     """bool [R] True where a stop sequence (EOS included) ended the row, False where the budget did."""
+    weight_steps: Optional[np.ndarray] = None
+    """int64 [R, T] weight step of the weights that sampled each token, with in-flight swaps (`swaps`);
+    None without."""
 
 
 def check_supported(model) -> None:
@@ -85,6 +88,7 @@ def sample(
     min_prompts: int = 1,
     mesh: Optional[Mesh] = None,
     dry_run: bool = False,
+    swaps=None,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -103,7 +107,11 @@ def sample(
 
     `dry_run`: the same compiled program for the same shapes, but every row starts finished, so only
     the prompts' prefill runs and every row comes back empty (length 0): compiles a call's shapes
-    ahead of time, e.g. before the policy's weights arrive (`marinrl/rollout/warmup.py`)."""
+    ahead of time, e.g. before the policy's weights arrive (`marinrl/rollout/warmup.py`).
+
+    `swaps` (`inflight.WeightSwaps`): in-flight weight updates. Generation runs in chunks of decode
+    steps and takes newer weights between them (`model` is then ignored: `swaps.model` is used, and
+    left at the newest weights); `weight_steps` says which weights sampled each token."""
     check_supported(model)
     n_prompts = len(prompts)
     if prompt_keys is None:
@@ -112,10 +120,13 @@ def sample(
         raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {n_prompts} prompts")
     key_seeds = np.array([k[0] % (1 << 32) for k in prompt_keys], dtype=np.uint32)
     key_index = np.array([k[1] for k in prompt_keys], dtype=np.int32)
+    if swaps is not None and dry_run:
+        swaps = None  # nothing is generated: nothing to swap
     if n_prompts == 0:
         return SampleOutput(
             np.zeros((0, max_tokens), np.int32), np.zeros((0, max_tokens), np.float32),
             np.zeros((0,), np.int32), np.zeros((0,), bool),
+            None if swaps is None else np.zeros((0, max_tokens), np.int64),
         )
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
     if lens.min() < 1:
@@ -151,18 +162,26 @@ def sample(
         part_seeds[:len(part)] = key_seeds[start:start + len(part)]
         part_index = np.zeros((chunk,), dtype=np.int32)
         part_index[:len(part)] = key_index[start:start + len(part)]
-        out = _generate(
-            model, jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
-            jnp.asarray(part_seeds), jnp.asarray(part_index), n=n, max_new=t_len, mesh=mesh,
-        )
-        tokens, logprobs, lengths, stopped = jax.device_get(out)
+        args = (jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
+                jnp.asarray(part_seeds), jnp.asarray(part_index))
         rows = len(part) * n
-        pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows]))
+        if swaps is None:
+            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh)
+            steps = None
+        else:
+            from marinrl.inference import inflight  # it builds on this module
+
+            *out, by_token = inflight.generate(swaps, *args, n=n, max_new=t_len, mesh=mesh)
+            steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
+        tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
+        pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
+                       steps))
     return SampleOutput(
         tokens=np.concatenate([p[0] for p in pieces]).astype(np.int32),
         logprobs=np.concatenate([p[1] for p in pieces]).astype(np.float32),
         lengths=np.concatenate([p[2] for p in pieces]).astype(np.int32),
         stopped=np.concatenate([p[3] for p in pieces]).astype(bool),
+        weight_steps=None if swaps is None else np.concatenate([p[4] for p in pieces]).astype(np.int64),
     )
 
 
@@ -366,6 +385,38 @@ def _cache_layout(caches, mesh):
 @functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh"))
 def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
               max_new, mesh):
+    state = _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
+                   n=n, max_new=max_new, mesh=mesh)
+    state = _decode_until(model, state, stops, stop_valid, budget, temperature, jnp.asarray(max_new, jnp.int32),
+                          mesh=mesh)
+    return _outputs(state, stops)
+
+
+def _outputs(state, stops):
+    """(tokens [R, max_new], logprobs, lengths, stopped) of a decode state."""
+    return state["out_tokens"][:, stops.shape[1] - 1:], state["out_logprobs"], state["lengths"], state["stopped"]
+
+
+def _record(state, t, tok, lp, stops, stop_valid, budget):
+    """Writes the tokens sampled at step t (rows already done keep TOKEN_PAD) and updates which rows stopped."""
+    stop_len = stops.shape[1]
+    done = state["done"]
+    tok = jnp.where(done, TOKEN_PAD, tok)
+    out_tokens = jax.lax.dynamic_update_slice_in_dim(state["out_tokens"], tok[:, None], stop_len - 1 + t, axis=1)
+    out_logprobs = jax.lax.dynamic_update_slice_in_dim(state["out_logprobs"], jnp.where(done, 0.0, lp)[:, None], t,
+                                                       axis=1)
+    lengths = jnp.where(done, state["lengths"], t + 1)
+    window = jax.lax.dynamic_slice_in_dim(out_tokens, t, stop_len, axis=1)
+    match = (stops[None, :, :] == STOP_PAD) | (window[:, None, :] == stops[None, :, :])
+    hit = jnp.any(jnp.all(match, axis=-1) & stop_valid[None, :], axis=-1) & ~done
+    return dict(state, out_tokens=out_tokens, out_logprobs=out_logprobs, lengths=lengths,
+                stopped=state["stopped"] | hit, done=done | hit | (lengths >= budget))
+
+
+def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
+           mesh):
+    """Prefills the prompts, copies their caches to `n` rows each and samples token 0: the decode state
+    (a dict of arrays) that `_decode_until` advances."""
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
     s_len = p_len + max_new
@@ -393,7 +444,6 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
     caches = _cache_layout([(expand(kc), expand(vc)) for kc, vc in caches], mesh)
     # every device samples from whole rows of logits: the same draws as on one device
     logits = _constrain(expand(logits), mesh, DATA, None)
-    pad, lens, active = expand(pad), expand(lens), expand(active)
     sample_idx = jnp.arange(rows) % n
     keys = jax.vmap(lambda s, i, j: jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(s), i), j))(
         expand(key_seeds), expand(key_index), sample_idx)
@@ -401,44 +451,43 @@ def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, 
 
     # Output buffer with stop_len - 1 filler columns in front, so the window of the last stop_len tokens
     # ending at step t is columns [t, t + stop_len): stop sequences only match generated tokens.
-    out_tokens = jnp.full((rows, stop_len - 1 + max_new), TOKEN_PAD, jnp.int32)
-    out_logprobs = jnp.zeros((rows, max_new), jnp.float32)
-    lengths = jnp.zeros((rows,), jnp.int32)
-    done = ~active
-    stopped = jnp.zeros((rows,), bool)
-
-    def record(t, tok, lp, out_tokens, out_logprobs, lengths, done, stopped):
-        tok = jnp.where(done, TOKEN_PAD, tok)
-        out_tokens = jax.lax.dynamic_update_slice_in_dim(out_tokens, tok[:, None], stop_len - 1 + t, axis=1)
-        out_logprobs = jax.lax.dynamic_update_slice_in_dim(out_logprobs, jnp.where(done, 0.0, lp)[:, None], t, axis=1)
-        lengths = jnp.where(done, lengths, t + 1)
-        window = jax.lax.dynamic_slice_in_dim(out_tokens, t, stop_len, axis=1)
-        match = (stops[None, :, :] == STOP_PAD) | (window[:, None, :] == stops[None, :, :])
-        hit = jnp.any(jnp.all(match, axis=-1) & stop_valid[None, :], axis=-1) & ~done
-        stopped = stopped | hit
-        done = done | hit | (lengths >= budget)
-        return out_tokens, out_logprobs, lengths, done, stopped
-
+    state = dict(
+        t=jnp.asarray(1, jnp.int32), caches=caches, pad=expand(pad), lens=expand(lens), uniforms=uniforms,
+        row_ids=expand(ids), out_tokens=jnp.full((rows, stop_len - 1 + max_new), TOKEN_PAD, jnp.int32),
+        out_logprobs=jnp.zeros((rows, max_new), jnp.float32), lengths=jnp.zeros((rows,), jnp.int32),
+        done=~expand(active), stopped=jnp.zeros((rows,), bool),
+    )
     tok, lp = _pick(logits, temperature, uniforms[:, 0])
-    state = record(0, tok, lp, out_tokens, out_logprobs, lengths, done, stopped)
+    return dict(_record(state, 0, tok, lp, stops, stop_valid, budget), tok=tok)
 
-    def cond(carry):
-        t, _, _, _, _, _, done, _ = carry
-        return (t < max_new) & ~jnp.all(done)
 
-    def body(carry):
-        t, tok, caches, out_tokens, out_logprobs, lengths, done, stopped = carry
+def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh):
+    """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached."""
+    p_len = state["row_ids"].shape[1]
+    s_len = state["caches"][0][0].shape[2]
+    max_new = state["out_logprobs"].shape[1]
+    layers = model.transformer.layers.unstacked()
+    packed = [_pack(layer, mesh) for layer in layers]
+    lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
+    pad, lens, uniforms = state["pad"], state["lens"], state["uniforms"]
+    t_stop = jnp.minimum(t_stop, max_new)
+
+    def cond(state):
+        return (state["t"] < t_stop) & ~jnp.all(state["done"])
+
+    def body(state):
+        t = state["t"]
         write_at = p_len + t - 1  # slot of the token sampled at step t - 1
         step_pos = (lens + t - 1)[:, None]
         key_ok = (jnp.arange(s_len)[None, :] >= pad[:, None]) & (jnp.arange(s_len)[None, :] <= write_at)
         logits, caches = _forward(
-            model, layers, packed, lm_head, tok[:, None], step_pos, caches, write_at, key_ok[:, None, :]
+            model, layers, packed, lm_head, state["tok"][:, None], step_pos, state["caches"], write_at,
+            key_ok[:, None, :]
         )
         caches, logits = _cache_layout(caches, mesh), _constrain(logits, mesh, DATA, None)
         tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False))
-        state = record(t, tok, lp, out_tokens, out_logprobs, lengths, done, stopped)
-        return (t + 1, tok, caches, *state)
+        state = _record(dict(state, caches=caches), t, tok, lp, stops, stop_valid, budget)
+        return dict(state, t=t + 1, tok=tok)
 
-    carry = (jnp.asarray(1, jnp.int32), tok, caches, *state)
-    _, _, _, out_tokens, out_logprobs, lengths, _, stopped = jax.lax.while_loop(cond, body, carry)
-    return out_tokens[:, stop_len - 1:], out_logprobs, lengths, stopped
+    return jax.lax.while_loop(cond, body, state)
+

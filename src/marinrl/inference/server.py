@@ -19,16 +19,18 @@ per `start()` when none is configured (`server.api_key`; in-process agents get i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
+from marinrl.inference.inflight import InflightConfig, WeightSwaps
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
 from marinrl.inference.api_auth import check_api_key, is_loopback
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
@@ -120,6 +122,7 @@ class InferenceServer:
         self._engine: Optional[LevanterEngine] = None
         self._endpoint: Optional[OpenAIEndpoint] = None
         self._started = False
+        self._inflight: Optional[tuple[Callable[[], Any], InflightConfig]] = None
         vocab = model.Vocab.size
         if len(tokenizer) > vocab:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's vocabulary is {vocab}")
@@ -209,6 +212,43 @@ class InferenceServer:
             if self._engine is not None:
                 self._engine.set_model(model)
 
+    @contextlib.contextmanager
+    def inflight_updates(self, poll: Callable[[], Any], config: InflightConfig) -> Iterator[None]:
+        """While open, `generate` (the scan sampler) swaps in newer weights between chunks of
+        `config.swap_every_tokens` decode steps, and at the start of each call: `poll()` returns a
+        `WeightUpdate` (`model, weight_step`) newer than the served one, or None. Swapped weights are
+        served from then on, as after `reload`; each `Generation` records the step that sampled each
+        token (`weight_steps`). The HTTP endpoint never swaps mid-call."""
+        if self.config.backend != "scan":
+            raise ValueError("in-flight weight updates need inference.backend: scan (the engine backend has no "
+                             "chunk boundaries to swap at)")
+        if self._inflight is not None:
+            raise RuntimeError("in-flight weight updates are already on for this server")
+        self._inflight = (poll, config)
+        try:
+            yield
+        finally:
+            self._inflight = None
+
+    def _swaps(self, model) -> Optional[WeightSwaps]:
+        """The `WeightSwaps` of one `generate` call while `inflight_updates` is open, else None."""
+        if self._inflight is None:
+            return None
+        poll, config = self._inflight
+
+        def newer():
+            update = poll()
+            if update is None:
+                return None
+            new_model, step = update
+            self.reload(new_model, step)
+            with self._lock:
+                return self._model, self._weight_step
+
+        with self._lock:
+            step = self._weight_step
+        return WeightSwaps(newer, model, step, every_tokens=config.swap_every_tokens, kv=config.kv)
+
     # ------------------------------------------------------------------ InferenceContext
 
     @property
@@ -239,7 +279,8 @@ class InferenceServer:
         `sampling.max_tokens` tokens (finish_reason "length"). Same seed, same samples."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        return self.generate_requests([TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)])
+        return self.generate_requests([TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)],
+                                      inflight=True)
 
     def generate_dry(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams, seed: int
@@ -258,7 +299,7 @@ class InferenceServer:
 
     def generate_requests(
         self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1,
-        dry_run: bool = False,
+        dry_run: bool = False, inflight: bool = False,
     ) -> list[list[Generation]]:
         """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
         with equal sampling settings share one device call; sample j of a request depends only on
@@ -278,12 +319,13 @@ class InferenceServer:
             return self._generate_engine(requests)
         with self._lock:
             model = self._model
+        swaps = self._swaps(model) if inflight and not dry_run else None  # `inflight`: `generate`, not HTTP
         by_settings: dict = {}
         for k, r in enumerate(requests):
             by_settings.setdefault((r.n, r.sampling), []).append(k)
         out: list = [None] * len(requests)
         for (n, sampling), ks in by_settings.items():
-            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run)
+            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run, swaps)
             for k, row in zip(ks, rows):
                 out[k] = row
         return out
@@ -302,7 +344,7 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
-    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False):
+    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False, swaps=None):
         out = scan_sampler.sample(
             model,
             [r.prompt for r in requests],
@@ -316,6 +358,7 @@ class InferenceServer:
             min_prompts=min_batch,
             mesh=None if self._mesh is None else self._mesh.mesh,
             dry_run=dry_run,
+            swaps=swaps,
         )
         result = []
         for i in range(len(requests)):
@@ -328,6 +371,7 @@ class InferenceServer:
                         tokens=out.tokens[r, :k].copy(),
                         logprobs=out.logprobs[r, :k].copy(),
                         finish_reason="stop" if out.stopped[r] else "length",
+                        weight_steps=None if out.weight_steps is None else out.weight_steps[r, :k].copy(),
                     )
                 )
             result.append(row)

@@ -14,6 +14,7 @@ which ends the job (restarting the worker would only repeat the failure).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -25,10 +26,12 @@ import numpy as np
 from marinrl.config_checks import require_at_least
 from marinrl.envs.base import COUNTERS
 from marinrl.fs import RolloutStorageError
+from marinrl.inference.inflight import InflightConfig
 from marinrl.logs import ENV_ERRORS
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
+from marinrl.train.staleness import version_spread_metrics
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
@@ -77,6 +80,9 @@ class RolloutWorkerConfig:
     shapes with the initial weights (each lesson's environment runs once per kind of call against a dry
     run that generates nothing: `marinrl/rollout/warmup.py`), while the trainer initializes. Off: for
     environments with side effects per call; the first eval and batch then compile after step 0."""
+    inflight: InflightConfig = dataclasses.field(default_factory=InflightConfig)
+    """Take newer weights while a training batch is generated (between chunks of decode steps), not only
+    between batches. Evaluations never swap."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
 
@@ -84,6 +90,9 @@ class RolloutWorkerConfig:
         require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
                          "max_consecutive_env_failures")
         require_at_least(self, 0, "max_staleness", "micro_eval_every", "eval_every", "final_step")
+        if self.inflight.enabled and self.max_staleness == 0:
+            raise ValueError("inflight.enabled with max_staleness 0: on-policy never mixes weight versions inside "
+                             "a rollout; turn inflight off or allow max_staleness >= 1")
 
 
 class LessonSource(Protocol):
@@ -105,6 +114,7 @@ class _Counters:
     sample_failures: int = 0
     eval_failures: int = 0
     weight_updates: int = 0
+    inflight_swaps: int = 0
 
 
 class RolloutWorker:
@@ -199,15 +209,33 @@ class RolloutWorker:
         metrics["rollout/weight_wait_s"] = waited_s
         self._log(metrics)
 
+    def _inflight_updates(self):
+        """While a training batch is generated: the server swaps in weights that arrive meanwhile
+        (`inflight`), and this worker follows (its weight step, its counters). The batch stays stamped
+        with the step it began with; its tokens carry the steps that sampled them."""
+        if not self.config.inflight.enabled:
+            return contextlib.nullcontext()
+
+        def poll():
+            update = self._client.poll()
+            if update is not None:
+                self.weight_step = update.weight_step
+                self.counters.weight_updates += 1
+                self.counters.inflight_swaps += 1
+            return update
+
+        return self.manager.server.inflight_updates(poll, self.config.inflight)
+
     def _generate_and_write(self, target: int) -> bool:
         cfg = self.config
         lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
         started = time.perf_counter()
         ENV_ERRORS.forget_last()
         try:
-            batch, metrics = self.manager.sample_batch(
-                lesson_id, cfg.groups_per_batch, cfg.n_generations, "train", self._rng,
-                weight_step=self.weight_step, worker_id=self.worker_id)
+            with self._inflight_updates():
+                batch, metrics = self.manager.sample_batch(
+                    lesson_id, cfg.groups_per_batch, cfg.n_generations, "train", self._rng,
+                    weight_step=self.weight_step, worker_id=self.worker_id)
         except Exception as e:  # the manager isolates env failures; anything else is counted too
             ENV_ERRORS.report(logger, f"sample_batch of lesson {lesson_id!r} failed", e)
             self.counters.sample_failures += 1
@@ -238,6 +266,8 @@ class RolloutWorker:
             "rollout/staleness_at_write": float(target - self.weight_step),
             "rollout/generation_s": gen_s,
             "rollout/gen_tokens_per_s": n_tokens / max(gen_s, 1e-9),
+            **version_spread_metrics(batch.rollouts, "rollout"),
+            "rollout/inflight_swaps": self.counters.inflight_swaps,
             "rollout/batches_written": self.counters.batches_written,
             "rollout/write_failures": self.counters.write_failures,
             **self._failure_metrics(metrics),

@@ -287,7 +287,7 @@ def pack_rollouts(
                 logprobs[row, targets] = np.where(mask, r.response_logprobs, 0.0)
                 adv_tokens[row, targets] = np.where(mask, adv[i], 0.0)
                 temperature[row, targets] = np.where(mask, r.temperature, 1.0)
-                weight_step[row, targets] = np.where(mask, r.metadata.weight_step, PAD_ROW_WEIGHT_STEP)
+                weight_step[row, targets] = np.where(mask, r.token_weight_steps, PAD_ROW_WEIGHT_STEP)
                 sequence_ids[row, targets] = np.where(mask, ordinal, -1)
                 ordinal += 1
                 start += size

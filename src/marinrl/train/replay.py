@@ -33,7 +33,7 @@ from marinrl.train.group_filters import ScoredGroup
 from marinrl.train.replay_config import ReplayConfig, RewardFn
 from marinrl.train.replay_groups import BufferedGroup, ReplaySample, SampledGroup
 from marinrl.train.replay_state import ReplayCheckpointing, file_key
-from marinrl.train.staleness import StalenessWindow
+from marinrl.train.staleness import StalenessWindow, group_weight_step, newest_weight_step
 from marinrl.types import RolloutBatch, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class ReplayBuffer(ReplayCheckpointing):
                 del self._restore[key]
             self._ingested_files += 1
             for scored, n_uses in zip(kept, uses):
-                added += self._insert(scored, batch.weight_step, key, n_uses, now)
+                added += self._insert(scored, key, n_uses, now)
             self._cond.notify_all()
         return added
 
@@ -209,9 +209,10 @@ class ReplayBuffer(ReplayCheckpointing):
                              f"booleans")
         return ScoredGroup(g, rewards, trainable)
 
-    def _insert(self, scored: ScoredGroup, weight_step: int, source: str | None, uses: int, now: float) -> int:
+    def _insert(self, scored: ScoredGroup, source: str | None, uses: int, now: float) -> int:
         """Adds one group (lock held); returns 1 if it stayed."""
         group = scored.group
+        weight_step = group_weight_step(group, self.config.token_version_reduction)
         entry = BufferedGroup(
             group=group,
             advantages=group_advantages(scored.rewards, self._advantage).astype(np.float32),
@@ -224,10 +225,11 @@ class ReplayBuffer(ReplayCheckpointing):
             seq=self._seq,
             source=source,
             uses=uses,
+            newest_step=newest_weight_step(group),
         )
         self._seq += 1
         reason = self._unusable_reason(entry, self._step, now)
-        if reason is None and self._window.from_previous_run(entry.weight_step, entry.created_at, self._step,
+        if reason is None and self._window.from_previous_run(entry.newest_step, entry.created_at, self._step,
                                                              self._timeline_start):
             reason = "future"
         if reason is None and uses >= self._strategy.max_uses:
@@ -262,7 +264,7 @@ class ReplayBuffer(ReplayCheckpointing):
         for env in self._groups.values():
             for g in list(env.values()):
                 reason = self._unusable_reason(g, step, now)
-                if reason is None and g.weight_step > step:
+                if reason is None and g.newest_step > step:
                     reason = "future"  # weights newer than the trainer's: never trained on (docs/architecture.md, "The contracts")
                 if reason is not None:
                     self._retire(g, reason)

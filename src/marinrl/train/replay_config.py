@@ -12,6 +12,7 @@ from marinrl.config_checks import require_at_least
 from marinrl.train.advantages import AdvantageKind, overlong_shaping
 from marinrl.train.group_filters import GroupFilterConfig, ZeroVarianceFilter
 from marinrl.train.sampling import OffPolicyConfig, SamplingConfig
+from marinrl.train.staleness import TOKEN_VERSION_REDUCTIONS, TokenVersionReduction
 from marinrl.types import RolloutGroup
 
 if TYPE_CHECKING:
@@ -49,8 +50,16 @@ class ReplayConfig:
     """Files read per poll, so the buffer stays responsive while a backlog is read."""
     seed: int = 0
     """Seeds the random draws of strategies (with the step, so a resumed run draws the same)."""
+    token_version_reduction: TokenVersionReduction = "oldest"
+    """The weight step a group counts as, for staleness and the strategies, when in-flight weight updates
+    gave its tokens several (`Rollout.weight_steps`): `oldest` token, `newest` token, or the token-weighted
+    `mean` rounded down. Files are still listed by the step their rollouts began with, so with `newest`
+    or `mean` a rollout that began before the window is not read."""
 
     def __post_init__(self):
+        if self.token_version_reduction not in TOKEN_VERSION_REDUCTIONS:
+            raise ValueError(f"ReplayConfig.token_version_reduction must be one of {TOKEN_VERSION_REDUCTIONS}, "
+                             f"got {self.token_version_reduction!r}")
         if self.env_weights is not None:
             if not self.env_weights:
                 raise ValueError("ReplayConfig.env_weights is empty; use None to take groups regardless of env")

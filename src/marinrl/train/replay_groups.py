@@ -9,6 +9,7 @@ import numpy as np
 
 from marinrl.train.advantages import token_advantages
 from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch
+from marinrl.train.staleness import version_spread_metrics
 from marinrl.types import Rollout, RolloutGroup
 
 
@@ -22,11 +23,16 @@ class BufferedGroup:
     rewards: np.ndarray  # float64 [len(group)]: after reward_fn, what advantages and filters saw
     trainable: np.ndarray  # bool [len(group)]: False for rollouts whose tokens are not trained
     env_name: str
-    weight_step: int
+    weight_step: int  # the step staleness counts: ReplayConfig.token_version_reduction over its tokens
     created_at: float  # earliest created_at of its rollouts
     seq: int  # ingestion order in this buffer
     source: str | None  # "step=XXXXXXXX/<file>.parquet" (or the caller's source), None when unknown
     uses: int = 0
+    newest_step: int | None = None  # newest step of any of its tokens (None: weight_step)
+
+    def __post_init__(self):
+        if self.newest_step is None:
+            self.newest_step = self.weight_step
 
     @property
     def group_id(self) -> str:
@@ -94,6 +100,11 @@ class ReplaySample:
             "batch/use_mean": float(uses.mean()),
             "batch/reward_mean": float(rewards.mean()),
         }
+        out.update(version_spread_metrics(self.rollouts, "batch"))
+        token_staleness = np.concatenate([self.step - r.token_weight_steps[r.loss_mask] for r in self.rollouts])
+        if token_staleness.size:  # staleness of each trained token, by the weights that sampled it
+            out["batch/token_staleness_mean"] = float(token_staleness.mean())
+            out["batch/token_staleness_max"] = float(token_staleness.max())
         for env, n in collections.Counter(g.env_name for g in self.groups).items():
             out[f"batch/groups/{env}"] = float(n)
         by_policy: dict[str, list[float]] = collections.defaultdict(list)

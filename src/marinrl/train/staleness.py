@@ -4,11 +4,53 @@ The trainer about to apply update `step + 1` holds weights `step`; a group made 
 staleness `step - w` and is usable while `0 <= step - w <= max_staleness` and, when `max_age_s` is
 set, while its rollouts are at most that old on the wall clock. A group from the future (`w > step`)
 is never trained on.
+
+With in-flight weight updates the tokens of one rollout may come from several weight steps
+(`Rollout.weight_steps`); a group's `w` is then a reduction over the steps of all its response
+tokens (`TokenVersionReduction`), and "from the future" looks at its newest token.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Literal
+
+import numpy as np
+
+from marinrl.types import Rollout, RolloutGroup
+
+TokenVersionReduction = Literal["oldest", "newest", "mean"]
+TOKEN_VERSION_REDUCTIONS: tuple[str, ...] = ("oldest", "newest", "mean")
+
+
+def group_weight_step(group: RolloutGroup, reduction: TokenVersionReduction = "oldest") -> int:
+    """The weight step staleness counts for `group`, over the steps of all its response tokens:
+    `oldest` (the smallest: a group is as stale as its oldest token), `newest` (the largest), or
+    `mean` (the token-weighted mean, rounded down: never fresher than the tokens are on average)."""
+    steps = np.concatenate([r.token_weight_steps for r in group.rollouts])
+    if reduction == "oldest":
+        return int(steps.min())
+    if reduction == "newest":
+        return int(steps.max())
+    if reduction == "mean":
+        return int(np.floor(steps.mean()))
+    raise ValueError(f"token_version_reduction must be one of {TOKEN_VERSION_REDUCTIONS}, got {reduction!r}")
+
+
+def newest_weight_step(group: RolloutGroup) -> int:
+    """The newest weight step any token of `group` was sampled with."""
+    return max(int(r.token_weight_steps[-1]) for r in group.rollouts)  # steps never decrease in a rollout
+
+
+def version_spread_metrics(rollouts: Iterable[Rollout], prefix: str) -> dict[str, float]:
+    """How many weight versions apart the first and last token of each rollout are: `<prefix>/version_spread_max`
+    and `_mean` (0 without in-flight updates), and the share of rollouts with more than one version."""
+    spreads = np.array([int(s[-1] - s[0]) for s in (r.token_weight_steps for r in rollouts)], dtype=np.float64)
+    if spreads.size == 0:
+        return {}
+    return {f"{prefix}/version_spread_max": float(spreads.max()),
+            f"{prefix}/version_spread_mean": float(spreads.mean()),
+            f"{prefix}/mixed_version_frac": float(np.mean(spreads > 0))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,6 +136,7 @@ class CurriculumHandle(Protocol):
 
 
 _HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_max", "batch/use_mean", "train/step_s",
+                 "batch/version_spread_max", "batch/token_staleness_mean",
                  "train/wait_s",
                  "train/update_s", "train/batch_s", "train/publish_s")
 

@@ -1,0 +1,151 @@
+"""In-flight weight updates for the scan sampler: newer weights are swapped in between chunks of decode
+steps while sequences are still being generated (PipelineRL-style partial rollouts).
+
+A generation advances `every_tokens` decode steps at a time. At each chunk boundary (and before the
+prompts' prefill) `WeightSwaps.poll()` is asked for newer weights; when it returns some, the rows
+that are still running continue with them. Their KV cache is kept as the old weights wrote it
+(`kv="keep"`, the default: no extra compute, the new weights attend to old keys and values), or
+rebuilt by the new weights from the prompt and the tokens so far (`kv="recompute"`: one prefill of
+the whole sequence, after which every logprob is exactly the new weights' forward pass). Either way
+each token's logprob is that of the distribution it was actually sampled from, which is what the
+loss's importance correction needs, and each token records the weight step that sampled it.
+
+Every row steps in lockstep, so the weights of token t are the same for all rows of a device call:
+the call's steps are one array over t (`weight_steps_by_token`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Literal, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marinrl.inference import sampler as scan_sampler
+
+InflightKV = Literal["keep", "recompute"]
+INFLIGHT_KV: tuple[str, ...] = ("keep", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class InflightConfig:
+    """In-flight weight updates (`inflight:` in the job config): rollout workers take newer weights while
+    a batch is being generated instead of only between batches (docs/weight_transfer.md)."""
+
+    enabled: bool = False
+    """Swap weights inside a batch's generation. Off: weights change only between batches. Needs
+    max_staleness >= 1 (on-policy never mixes weight versions inside a rollout) and the scan backend."""
+    swap_every_tokens: int = 16
+    """Decode steps between chances to swap: smaller picks up new weights sooner, at one host round
+    trip (and a weight-source poll) per chunk."""
+    kv: InflightKV = "keep"
+    """After a swap: `keep` the running sequences' KV cache as the old weights wrote it (free), or
+    `recompute` it with the new weights (one prefill of each sequence so far)."""
+
+    def __post_init__(self):
+        if isinstance(self.swap_every_tokens, bool) or self.swap_every_tokens < 1:
+            raise ValueError(f"inflight.swap_every_tokens must be >= 1, got {self.swap_every_tokens!r}")
+        if self.kv not in INFLIGHT_KV:
+            raise ValueError(f"inflight.kv must be one of {INFLIGHT_KV}, got {self.kv!r}")
+
+
+@dataclasses.dataclass
+class WeightSwaps:
+    """Where a generate call gets newer weights from while it runs, and what it used.
+
+    `poll()` returns `(model, weight_step)` of weights newer than the ones in use, or None; the model
+    must have the served model's structure (the server places it before returning it). `model` and
+    `step` are the weights in use now: a call starts with them and leaves the newest it swapped to."""
+
+    poll: Callable[[], Optional[tuple[Any, int]]]
+    model: Any
+    step: int
+    every_tokens: int = 16
+    kv: InflightKV = "keep"
+    swaps: int = 0
+    """How many swaps happened (for metrics)."""
+
+    def __post_init__(self):
+        if self.every_tokens < 1:
+            raise ValueError(f"every_tokens must be >= 1, got {self.every_tokens}")
+        if self.kv not in INFLIGHT_KV:
+            raise ValueError(f"kv must be one of {INFLIGHT_KV}, got {self.kv!r}")
+
+    def check(self) -> bool:
+        """Takes newer weights if `poll()` has some; True if it did."""
+        update = self.poll()
+        if update is None:
+            return False
+        model, step = update
+        if step < self.step:
+            raise ValueError(f"in-flight weights went back from step {self.step} to {step}")
+        if step == self.step:
+            return False
+        self.model, self.step = model, int(step)
+        self.swaps += 1
+        return True
+
+
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh"))
+def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
+           mesh):
+    return scan_sampler._start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds,
+                               key_index, n=n, max_new=max_new, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh):
+    return scan_sampler._decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, mesh=mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _recompute(model, state, stops, *, mesh):
+    """The decode state with every row's KV cache rebuilt by `model` from its prompt and the tokens
+    sampled so far (slots past them get filler that decoding overwrites before it attends to them)."""
+    stop_len = stops.shape[1]
+    generated = state["out_tokens"][:, stop_len - 1:]
+    ids = jnp.concatenate([state["row_ids"], jnp.maximum(generated, 0)], axis=1)  # filler -> token 0
+    rows, s_len = ids.shape
+    pad = state["pad"]
+    slots = jnp.arange(s_len)
+    pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
+    key_ok = (slots[None, None, :] >= pad[:, None, None]) & (slots[None, None, :] <= slots[None, :, None])
+    key_ok = key_ok | (slots[None, None, :] == slots[None, :, None])
+    layers = model.transformer.layers.unstacked()
+    packed = [scan_sampler._pack(layer, mesh) for layer in layers]
+    lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
+    empty = jnp.zeros_like(state["caches"][0][0])
+    caches = scan_sampler._cache_layout([(empty, empty) for _ in layers], mesh)
+    _, caches = scan_sampler._forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
+    return dict(state, caches=scan_sampler._cache_layout(caches, mesh))
+
+
+_outputs = jax.jit(scan_sampler._outputs)
+
+
+def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
+             *, n: int, max_new: int, mesh):
+    """One device call of the scan sampler in chunks of `swaps.every_tokens` steps, swapping weights
+    between chunks. Returns what `sampler._generate` returns, plus int64 [max_new]: the weight step of
+    the weights that sampled token t (the same for every row)."""
+    swaps.check()  # before the prefill: a call (a turn of a multi-turn episode) starts with the newest weights
+    steps_by_token = np.full((max_new,), swaps.step, dtype=np.int64)
+    state = _start(swaps.model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
+                   n=n, max_new=max_new, mesh=mesh)
+    t = 1
+    while t < max_new:
+        state = _decode(swaps.model, state, stops, stop_valid, budget, temperature,
+                        jnp.asarray(t + swaps.every_tokens - 1 if t == 1 else t + swaps.every_tokens, jnp.int32),
+                        mesh=mesh)
+        t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
+        t = int(t)
+        if finished or t >= max_new:
+            break
+        if swaps.check():
+            steps_by_token[t:] = swaps.step
+            if swaps.kv == "recompute":
+                state = _recompute(swaps.model, state, stops, mesh=mesh)
+    return (*_outputs(state, stops), steps_by_token)
