@@ -124,13 +124,12 @@ class BatchingConfig:
     max_length: int = 2048
     """The row budget: the most tokens a row holds. Every rollout (prompt + response) must fit one row;
     preflight checks it against the model's position axis."""
-    layout: Layout = "packed"
-    """`packed` (default): every rollout is its own block, rows filled first-fit decreasing. `shared`: a
-    group's rollouts form one block, its prompt computed once and every response attending
-    to it (split at response boundaries, the prompt repeated, when the block does not fit a row): 11x the
-    trained tokens/s of `padded` at the realistic benchmark shape, but 4x slower inside the quickstart job
-    (not diagnosed yet, docs/performance.md), so not the default yet. `padded`: one rollout per
-    row and one row per rollout slot, all as long as the longest (the benchmark's reference layout)."""
+    layout: Layout = "shared"
+    """`shared` (default): a group's rollouts form one block, its prompt computed once and every response
+    attending to it (split at response boundaries, the prompt repeated, when the block does not fit a row):
+    11x the trained tokens/s of `padded` at the realistic benchmark shape (docs/performance.md). `packed`:
+    every rollout is its own block, rows filled first-fit decreasing. `padded`: one rollout per row and one
+    row per rollout slot, all as long as the longest (the benchmark's reference layout)."""
     buckets: Literal["geometric", "multiple"] = "geometric"
     """Row lengths a batch can have: `geometric` runs from `min_bucket` through powers of two with
     a step at 1.5x inside each octave (16, 24, 32, 48, 64, 96, 128, ...), so padding never adds more
