@@ -218,6 +218,7 @@ class Mode:
         if args.shape == "quickstart":  # experiments/quickstart.yaml's model
             llama = dataclasses.replace(model.model, seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2)
             model = dataclasses.replace(model, model=llama, init_std=None)
+        batching = batching.for_model(model.model.hidden_dim)  # as the worker does
         return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
 
     def setup(self, trainer_cfg, optimizer) -> None:

@@ -59,9 +59,9 @@ def make_rollouts(seed: int, groups: int = 3, samples: int = 3, multi_turn: bool
     return out
 
 
-def arrays_for(rollouts, layout, *, row_multiple=2, max_length=48, advantages=None):
+def arrays_for(rollouts, layout, *, row_multiple=2, max_length=48, advantages=None, min_bucket=8):
     adv = np.linspace(-1.0, 1.2, len(rollouts)) if advantages is None else advantages
-    config = BatchingConfig(max_length=max_length, min_bucket=8, layout=layout)
+    config = BatchingConfig(max_length=max_length, min_bucket=min_bucket, layout=layout)
     return pack_rollouts(rollouts, adv, batch_size=len(rollouts) + 2, config=config, row_multiple=row_multiple)
 
 
@@ -186,7 +186,7 @@ def test_positions_restart_and_first_tokens_read_the_prompts_last_position():
                                 token_rewards=np.zeros(44), group_id="long",
                                 metadata=dataclasses.replace(rollouts[0].metadata, weight_step=4 + k))
             for k in range(2)]
-    arrays = arrays_for(rollouts + long, "shared", row_multiple=1, max_length=128)
+    arrays = arrays_for(rollouts + long, "shared", row_multiple=1, max_length=128, min_bucket=96)  # rows of 96 or 128
     assert arrays["input_ids"].shape == (2, 96) and set(arrays["segment_ids"][0]) == {0}
     arrays = {k: v[1:] for k, v in arrays.items()}
     pos, src, resp, seg = (arrays[k][0] for k in ("position_ids", "source_positions", "response_ids", "segment_ids"))
@@ -298,3 +298,34 @@ def test_the_trainer_pads_packed_rows_to_its_data_parallel_size_not_to_the_whole
     accumulating._validate_and_set_defaults()
     assert row_alignment(accumulating) == {"row_multiple": accumulating.data_axis_size,
                                            "microbatch_rows": 2 * accumulating.data_axis_size}
+
+
+def _groups(groups: int, samples: int, prompt: int, response: int) -> list[Rollout]:
+    one = make_rollouts(0, groups=1, samples=1, multi_turn=False)[0]
+    return [dataclasses.replace(one, prompt_tokens=np.arange(1, prompt + 1), response_tokens=np.full(response, 7),
+                                response_logprobs=np.zeros(response, np.float32), loss_mask=np.ones(response, bool),
+                                token_rewards=np.zeros(response), group_id=f"g{g}")
+            for g in range(groups) for _ in range(samples)]
+
+
+@pytest.mark.parametrize("shape, break_even, want", [
+    # 8 groups of 8 x 32-token responses to 16-token prompts (a group is 272 tokens, more than a row):
+    ((8, 8, 16, 32), 384, 48),  # hidden 128: sharing 16 prompt tokens is not worth longer rows: one per row
+    ((8, 8, 16, 32), 10**6, 256),  # layers that dwarf attention: the fewest positions (10 rows of 256)
+    ((32, 16, 5, 1), 192, 24),  # the quickstart (hidden 64): a group (5 + 16 tokens) in one 24-token row
+    ((32, 16, 5, 1), 1, 8),  # attention alone: the shortest rows, the prompt repeated for every 3 responses
+])
+def test_shared_rows_take_the_length_that_costs_least(shape, break_even, want):
+    rollouts = _groups(*shape)
+    config = BatchingConfig(max_length=256, min_bucket=8, layout="shared", attention_break_even=break_even)
+    arrays = pack_rollouts(rollouts, np.ones(len(rollouts)), batch_size=len(rollouts), config=config)
+    assert arrays["input_ids"].shape[1] == want
+    assert arrays["loss_mask"].sum() == sum(r.response_tokens.size for r in rollouts)  # every token, once
+
+
+def test_the_break_even_comes_from_the_model_unless_set():
+    assert BatchingConfig().for_model(64).attention_break_even == 192
+    assert BatchingConfig(attention_break_even=100).for_model(64).attention_break_even == 100
+    assert BatchingConfig().for_model(None).attention_break_even is None
+    with pytest.raises(ValueError, match="attention_break_even must be >= 1"):
+        BatchingConfig(attention_break_even=0)

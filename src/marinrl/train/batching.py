@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import equinox as eqx
 import haliax as hax
@@ -48,6 +48,8 @@ POSITION = "position"
 PAD_ROW_WEIGHT_STEP = -1
 """`weight_step` of a position that is no rollout's target: no weights sampled it."""
 Layout = Literal["shared", "packed", "padded"]
+DEFAULT_ATTENTION_BREAK_EVEN = 384
+"""`BatchingConfig.attention_break_even` when no model is known: 3 × a hidden size of 128."""
 
 class TrainingBatch(eqx.Module):
     """One optimizer step's worth of rows, as named arrays over (batch, position) (see the module docstring)."""
@@ -142,6 +144,12 @@ class BatchingConfig:
     """Step between buckets when `buckets` is `multiple`."""
     pad_token_id: int = 0
     """Token id written into padding positions (never trained: its mask is 0)."""
+    attention_break_even: Optional[int] = None
+    """Under `shared`, each batch's row length is the bucket that minimizes rows × L × (L + this): long rows
+    share a group's prompt among more responses, short rows attend over fewer keys (attention grows with L²,
+    the rest of a layer with L). Measured on XLA:CPU (docs/performance.md) the two cost the same near
+    L ≈ 3 × the model's hidden size. None: the trainer sets it from its model (3 × hidden_dim); 384 where no
+    model is known."""
 
     def __post_init__(self):
         if self.layout not in ("shared", "packed", "padded"):
@@ -156,6 +164,15 @@ class BatchingConfig:
                              f"got {self.max_length}")
         if self.pad_token_id < 0:
             raise ValueError(f"BatchingConfig.pad_token_id must be >= 0, got {self.pad_token_id}")
+        if self.attention_break_even is not None and self.attention_break_even < 1:
+            raise ValueError(f"BatchingConfig.attention_break_even must be >= 1 (or null), got "
+                             f"{self.attention_break_even}")
+
+    def for_model(self, hidden_dim: int | None) -> "BatchingConfig":
+        """This config with `attention_break_even` set from the model's hidden size, unless the user set it."""
+        if self.attention_break_even is not None or not hidden_dim:
+            return self
+        return dataclasses.replace(self, attention_break_even=3 * int(hidden_dim))
 
     def bucket_lengths(self) -> tuple[int, ...]:
         """All row lengths a batch can have, ascending; the last is `max_length`."""
@@ -240,11 +257,16 @@ def pack_rollouts(
         rows = [[(i, [i])] for i in range(n)]
         num_rows = _round_up(batch_size, microbatch_rows or row_multiple)
     else:
-        # rows as long as the longest block (a split shared block fills max_length): attention costs
-        # rows x length^2, so longer rows than that would only add attention over masked-out keys
+        # rows at most as long as the longest block: longer would only add attention over masked-out keys.
+        # `shared` tries every bucket from the longest rollout's up: a split block repeats its prompt per
+        # piece, and rows x L x (L + break-even) prices the prompt savings against attention's L^2
         longest_block = max(p + sum(response_lengths[i] for i in m) for p, m in zip(prompt_lengths, members))
-        length = config.bucket_for(min(config.max_length, longest_block))
-        rows = plan_rows(prompt_lengths, members, response_lengths, length=length, split=config.layout == "shared")
+        top = config.bucket_for(min(config.max_length, longest_block))
+        shared = config.layout == "shared"
+        lengths = [L for L in config.bucket_lengths() if config.bucket_for(longest) <= L <= top] if shared else [top]
+        break_even = config.attention_break_even or DEFAULT_ATTENTION_BREAK_EVEN
+        plans = [(plan_rows(prompt_lengths, members, response_lengths, length=L, split=shared), L) for L in lengths]
+        rows, length = min(plans, key=lambda p: (row_bucket(len(p[0])) * p[1] * (p[1] + break_even), -p[1]))  # ties: fewer rows
         num_rows = _round_up(row_bucket(len(rows)), row_multiple)
         if microbatch_rows is not None and num_rows > microbatch_rows:
             num_rows = _round_up(num_rows, microbatch_rows)

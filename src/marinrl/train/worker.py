@@ -254,6 +254,7 @@ class TrainWorker:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
             state, replay, skipped = self._initial_state(trainer)
             clock.mark("state")
+            cfg = dataclasses.replace(cfg, batching=cfg.batching.for_model(getattr(state.model.config, "hidden_dim", None)))
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
