@@ -48,6 +48,8 @@ def check_job(config: "RLJobConfig") -> None:
     check_optimizer(config)
     check_environments(config.curriculum)
     seq_len = check_model(config.model)
+    if config.lora is not None:
+        check_lora(config)
     if seq_len is not None and config.batching.max_length > seq_len:
         raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
@@ -113,6 +115,37 @@ def check_writable(url: str, field: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ models
+
+
+def check_lora(config: "RLJobConfig") -> None:
+    """The LoRA block against the model's architecture (shapes only): its regex must adapt a module."""
+    from marinrl.lora import check_targets
+
+    model = config.model
+    if model.hf_checkpoint:
+        lm_config, vocab_size = _hf_architecture(model.hf_checkpoint)
+    else:
+        saved = None
+        if model.levanter_checkpoint:
+            from levanter.checkpoint import discover_latest_checkpoint
+
+            from marinrl.models import _read_model_config
+
+            saved = _read_model_config(discover_latest_checkpoint(model.levanter_checkpoint))
+        lm_config, vocab_size = saved or (model.model, model.vocab_size)
+    check_targets(lm_config, vocab_size, config.lora, "lora")
+
+
+def _hf_architecture(path: str):
+    from transformers import AutoConfig
+
+    from marinrl.hf_checkpoints import levanter_config
+
+    fs, plain = fsspec.core.url_to_fs(path)
+    with tempfile.TemporaryDirectory() as tmp:  # only config.json, as `_check_hf_checkpoint` reads it
+        fs.get(f"{plain.rstrip('/')}/config.json", os.path.join(tmp, "config.json"))
+        hf_config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+        return levanter_config(hf_config, path), hf_config.vocab_size
 
 
 def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
