@@ -60,7 +60,7 @@ def _linear_matrix(weight: hax.NamedArray, in_names: set[str]) -> np.ndarray:
 
 def test_lora_trains_only_the_adapters_and_publishes_only_them(tmp_path):
     """3 on-policy steps with a KL term (its reference is the frozen base): the base's arrays are
-    bit-identical to the model config's, every adapter changed, the optimizer state and the checkpoint
+    bit-identical to the model config's, weight step 0 is the base exactly, every adapter changed, the optimizer state and the checkpoint
     hold the adapters only, each published version is only the adapter arrays, and the rollout side's
     merged weights are W + (alpha / r)·B·A."""
     cfg = lora_config(tmp_path, steps=3, run_id="lora", loss=LossConfig.preset("grpo", kl_beta=0.04))
@@ -78,6 +78,11 @@ def test_lora_trains_only_the_adapters_and_publishes_only_them(tmp_path):
         np.testing.assert_array_equal(got, want)  # the base: bit-identical after 3 updates
     for got, init in zip(_arrays(adapter_only(trained)), _arrays(adapter_only(initial)), strict=True):
         assert not np.array_equal(got, init)  # every adapter matrix moved (B from zero)
+
+    # B starts at zero: weight step 0, merged on the rollout side, is the base exactly.
+    (step0,) = [arrays for step, arrays in producer.received if step == 0]
+    for got, want in zip(step0, _arrays(base), strict=True):
+        np.testing.assert_array_equal(got, want)
 
     # Checkpoint: the model part holds the adapter arrays only; the optimizer's moments are adapter-sized.
     saved = checkpoint_arrays(result.checkpoint)
@@ -230,3 +235,32 @@ def test_lora_job_on_the_quickstart_task_raises_the_reward(tmp_path, ray_session
     early = np.mean([h["batch/reward_mean"] for h in history[:3]])
     late = np.mean([h["batch/reward_mean"] for h in history[-3:]])
     assert late > early + 0.05, (early, late)
+
+
+
+def _yaml_job(tmp_path, lora_block: str) -> pathlib.Path:
+    """experiments/lora.yaml with its `lora:` block replaced and its run root under tmp_path."""
+    text = (pathlib.Path(__file__).parents[1] / "experiments" / "lora.yaml").read_text()
+    text = text.replace("run_root: runs\n", f"run_root: {tmp_path}/runs\n")
+    path = tmp_path / "lora.yaml"
+    path.write_text(text[:text.index("lora:\n")] + lora_block + text[text.index("curriculum:\n"):])
+    return path
+
+
+def test_the_lora_example_config_passes_preflight_and_a_bad_block_points_at_its_line(tmp_path):
+    from marinrl.config_errors import ConfigInputError, load_job_config
+    from marinrl.job_config import RLJobConfig
+    from marinrl.preflight import check_job
+
+    good = load_job_config(RLJobConfig, str(_yaml_job(tmp_path, "lora: {rank: 8, alpha: 16}\n")), [])
+    check_job(good)
+    assert good.lora == LoraRLConfig(rank=8, alpha=16.0) and good.train_worker_config().lora == good.lora
+    assert good.rollout_worker_config(0).lora == good.lora
+    example = load_job_config(RLJobConfig, str(pathlib.Path(__file__).parents[1] / "experiments" / "lora.yaml"), [])
+    assert example.lora == LoraRLConfig(rank=8, alpha=16.0)
+    bad = _yaml_job(tmp_path, "lora:\n  rank: 8\n  target_modules: qproj\n")
+    job = load_job_config(RLJobConfig, str(bad), [])
+    with pytest.raises(ConfigError, match=r"RLJobConfig\.lora\.target_modules: 'qproj' matches none"):
+        check_job(job)
+    with pytest.raises((ConfigInputError, ConfigError), match=r"lora\.rank"):
+        check_job(load_job_config(RLJobConfig, str(bad), ["--lora.rank", "0"]))

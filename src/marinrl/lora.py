@@ -115,9 +115,10 @@ def check_targets(lm_config, vocab_size: int, config: LoraRLConfig, field: str =
         every = dataclasses.replace(config, target_modules=None)
         linear = adapted_modules(eqx.filter_eval_shape(
             lambda: add_adapters(lm_config.model_type.init(Vocab, lm_config, key=key), every)))
-        shown = ", ".join(linear[:8]) + (f", … ({len(linear)} in all)" if len(linear) > 8 else "")
-        raise ConfigError(f"{field}.target_modules", f"{config.target_modules!r} matches none of the model's linear "
-                                                     f"modules: nothing would be trained (they are: {shown})")
+        names = ", ".join(dict.fromkeys(p.rsplit(".", 1)[-1] for p in linear))
+        raise ConfigError(f"{field}.target_modules", f"{config.target_modules!r} matches none of the model's "
+                                                     f"{len(linear)} linear modules: nothing would be trained (they "
+                                                     f"are {names}; paths like {linear[0]!r})")
     return matched
 
 
