@@ -12,6 +12,7 @@ from marinrl.curriculum_config import CurriculumConfig
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.lora import LoraRLConfig
 from marinrl.models import ModelConfig
+from marinrl.policies import PolicyConfig, check_policies, policy_names
 from marinrl.placement import PlacementConfig
 from marinrl.preflight import ConfigError
 from marinrl.rollout.worker import RolloutWorkerConfig
@@ -58,6 +59,10 @@ class RLJobConfig:
     """Train LoRA adapters (`rank`, `alpha`, `target_modules`) on the frozen `model` instead of every
     weight: only the adapters are trained, checkpointed and sent to the rollout workers, which merge them
     into the base they loaded (docs/policies.md). None: full fine-tuning."""
+    policies: dict[str, PolicyConfig] = dataclasses.field(default_factory=dict)
+    """Policy name -> `specialization` (`shared` | `lora` | `full`) and optionally its own `model`,
+    `optimizer`, `loss`, `lora` (docs/policies.md). Empty: one shared policy named `policy`. Rollouts of
+    a policy not listed are refused; several policies must all be `shared` today."""
     curriculum: Optional[CurriculumConfig] = None
     """The lessons (environments, sampling, dependencies) and how they are scheduled."""
     num_train_steps: int = 100
@@ -137,6 +142,7 @@ class RLJobConfig:
                                  f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "
                                  f"{self.max_staleness + 1} steps apart")
         check_optimizer_ranges(self.optimizer)
+        check_policies(self)
         if self.lora is not None:  # its target modules are checked against the architecture in preflight
             self.lora.errors("lora")
         if self.n_generations < 2:  # every advantage kind is relative to the prompt's group
@@ -230,7 +236,7 @@ class RLJobConfig:
             replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
             batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
             checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
-            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora)
+            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self))
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         return RolloutWorkerConfig(

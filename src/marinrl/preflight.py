@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fsspec
 
@@ -44,9 +44,12 @@ class ConfigError(ValueError):
 
 def check_job(config: "RLJobConfig") -> None:
     """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
+    from marinrl.policies import policy_names, resolve_policies
+
     config.validate()
+    config = resolve_policies(config)  # a single policy's model, optimizer, loss and adapters are the job's
     check_optimizer(config)
-    check_environments(config.curriculum)
+    check_environments(config.curriculum, policy_names(config))
     seq_len = check_model(config.model)
     if config.lora is not None:
         check_lora(config)
@@ -65,9 +68,12 @@ def check_optimizer(config: "RLJobConfig") -> None:
         raise ConfigError("optimizer", _one_line(e)) from e
 
 
-def check_environments(curriculum: "CurriculumConfig") -> None:
+def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequence[str]] = None) -> None:
     """Resolve and construct every lesson's environment once: an unknown name, arguments its
-    constructor rejects or a missing data file fail here instead of in every rollout call."""
+    constructor rejects or a missing data file fail here instead of in every rollout call; so does an
+    environment whose agents play a policy not in `policies` (the job's: `marinrl/policies.py`)."""
+    from marinrl.policies import env_policy_names
+
     for lesson in curriculum.lessons:
         where = f"curriculum.lessons[{lesson.lesson_id}].env"
         try:
@@ -75,12 +81,21 @@ def check_environments(curriculum: "CurriculumConfig") -> None:
         except Exception as e:
             raise ConfigError(f"{where}.name", _one_line(e)) from e
         try:
-            lesson.env.build()
+            env = lesson.env.build()
         except Exception as e:
             problem = _one_line(e)
             if lesson.env.name not in problem:
                 problem = f"environment {lesson.env.name!r}: {problem}"
             raise ConfigError(f"{where}.args", problem) from e
+        unknown = sorted(env_policy_names(env) - set(policies)) if policies is not None else []
+        if unknown:
+            raise ConfigError(f"{where}.args", f"environment {lesson.env.name!r} has agents played by "
+                                               f"{'policies' if len(unknown) > 1 else 'policy'} "
+                                               f"{', '.join(map(repr, unknown))}, which the job does not define "
+                                               f"(it trains {', '.join(map(repr, policies))}): add "
+                                               f"{'them' if len(unknown) > 1 else 'it'} under `policies:` "
+                                               "(`specialization: shared` trains every shared policy into the one "
+                                               "model)")
 
 
 def check_model(model: "ModelConfig") -> Optional[int]:

@@ -43,6 +43,7 @@ from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.types import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class TrainWorkerConfig:
     """Also keep every checkpoint whose step is a multiple of this (0: none), e.g. for later evals."""
     storage_options: dict = dataclasses.field(default_factory=dict)
     """fsspec options for `rollout_root` (e.g. {"token": "anon"} for the GCS emulator)."""
+    policies: tuple[str, ...] = (DEFAULT_POLICY,)
+    """The policy names this trainer trains; a rollout of any other stops it at ingestion, naming the
+    policy and the lesson (`marinrl/policies.py`)."""
     lora: Optional[lora_rl.LoraRLConfig] = None
     """Train LoRA adapters on the frozen `model` instead of every weight (`marinrl/lora.py`): only the
     adapters get gradients, optimizer state, checkpoints and weight versions. None: full fine-tuning."""
@@ -421,7 +425,7 @@ class TrainWorker:
         reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
         return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
                                                    reward_fn=overlong_reward_fn(cfg.loss),
-                                                   max_tokens=cfg.batching.max_length)
+                                                   max_tokens=cfg.batching.max_length, policies=cfg.policies)
 
     def _checkpoint_metrics(self, skipped: list[str]) -> dict[str, float]:
         return {"checkpoint/skipped_on_resume": float(len(skipped)),
