@@ -6,6 +6,7 @@ take one update, publish the new weights every `sync_interval` steps, and checkp
 resumed run needs (model, optimizer, step, the replay buffer's reader cursor and pending groups, the
 curriculum's state) so that no rollout file is trained twice or skipped. Resume takes the newest
 checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/checkpoints.py`).
+With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published (`marinrl/lora.py`).
 """
 
 from __future__ import annotations
