@@ -158,12 +158,16 @@ def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
 
 def test_a_multi_agent_job_trains_every_agents_turns_under_its_policy(tmp_path, ray_session):
     """solve_check through the whole job: per-(problem, turn, agent) groups reach the files and the
-    trainer, each tagged with its agent and policy, and the checker runs under a second policy name."""
+    trainer, each tagged with its agent and policy, and the checker runs under a second policy name
+    (declared `shared` in `policies:`: without it the job is refused, tests/test_policies.py)."""
     duo = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4,
                                                                       "policies": {"checker": "critic"}}),
                        max_tokens=2, graduate_at=None)
+    from marinrl.policies import PolicyConfig
+
+    shared = {"policy": PolicyConfig(), "critic": PolicyConfig(specialization="shared")}  # both train the one model
     cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=(duo,)), num_train_steps=3,
-                       eval_every=3)
+                       eval_every=3, policies=shared)
     assert result.train["final_step"] == 3 and all(np.isfinite(h["loss"]) for h in result.train["history"])
     tags = collections.Counter()
     for batch in RolloutReader(f"{cfg.run_dir}/rollouts").read_new():

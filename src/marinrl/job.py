@@ -26,6 +26,7 @@ from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
+from marinrl.policies import resolve_policies
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
@@ -160,7 +161,7 @@ class RLJob:
 
     def __init__(self, config: RLJobConfig):
         check_job(config)  # ranges, environments, model config, tokenizer, run_root: before Ray starts
-        self.config = config
+        self.config = resolve_policies(config)  # a single policy's model, optimizer, loss, adapters: the job's
         self._started_ray = False
         self._actors: list[Any] = []
         self._group: Optional[TrainerGroup] = None

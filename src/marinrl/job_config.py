@@ -11,7 +11,9 @@ from typing import Optional
 from marinrl.curriculum_config import CurriculumConfig
 from marinrl.inference.inflight import InflightConfig
 from marinrl.inference.server import InferenceServerConfig
+from marinrl.lora import LoraRLConfig
 from marinrl.models import ModelConfig
+from marinrl.policies import PolicyConfig, check_policies, policy_names
 from marinrl.placement import PlacementConfig
 from marinrl.preflight import ConfigError
 from marinrl.rollout.worker import RolloutWorkerConfig
@@ -54,6 +56,14 @@ class RLJobConfig:
     run_root: str = "runs"
     """Everything the job writes goes to `<run_root>/<run_id>/` (an fsspec URL or a local path)."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    lora: Optional[LoraRLConfig] = None
+    """Train LoRA adapters (`rank`, `alpha`, `target_modules`) on the frozen `model` instead of every
+    weight: only the adapters are trained, checkpointed and sent to the rollout workers, which merge them
+    into the base they loaded (docs/policies.md). None: full fine-tuning."""
+    policies: dict[str, PolicyConfig] = dataclasses.field(default_factory=dict)
+    """Policy name -> `specialization` (`shared` | `lora` | `full`) and optionally its own `model`,
+    `optimizer`, `loss`, `lora` (docs/policies.md). Empty: one shared policy named `policy`. Rollouts of
+    a policy not listed are refused; several policies must all be `shared` today."""
     curriculum: Optional[CurriculumConfig] = None
     """The lessons (environments, sampling, dependencies) and how they are scheduled."""
     num_train_steps: int = 100
@@ -136,6 +146,9 @@ class RLJobConfig:
                                  f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "
                                  f"{self.max_staleness + 1} steps apart")
         check_optimizer_ranges(self.optimizer)
+        check_policies(self)
+        if self.lora is not None:  # its target modules are checked against the architecture in preflight
+            self.lora.errors("lora")
         if self.n_generations < 2:  # every advantage kind is relative to the prompt's group
             bad("n_generations", f"{self.n_generations} sample per prompt with loss.advantage="
                                  f"{self.loss.advantage!r} makes every advantage 0 (each sample is compared with "
@@ -233,7 +246,7 @@ class RLJobConfig:
             replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
             batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
             checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
-            checkpoint_keep_every=self.checkpoint_keep_every)
+            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self))
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         return RolloutWorkerConfig(
@@ -243,4 +256,4 @@ class RLJobConfig:
             eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
             micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
             max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler,
-            inflight=self.inflight)
+            inflight=self.inflight, lora=self.lora)

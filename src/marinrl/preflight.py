@@ -15,7 +15,7 @@ import logging
 import os
 import tempfile
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fsspec
 
@@ -44,10 +44,15 @@ class ConfigError(ValueError):
 
 def check_job(config: "RLJobConfig") -> None:
     """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
+    from marinrl.policies import policy_names, resolve_policies
+
     config.validate()
+    config = resolve_policies(config)  # a single policy's model, optimizer, loss and adapters are the job's
     check_optimizer(config)
-    check_environments(config.curriculum)
+    check_environments(config.curriculum, policy_names(config))
     seq_len = check_model(config.model)
+    if config.lora is not None:
+        check_lora(config)
     if seq_len is not None and config.batching.max_length > seq_len:
         raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
@@ -63,9 +68,12 @@ def check_optimizer(config: "RLJobConfig") -> None:
         raise ConfigError("optimizer", _one_line(e)) from e
 
 
-def check_environments(curriculum: "CurriculumConfig") -> None:
+def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequence[str]] = None) -> None:
     """Resolve and construct every lesson's environment once: an unknown name, arguments its
-    constructor rejects or a missing data file fail here instead of in every rollout call."""
+    constructor rejects or a missing data file fail here instead of in every rollout call; so does an
+    environment whose agents play a policy not in `policies` (the job's: `marinrl/policies.py`)."""
+    from marinrl.policies import env_policy_names
+
     for lesson in curriculum.lessons:
         where = f"curriculum.lessons[{lesson.lesson_id}].env"
         try:
@@ -73,12 +81,21 @@ def check_environments(curriculum: "CurriculumConfig") -> None:
         except Exception as e:
             raise ConfigError(f"{where}.name", _one_line(e)) from e
         try:
-            lesson.env.build()
+            env = lesson.env.build()
         except Exception as e:
             problem = _one_line(e)
             if lesson.env.name not in problem:
                 problem = f"environment {lesson.env.name!r}: {problem}"
             raise ConfigError(f"{where}.args", problem) from e
+        unknown = sorted(env_policy_names(env) - set(policies)) if policies is not None else []
+        if unknown:
+            raise ConfigError(f"{where}.args", f"environment {lesson.env.name!r} has agents played by "
+                                               f"{'policies' if len(unknown) > 1 else 'policy'} "
+                                               f"{', '.join(map(repr, unknown))}, which the job does not define "
+                                               f"(it trains {', '.join(map(repr, policies))}): add "
+                                               f"{'them' if len(unknown) > 1 else 'it'} under `policies:` "
+                                               "(`specialization: shared` trains every shared policy into the one "
+                                               "model)")
 
 
 def check_model(model: "ModelConfig") -> Optional[int]:
@@ -113,6 +130,37 @@ def check_writable(url: str, field: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ models
+
+
+def check_lora(config: "RLJobConfig") -> None:
+    """The LoRA block against the model's architecture (shapes only): its regex must adapt a module."""
+    from marinrl.lora import check_targets
+
+    model = config.model
+    if model.hf_checkpoint:
+        lm_config, vocab_size = _hf_architecture(model.hf_checkpoint)
+    else:
+        saved = None
+        if model.levanter_checkpoint:
+            from levanter.checkpoint import discover_latest_checkpoint
+
+            from marinrl.models import _read_model_config
+
+            saved = _read_model_config(discover_latest_checkpoint(model.levanter_checkpoint))
+        lm_config, vocab_size = saved or (model.model, model.vocab_size)
+    check_targets(lm_config, vocab_size, config.lora, "lora")
+
+
+def _hf_architecture(path: str):
+    from transformers import AutoConfig
+
+    from marinrl.hf_checkpoints import levanter_config
+
+    fs, plain = fsspec.core.url_to_fs(path)
+    with tempfile.TemporaryDirectory() as tmp:  # only config.json, as `_check_hf_checkpoint` reads it
+        fs.get(f"{plain.rstrip('/')}/config.json", os.path.join(tmp, "config.json"))
+        hf_config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+        return levanter_config(hf_config, path), hf_config.vocab_size
 
 
 def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:

@@ -28,6 +28,7 @@ from marinrl.envs.base import COUNTERS
 from marinrl.fs import RolloutStorageError
 from marinrl.inference.inflight import InflightConfig
 from marinrl.logs import ENV_ERRORS
+from marinrl.lora import AdapterMergingClient, LoraRLConfig
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
@@ -85,6 +86,9 @@ class RolloutWorkerConfig:
     between batches. Evaluations never swap."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
+    lora: Optional[LoraRLConfig] = None
+    """The job's `LoraRLConfig` when it trains LoRA adapters: versions then carry the adapters only, and
+    the worker merges each into the base model it started with (`marinrl/lora.py`)."""
 
     def __post_init__(self):
         require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
@@ -134,11 +138,18 @@ class RolloutWorker:
         self.eval_history: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._writer = RolloutWriter(config.rollout_root, storage_options=config.storage_options)
-        self._client = config.weights.build_client(manager.model)
+        self._client = self._weight_client(config, manager.model)
         self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
         self._env_totals: dict[str, float] = {}  # "<lesson>/<counter>" -> running total
         self._failure_streak = 0  # failed calls in a row, any lesson: paces the backoff
         self._lesson_streaks: dict[str, int] = {}  # failed calls in a row per lesson: the budget
+
+    @staticmethod
+    def _weight_client(config: RolloutWorkerConfig, model):
+        """Full versions into `model`'s skeleton; with LoRA, adapter versions merged into `model` (the base)."""
+        if config.lora is None:
+            return config.weights.build_client(model)
+        return AdapterMergingClient(config.weights, config.lora, model)
 
     def stop(self) -> None:
         self._stop.set()

@@ -70,6 +70,18 @@ def _vocab_entropy(h: NamedArray, lm_head: NamedArray, Embed: hax.Axis, Vocab: h
     return running_max + hax.log(z) - weighted / z
 
 
+def lm_head_weight(model: LmHeadModel) -> NamedArray:
+    """The output projection, tied or not; with a LoRA adapter on the head (`marinrl/lora.py`) its merged
+    weight W + scale·A·B (a vocab × embed × rank product: cheap, and differentiable in A and B)."""
+    from levanter.lora import LoraLinear
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, LoraLinear):
+        weight = head.wrapped.weight
+        return (weight + head.lora.merge().astype(weight.dtype)).rearrange(weight.axes)
+    return model.get_lm_head()
+
+
 def policy_forward(
     model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool
 ) -> tuple[NamedArray, NamedArray | None, jax.Array | float]:
@@ -83,7 +95,7 @@ def policy_forward(
     # (greedy) has no logprobs; such tokens are scored at T = 1 and should not be trained on.
     temperature = hax.where(batch.temperature > 0, batch.temperature, 1.0)
     h = (out / temperature).astype(out.dtype)
-    lm_head = model.get_lm_head()
+    lm_head = lm_head_weight(model)
     Vocab = lm_head.resolve_axis(model.Vocab.name)
     block_size = min(model.config.cross_entropy_block_size or Vocab.size, Vocab.size)
     # Levanter's blockwise cross-entropy has a custom VJP that recomputes each logits block in the

@@ -23,7 +23,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
@@ -51,6 +51,10 @@ class ReplayIngestionError(RuntimeError):
     """The background ingestion thread died; raised by `sample()` with the thread's error as cause."""
 
 
+class UnknownPolicyError(ValueError):
+    """A rollout tagged with a policy this trainer does not train, met at ingestion (`marinrl/policies.py`)."""
+
+
 
 class ReplayBuffer(ReplayCheckpointing):
     """Rollout groups waiting to be trained on. Thread-safe: one ingestion thread, one trainer.
@@ -62,9 +66,11 @@ class ReplayBuffer(ReplayCheckpointing):
 
     def __init__(self, config: ReplayConfig, reader=None, *, advantage: AdvantageKind = "group_std",
                  reward_fn: RewardFn | None = None, max_tokens: int | None = None,
-                 clock: Callable[[], float] = time.time, start_step: int = 0):
+                 clock: Callable[[], float] = time.time, start_step: int = 0,
+                 policies: Collection[str] | None = None):
         """`advantage` is the estimator applied per group at ingestion (group_std, group_mean or rloo):
-        the loss's (`LossConfig.advantage`), so it is configured in one place."""
+        the loss's (`LossConfig.advantage`), so it is configured in one place. `policies`: the policy
+        names trained here; a group of another raises `UnknownPolicyError` at ingestion (None: any)."""
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0, got {start_step}")
         if advantage not in ("group_std", "group_mean", "rloo"):
@@ -76,6 +82,7 @@ class ReplayBuffer(ReplayCheckpointing):
         self._window = StalenessWindow(config.sampling.max_staleness, config.max_age_s)
         self._reward_fn = reward_fn
         self._max_tokens = max_tokens
+        self._policies = None if policies is None else frozenset(policies)
         self._clock = clock
         weights = config.env_weights
         total = sum(weights.values()) if weights else 0.0
@@ -169,6 +176,7 @@ class ReplayBuffer(ReplayCheckpointing):
 
         scored = []
         for g in batch.groups:
+            self._check_policy(g)
             envs = {r.env_name for r in g.rollouts}
             if len(envs) != 1:
                 logger.error("group %r mixes environments %s; dropped", g.group_id, sorted(envs))
@@ -196,6 +204,18 @@ class ReplayBuffer(ReplayCheckpointing):
                 elif after[gid] < n:
                     dropped_rollouts[f.name] += n - after[gid]
         return scored, dropped, dropped_rollouts
+
+    def _check_policy(self, g: RolloutGroup) -> None:
+        """A policy this trainer does not train is a config error, never trained into this model."""
+        if self._policies is None:
+            return
+        unknown = sorted({r.policy_name for r in g.rollouts} - self._policies)
+        if unknown:
+            r = g.rollouts[0]
+            raise UnknownPolicyError(
+                f"rollouts of lesson {r.lesson_id!r} (environment {r.env_name!r}, agent {r.agent_name!r}) are tagged "
+                f"with policy {unknown[0]!r}, which this trainer does not train (it trains "
+                f"{', '.join(map(repr, sorted(self._policies)))}); define it under `policies:` in the job config")
 
     def _score(self, g: RolloutGroup) -> ScoredGroup:
         out = g.rewards if self._reward_fn is None else self._reward_fn(g)

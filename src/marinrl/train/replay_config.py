@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Collection
 
 import numpy as np
 
@@ -82,11 +82,11 @@ class ReplayConfig:
 
     def build(self, reader=None, *, advantage: AdvantageKind = "group_std", reward_fn: RewardFn | None = None,
               max_tokens: int | None = None, clock: Callable[[], float] = time.time,
-              start_step: int = 0) -> ReplayBuffer:
+              start_step: int = 0, policies: Collection[str] | None = None) -> ReplayBuffer:
         from marinrl.train.replay import ReplayBuffer  # the buffer module imports this one
 
         return ReplayBuffer(self, reader, advantage=advantage, reward_fn=reward_fn, max_tokens=max_tokens,
-                            clock=clock, start_step=start_step)
+                            clock=clock, start_step=start_step, policies=policies)
 
 
 def overlong_reward_fn(loss) -> RewardFn | None:

@@ -6,6 +6,7 @@ take one update, publish the new weights every `sync_interval` steps, and checkp
 resumed run needs (model, optimizer, step, the replay buffer's reader cursor and pending groups, the
 curriculum's state) so that no rollout file is trained twice or skipped. Resume takes the newest
 checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/checkpoints.py`).
+With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published (`marinrl/lora.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
 
 from marinrl import multihost
+from marinrl import lora as lora_rl
 from marinrl.config_checks import require_at_least
 from marinrl.models import ModelConfig, build_model
 from marinrl.startup import StartupClock
@@ -42,6 +44,7 @@ from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.transfer.base import WeightTransferConfig
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.types import DEFAULT_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +106,16 @@ class TrainWorkerConfig:
     """Also keep every checkpoint whose step is a multiple of this (0: none), e.g. for later evals."""
     storage_options: dict = dataclasses.field(default_factory=dict)
     """fsspec options for `rollout_root` (e.g. {"token": "anon"} for the GCS emulator)."""
+    policies: tuple[str, ...] = (DEFAULT_POLICY,)
+    """The policy names this trainer trains; a rollout of any other stops it at ingestion, naming the
+    policy and the lesson (`marinrl/policies.py`)."""
+    lora: Optional[lora_rl.LoraRLConfig] = None
+    """Train LoRA adapters on the frozen `model` instead of every weight (`marinrl/lora.py`): only the
+    adapters get gradients, optimizer state, checkpoints and weight versions. None: full fine-tuning."""
 
     def __post_init__(self):
+        if self.lora is not None:
+            self.lora.errors("lora")
         require_at_least(self, 1, "groups_per_step", "sync_interval", "checkpoint_keep")
         require_at_least(self, 0, "checkpoint_every", "checkpoint_keep_every")
         if self.sync_interval > 1 + self.replay.sampling.max_staleness:
@@ -227,6 +238,8 @@ class TrainWorker:
         self.trained_groups: list[list[str]] = []
         self._resumed_from: StepFolder | None = None
         self._checkpoints_deleted = 0
+        self.model = None
+        """The trained model once `run()` returns (with LoRA: base and adapters)."""
 
     def stop(self) -> None:
         """Ends the run after the current step, with a final checkpoint."""
@@ -260,14 +273,16 @@ class TrainWorker:
                 self._curriculum.set_step(first_step)
 
             reference = None
-            if cfg.loss.uses_reference:
+            if cfg.loss.uses_reference and cfg.lora is None:  # with LoRA: the base, `_reference_of(state)`
                 fresh = _is_initial_policy(cfg.model, trainer, state, resumed=self._resumed_from is not None)
                 initial = state.model if fresh else None
                 reference = build_reference(cfg.model, trainer, initial_policy=initial)
             clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
-            server.publish(state.model, first_step)  # the weights rollouts for `first_step` need
+            if cfg.lora is not None:
+                print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}", flush=True)
+            server.publish(self._published(state.model), first_step)  # the weights rollouts for `first_step` need
             clock.mark("publish")
             checkpointer = trainer_cfg.checkpointer.create(trainer.run_id)
             batch_size = trainer_cfg.train_batch_size
@@ -291,7 +306,8 @@ class TrainWorker:
                         batch = sample.training_batch(batch_size=batch_size, config=cfg.batching,
                                                       **row_alignment(trainer.config))
                         batch = hax.shard(batch, trainer.compute_axis_mapping)
-                    ref = ref_fn(reference, batch) if reference is not None else None
+                    ref_model = self._reference_of(state, reference)
+                    ref = ref_fn(ref_model, batch) if ref_model is not None else None
                     if ref is not None:
                         ref.array.block_until_ready()
                     t2 = time.perf_counter()
@@ -303,7 +319,7 @@ class TrainWorker:
                         self._curriculum.set_step(self.step)
                     published = self.step % cfg.sync_interval == 0 or self.step >= num_steps
                     if published:
-                        server.publish(state.model, self.step)
+                        server.publish(self._published(state.model), self.step)
                     t4 = time.perf_counter()
                     if self.step == first_step + 1:  # the first step's parts, compiles included
                         for phase, seconds in (("first_wait", t1 - t0), ("first_batch", t2 - t1),
@@ -337,11 +353,36 @@ class TrainWorker:
                     replay.stop()
                 server.close()
                 checkpointer.wait_until_finished()
+                self.model = state.model
             levanter.tracker.current_tracker().finish()
             metrics = {**(replay.metrics() if replay is not None else {}), **self._checkpoint_metrics(skipped)}
             return TrainResult(first_step, self.step, last_ckpt, metrics, self.history, self.trained_groups,
                                resumed_from=self._resumed_from.path if self._resumed_from else None,
                                skipped_checkpoints=skipped)
+
+    def _published(self, model):
+        """What a weight version carries: the adapters alone with LoRA, else the whole model."""
+        return lora_rl.adapter_only(model) if self.config.lora is not None else model
+
+    def _reference_of(self, state, reference):
+        """The KL reference: with LoRA the policy's own frozen base (its adapters taken off; taken from
+        each step's state, whose buffers the train step donates), else the separately built `reference`."""
+        if not self.config.loss.uses_reference:
+            return None
+        return lora_rl.without_adapters(state.model) if self.config.lora is not None else reference
+
+    def _model_init(self):
+        """(model_init, is_trainable) for Levanter's `initial_state`: with LoRA the base with adapters,
+        only the adapters trainable (and checkpointed: the base is rebuilt from `model` on resume)."""
+        cfg = self.config
+        if cfg.lora is None:
+            return functools.partial(build_model, cfg.model), True
+        lora = cfg.lora
+
+        def model_init():
+            return lora_rl.add_adapters(build_model(cfg.model), lora)
+
+        return model_init, lora_rl.trainable_filter(eqx.filter_eval_shape(model_init))
 
     # ------------------------------------------------------------------ resume
 
@@ -351,11 +392,11 @@ class TrainWorker:
         would not match the weights — else freshly initialized."""
         cfg = self.config
         key = jax.random.PRNGKey(cfg.trainer.seed)
-        model_init = functools.partial(build_model, cfg.model)
+        model_init, trainable = self._model_init()
 
         def load(folder: StepFolder):
             sidecar = read_sidecar(folder.path)
-            state = self._load_state(trainer, folder.path, key, model_init)
+            state = self._load_state(trainer, folder.path, key, model_init, trainable)
             if int(sidecar["step"]) != int(state.step):
                 raise ValueError(f"{SIDECAR} is for step {sidecar['step']}, the saved state for step {int(state.step)}")
             replay = self._build_replay(int(state.step))
@@ -373,7 +414,7 @@ class TrainWorker:
             if resumed.skipped:
                 print(f"[marinrl] resumed from the previous checkpoint {resumed.folder.path}", flush=True)
             return (*resumed.loaded, resumed.skipped)
-        state = trainer.initial_state(key, model_init=model_init)  # Levanter's rules: initialize_from, load_checkpoint
+        state = trainer.initial_state(key, model_init=model_init, is_trainable=trainable)  # Levanter's rules: initialize_from, load_checkpoint
         if int(state.step) > 0:
             source = trainer.config.initialize_from or trainer.checkpoint_path
             raise RuntimeError(f"the checkpoint Levanter loaded from {source} (step {int(state.step)}) has no "
@@ -381,13 +422,13 @@ class TrainWorker:
         return state, self._build_replay(0), []
 
     @staticmethod
-    def _load_state(trainer: Trainer, folder: str, key, model_init):
+    def _load_state(trainer: Trainer, folder: str, key, model_init, trainable):
         """Levanter's `initial_state` from one given checkpoint folder (it otherwise loads only the latest).
         `load_checkpoint=True` makes a missing checkpoint an error instead of a silent fresh start."""
         base = trainer.config
         trainer.config = dataclasses.replace(base, load_checkpoint=True, load_checkpoint_path=folder)
         try:
-            return trainer.initial_state(key, model_init=model_init)
+            return trainer.initial_state(key, model_init=model_init, is_trainable=trainable)
         finally:
             trainer.config = base
 
@@ -399,7 +440,7 @@ class TrainWorker:
         reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
         return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
                                                    reward_fn=overlong_reward_fn(cfg.loss),
-                                                   max_tokens=cfg.batching.max_length)
+                                                   max_tokens=cfg.batching.max_length, policies=cfg.policies)
 
     def _checkpoint_metrics(self, skipped: list[str]) -> dict[str, float]:
         return {"checkpoint/skipped_on_resume": float(len(skipped)),

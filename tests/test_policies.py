@@ -1,0 +1,112 @@
+"""`policies:` in the job config: validation and resolution before anything starts, environments whose
+agents play undefined policies refused before Ray, and a rollout of a policy the trainer does not
+train stopping it at ingestion (real replay buffer, real TrainWorker on a tiny Llama)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.envs.base import EnvConfig
+from marinrl.job import ConfigError, RLJob
+from marinrl.lora import LoraRLConfig
+from marinrl.policies import PolicyConfig, policy_names, resolve_policies
+from marinrl.storage import RolloutWriter
+from marinrl.train.replay import ReplayIngestionError, UnknownPolicyError
+from marinrl.train.replay_config import ReplayConfig
+from marinrl.train.sampling import OffPolicyConfig
+from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.train.worker import TrainWorker
+from marinrl.types import RolloutBatch, RolloutGroup
+from test_job import job_config
+from test_train_worker import make_rollout_batch, worker_config
+
+DUO = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4, "policies": {"checker": "critic"}}),
+                   max_tokens=2, graduate_at=None)
+
+
+def _retag(batch: RolloutBatch, policy: str, lesson: str) -> RolloutBatch:
+    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, policy_name=policy, lesson_id=lesson) for r in g.rollouts))
+                   for g in batch.groups)
+    return dataclasses.replace(batch, groups=groups)
+
+
+def test_no_policies_is_one_shared_policy_and_changes_nothing(tmp_path):
+    job = job_config(tmp_path)
+    assert job.policies == {} and policy_names(job) == ("policy",)
+    assert resolve_policies(job) is job
+    assert job.train_worker_config().policies == ("policy",)
+    RLJob(job)  # the echo lesson plays `policy`: accepted
+
+
+def test_an_environment_playing_an_undefined_policy_is_refused_before_ray(tmp_path):
+    with pytest.raises(ConfigError, match=r"RLJobConfig\.curriculum\.lessons\[duo\]\.env\.args: .*policy 'critic', "
+                                          r"which the job does not define \(it trains 'policy'\)"):
+        RLJob(job_config(tmp_path, curriculum=CurriculumConfig(lessons=(DUO,))))
+    shared = {"policy": PolicyConfig(), "critic": PolicyConfig(specialization="shared")}
+    job = RLJob(job_config(tmp_path, curriculum=CurriculumConfig(lessons=(DUO,)), policies=shared)).config
+    assert job.train_worker_config().policies == ("policy", "critic")
+
+
+@pytest.mark.parametrize("policies, lora, field", [
+    ({"policy": PolicyConfig(), "critic": PolicyConfig(specialization="full")}, None, "policies.critic.specialization"),
+    ({"policy": PolicyConfig(specialization="lora"), "critic": PolicyConfig()}, None, "policies.policy.specialization"),
+    ({"policy": PolicyConfig(specialization="solo")}, None, "policies.policy.specialization"),
+    ({"policy": PolicyConfig(), "critic": PolicyConfig(optimizer=RLAdamConfig(learning_rate=0.1))}, None,
+     "policies.critic.optimizer"),
+    ({"policy": PolicyConfig(specialization="full", lora=LoraRLConfig())}, None, "policies.policy.lora"),
+    ({"policy": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=0))}, None, "policies.policy.lora.rank"),
+    ({"policy": PolicyConfig()}, LoraRLConfig(), "lora"),
+])
+def test_a_bad_policies_block_names_the_field(tmp_path, policies, lora, field):
+    with pytest.raises(ConfigError, match=rf"RLJobConfig\.{field}: "):
+        RLJob(job_config(tmp_path, policies=policies, lora=lora))
+
+
+def test_a_single_policy_brings_its_own_optimizer_and_adapters(tmp_path):
+    policies = {"policy": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=4),
+                                       optimizer=RLAdamConfig(learning_rate=0.01))}
+    job = RLJob(job_config(tmp_path, policies=policies)).config
+    assert job.lora == LoraRLConfig(rank=4) and job.optimizer.learning_rate == 0.01
+    worker = job.train_worker_config()
+    assert worker.lora == LoraRLConfig(rank=4) and worker.optimizer.learning_rate == 0.01
+    assert job.rollout_worker_config(0).lora == LoraRLConfig(rank=4)
+    assert resolve_policies(job) == job  # resolving twice changes nothing
+    plain = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(specialization="lora")})).config
+    assert plain.lora == LoraRLConfig()  # `lora` without its block: the defaults
+
+
+def test_the_replay_buffer_refuses_a_policy_it_does_not_train():
+    buffer = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build(policies=("policy",))
+    rng = np.random.default_rng(0)
+    assert buffer.ingest([make_rollout_batch(0, rng)]) == 2
+    with pytest.raises(UnknownPolicyError, match=r"lesson 'duo' .*policy 'critic', which this trainer does not train"):
+        buffer.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")])
+    anything = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build()  # None: the buffer on its own
+    assert anything.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")]) == 2
+
+
+def test_a_rollout_of_an_undefined_policy_stops_the_trainer_at_ingestion(tmp_path):
+    cfg = worker_config(tmp_path, steps=2, sampling=OffPolicyConfig(staleness=1), run_id="foreign")
+    cfg.replay = dataclasses.replace(cfg.replay, timeout_s=60)
+    RolloutWriter(cfg.rollout_root).write(_retag(make_rollout_batch(0, np.random.default_rng(0)), "critic", "duo"))
+    with pytest.raises(ReplayIngestionError, match=r"lesson 'duo'.*policy 'critic'") as caught:
+        TrainWorker(cfg).run()
+    assert isinstance(caught.value.__cause__, UnknownPolicyError)
+
+
+def test_the_policies_example_passes_preflight(tmp_path):
+    import pathlib
+
+    from marinrl.config_errors import load_job_config
+    from marinrl.job_config import RLJobConfig
+    from marinrl.preflight import check_job
+
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "policies.yaml"
+    job = load_job_config(RLJobConfig, str(path), ["--run_root", str(tmp_path)])
+    check_job(job)
+    assert policy_names(job) == ("policy", "critic")
+    assert all(p.specialization == "shared" for p in job.policies.values())
