@@ -4,7 +4,6 @@ multi-turn episode may span a swap; on-policy never mixes versions."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import haliax as hax
 import jax

@@ -27,7 +27,7 @@ from typing import Optional
 import equinox as eqx
 import haliax as hax
 import jax
-from levanter.lora import LoraConfig, LoraLinear, LowRankLinear, filter_lora_params, is_lora_param, loraize
+from levanter.lora import LoraConfig, LoraLinear, filter_lora_params, is_lora_param, loraize
 from levanter.lora import lora_trainable_params_filter
 from levanter.utils.jax_utils import leaf_key_paths
 
