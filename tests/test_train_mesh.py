@@ -26,11 +26,11 @@ from levanter.trainer import Trainer
 from marinrl.models import build_model
 from marinrl.train.batching import BatchingConfig, make_training_batch
 from marinrl.train.losses import LossConfig, rl_loss, token_logprobs
-from marinrl.train.worker import StepInput, _step_loss, cpu_trainer_config
+from marinrl.train.worker import StepInput, _step_loss, cpu_trainer_config, row_alignment
 from test_train_worker import TINY, make_rollout_batch
 
 LOSS = LossConfig.preset("grpo", kl_beta=0.04)
-BATCHING = BatchingConfig(max_length=64, min_bucket=16)
+BATCHING = BatchingConfig(max_length=64, min_bucket=16, layout="packed")  # one rollout per row: 16 rows, 2 microbatches
 ROWS, STEPS = 16, 3
 LR = 0.5  # large enough that every step moves the weights far beyond the rounding bound below
 EPS32 = float(np.finfo(np.float32).eps)
@@ -60,7 +60,8 @@ def _run_trainer(tmp_path, batches, **overrides) -> tuple[list[float], eqx.Modul
         reference = build_model(TINY)
         ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
         for rollouts, adv in batches:
-            batch = hax.shard(make_training_batch(rollouts, adv, batch_size=ROWS, config=BATCHING),
+            batch = hax.shard(make_training_batch(rollouts, adv, batch_size=ROWS, config=BATCHING,
+                                                  **row_alignment(trainer.config)),
                               trainer.compute_axis_mapping)
             info = trainer.train_step(state, StepInput(batch, ref_fn(reference, batch)))
             state = info.state
