@@ -13,7 +13,11 @@ from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob
 from marinrl.lora import LoraRLConfig
-from marinrl.policies import PolicyConfig, policy_names, resolve_policies
+from marinrl.models import ModelConfig
+from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
+from marinrl.rollout.worker import ModelStream
+from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.ray import RayTransferConfig
 from marinrl.storage import RolloutWriter
 from marinrl.train.replay import ReplayIngestionError, UnknownPolicyError
 from marinrl.train.replay_config import ReplayConfig
@@ -52,8 +56,6 @@ def test_an_environment_playing_an_undefined_policy_is_refused_before_ray(tmp_pa
 
 
 @pytest.mark.parametrize("policies, lora, field", [
-    ({"policy": PolicyConfig(), "critic": PolicyConfig(specialization="full")}, None, "policies.critic.specialization"),
-    ({"policy": PolicyConfig(specialization="lora"), "critic": PolicyConfig()}, None, "policies.policy.specialization"),
     ({"policy": PolicyConfig(specialization="solo")}, None, "policies.policy.specialization"),
     ({"policy": PolicyConfig(), "critic": PolicyConfig(optimizer=RLAdamConfig(learning_rate=0.1))}, None,
      "policies.critic.optimizer"),
@@ -64,6 +66,56 @@ def test_an_environment_playing_an_undefined_policy_is_refused_before_ray(tmp_pa
 def test_a_bad_policies_block_names_the_field(tmp_path, policies, lora, field):
     with pytest.raises(ConfigError, match=rf"RLJobConfig\.{field}: "):
         RLJob(job_config(tmp_path, policies=policies, lora=lora))
+
+
+def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tmp_path):
+    """L2/L3: the shared policies together are one model, each `lora` or `full` policy another, with
+    its own model, optimizer, adapters, trainer paths, weight stream and rollout files."""
+    policies = {"policy": PolicyConfig(), "critic": PolicyConfig(),
+                "coach": PolicyConfig(specialization="full", optimizer=RLAdamConfig(learning_rate=0.01)),
+                "judge": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2))}
+    job = RLJob(job_config(tmp_path, policies=policies)).config
+    models = policy_models(job)
+    assert [(m.name, m.policies) for m in models] == [("policy", ("policy", "critic")), ("coach", ("coach",)),
+                                                      ("judge", ("judge",))]
+    shared, coach, judge = models
+    assert shared.job.lora is None and shared.job.optimizer == job.optimizer
+    assert coach.job.optimizer.learning_rate == 0.01 and coach.job.lora is None
+    assert judge.job.lora == LoraRLConfig(rank=2) and judge.job.model == job.model  # the adapter's base
+    for m in models:
+        run_dir = f"{job.run_dir}/policies/{m.name}"
+        worker = m.train_worker_config()
+        assert worker.policies == m.policies and worker.rollout_root == f"{run_dir}/rollouts"
+        assert worker.weights.root == f"{run_dir}/weights"
+        assert str(worker.trainer.checkpointer.base_path) == f"{run_dir}/checkpoints"
+    streams = job.rollout_worker_config(0).streams
+    assert streams == tuple(ModelStream(m.name, m.policies, f"{job.run_dir}/policies/{m.name}/rollouts",
+                                        m.train_worker_config().weights, m.job.lora) for m in models)
+    one = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(), "critic": PolicyConfig()})).config
+    assert len(policy_models(one)) == 1 and one.rollout_worker_config(0).streams == ()  # L1: today's job
+
+
+def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
+    policies = {"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(specialization="full")}
+    files = job_config(tmp_path, policies=policies, weights=FilesystemTransferConfig(root="memory://w", delta=True))
+    assert [m.job.weights_config() for m in policy_models(files)] == [
+        FilesystemTransferConfig(root="memory://w/policy", delta=True),
+        FilesystemTransferConfig(root="memory://w/critic", delta=True)]
+    ray_ = job_config(tmp_path, policies=policies, weights=RayTransferConfig(name="w"))
+    assert [m.job.weights_config().name for m in policy_models(ray_)] == ["w-policy", "w-critic"]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(policies={"policy": PolicyConfig(), "critic": PolicyConfig(
+        specialization="full", model=ModelConfig(model=job_config("/tmp").model.model, vocab_size=512,
+                                                 tokenizer="/nonexistent/tok"))}), "policies.critic.model.tokenizer"),
+    (dict(inflight=dataclasses.replace(job_config("/tmp").inflight, enabled=True)), "inflight.enabled"),
+])
+def test_what_several_policy_models_cannot_do_is_refused(tmp_path, overrides, field):
+    policies = overrides.pop("policies", {"policy": PolicyConfig(specialization="full"),
+                                          "critic": PolicyConfig(specialization="lora")})
+    with pytest.raises(ConfigError, match=rf"RLJobConfig\.{field}: "):
+        RLJob(job_config(tmp_path, policies=policies, **overrides))
 
 
 def test_a_single_policy_brings_its_own_optimizer_and_adapters(tmp_path):

@@ -26,7 +26,7 @@ from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
-from marinrl.policies import resolve_policies
+from marinrl.policies import policy_models, resolve_policies
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
@@ -62,16 +62,19 @@ def _actor_env() -> dict[str, str]:
 
 @ray.remote(max_concurrency=2)
 class TrainerActor:
-    def __init__(self, config: TrainWorkerConfig, curriculum_name: str, namespace: Optional[str],
-                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
+    def __init__(self, config: TrainWorkerConfig, curriculum_name: Optional[str], namespace: Optional[str],
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer"):
+        """`curriculum_name` None: a trainer that does not keep the curriculum's clock (the other policy
+        models' trainers of a job of several: the first one's keeps it)."""
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         import_tensorboardx_without_torch()  # before Levanter's tracker imports it
         from marinrl.train.worker import TrainWorker
 
         if log_dir:  # named loggers: Levanter's initialize() replaces the root logger's handlers
-            log_to_file(log_dir, "trainer", loggers=("marinrl", "levanter"))
+            log_to_file(log_dir, log_name, loggers=("marinrl", "levanter"))
 
-        curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
+        curriculum = (CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
+                      if curriculum_name is not None else None)
         self.worker = TrainWorker(config, curriculum=curriculum, startup=clock)
 
     def run(self) -> dict:
@@ -98,6 +101,7 @@ class RolloutActor:
         from marinrl.inference.server import InferenceServer
         from marinrl.models import build_model, build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager
+        from marinrl.rollout.policy_router import PolicyRouter
         from marinrl.rollout.worker import RolloutWorker
 
         if log_dir:  # the root logger: environments' own loggers included
@@ -105,10 +109,15 @@ class RolloutActor:
 
         tokenizer = build_tokenizer(job.model)
         inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
-        model = build_model(job.model)
+        models = policy_models(job)
+        weights = [build_model(m.job.model) for m in models]
         clock.mark("model")
-        server = InferenceServer(inference, model, tokenizer).start()
-        server.wait_until_ready()
+        servers = {m.name: InferenceServer(inference if k == 0 else dataclasses.replace(inference, serve_http=False),
+                                           w, tokenizer).start() for k, (m, w) in enumerate(zip(models, weights))}
+        for s in servers.values():
+            s.wait_until_ready()
+        server = (servers[models[0].name] if len(models) == 1
+                  else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
         clock.mark("server")
         lessons = {
             lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
@@ -154,6 +163,9 @@ class JobResult:
     seconds: float
     curriculum_step: int
     """The curriculum's clock at the end: one iteration per trainer step."""
+    policies: dict = dataclasses.field(default_factory=dict)
+    """Policy model name -> its trainer's result, for a job of several policy models (`train` is the
+    first one's, whose trainer keeps the curriculum's clock); empty for one."""
 
 
 class RLJob:
@@ -171,7 +183,8 @@ class RLJob:
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            asked = cfg.trainer.num_cpus * cfg.trainer.hosts() + self.config.n_rollout_workers * cfg.rollout.num_cpus
+            trainers = cfg.trainer.num_cpus * cfg.trainer.hosts() * len(policy_models(self.config))
+            asked = trainers + self.config.n_rollout_workers * cfg.rollout.num_cpus
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
                      namespace=f"marinrl-{self.config.run_id}",
@@ -199,17 +212,23 @@ class RLJob:
             curriculum_name = self._start_curriculum(namespace)
             curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
-            if group is None:
-                trainer = TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
-                    cfg.train_worker_config(), curriculum_name, namespace, self._log_dir, started)
-                self._actors.append(trainer)
-                train_refs = [trainer.run.remote()]
+            models = policy_models(cfg)
+            if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
+                trainers = []
+                for k, m in enumerate(models):
+                    trainers.append(TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
+                        m.train_worker_config(), curriculum_name if k == 0 else None, namespace, self._log_dir,
+                        started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
+                self._actors.extend(trainers)
+                train_refs = [t.run.remote() for t in trainers]
             else:
                 self._group = group
                 group.start(cfg.train_worker_config(), curriculum_name, namespace,
                             placement_timeout_s=cfg.ray.placement_timeout_s)
-                trainer, train_refs = group.leader, group.refs
-            train_ref = train_refs[0]
+                trainers, train_refs = [group.leader], group.refs
+            trainer = trainers[0]
+            waited = dict(zip(train_refs, range(len(trainers))))  # a trainer's result ref -> its index
+            results: dict[int, dict] = {}
             rollouts, refs = [], []
             for i in range(cfg.n_rollout_workers):
                 actor = self._rollout_actor(i, curriculum_name, namespace)
@@ -222,12 +241,19 @@ class RLJob:
             bar = _ProgressBar(cfg.num_train_steps)
             try:
                 while True:
-                    ready, _ = ray.wait([*train_refs, *pending], num_returns=1, timeout=1.0)
+                    live = [r for r in train_refs if waited.get(r) not in results]
+                    ready, _ = ray.wait([*live, *pending], num_returns=1, timeout=1.0)
                     bar.update(trainer)
-                    if any(ref in ready for ref in train_refs):
-                        train = self._train_result(train_ref)
+                    if self._group is not None:
+                        if any(ref in ready for ref in train_refs):
+                            results[0] = self._train_result(train_refs[0])
+                    else:
+                        for ref in ready:
+                            if ref in waited:
+                                results[waited[ref]] = self._train_result(ref, models[waited[ref]].job.run_dir)
+                    if len(results) == len(trainers):
                         break
-                    for ref in ready:
+                    for ref in (r for r in ready if r in pending):
                         i = pending.pop(ref)
                         try:
                             summaries[i] = ray.get(ref)
@@ -246,7 +272,9 @@ class RLJob:
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
-                self._stop_trainer(trainer, train_ref)
+                for ref, k in waited.items():
+                    if k not in results:
+                        self._stop_trainer(trainers[k], ref)
                 raise
             for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
                 try:
@@ -255,7 +283,8 @@ class RLJob:
                     logger.warning("rollout worker %d did not finish cleanly: %s", i, e)
             bar.close()
             curriculum_step = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace)).step()
-            return JobResult(train, summaries, restarts, time.time() - started, curriculum_step)
+            per_model = {m.name: results[k] for k, m in enumerate(models)} if len(models) > 1 else {}
+            return JobResult(results[0], summaries, restarts, time.time() - started, curriculum_step, per_model)
         finally:
             self.shutdown()
 
@@ -294,13 +323,15 @@ class RLJob:
         self._actors.append(actor)
         return actor
 
-    def _train_result(self, ref) -> dict:
+    def _train_result(self, ref, run_dir: Optional[str] = None) -> dict:
         """The trainer's result (process 0's for a group, once every process returned), or the error
-        saying what died and which checkpoint the same config resumes from."""
+        saying what died and which checkpoint the same config resumes from (`run_dir`: the policy
+        model's, for a job of several)."""
         try:
             return self._group.result() if self._group is not None else ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
-            raise RuntimeError(_trainer_death_message(e, f"{self.config.run_dir}/checkpoints")) from e
+            checkpoints = f"{run_dir or self.config.run_dir}/checkpoints"
+            raise RuntimeError(_trainer_death_message(e, checkpoints)) from e
 
     def shutdown(self) -> None:
         if self._group is not None:

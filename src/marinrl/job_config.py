@@ -13,10 +13,10 @@ from marinrl.inference.inflight import InflightConfig
 from marinrl.inference.server import InferenceServerConfig
 from marinrl.lora import LoraRLConfig
 from marinrl.models import ModelConfig
-from marinrl.policies import PolicyConfig, check_policies, policy_names
+from marinrl.policies import PolicyConfig, check_policies, policy_models, policy_names
 from marinrl.placement import PlacementConfig
 from marinrl.preflight import ConfigError
-from marinrl.rollout.worker import RolloutWorkerConfig
+from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
@@ -63,7 +63,8 @@ class RLJobConfig:
     policies: dict[str, PolicyConfig] = dataclasses.field(default_factory=dict)
     """Policy name -> `specialization` (`shared` | `lora` | `full`) and optionally its own `model`,
     `optimizer`, `loss`, `lora` (docs/policies.md). Empty: one shared policy named `policy`. Rollouts of
-    a policy not listed are refused; several policies must all be `shared` today."""
+    a policy not listed are refused. Each `lora` or `full` policy next to others gets its own trainer,
+    weight stream and rollout files under `<run_dir>/policies/<name>/`."""
     curriculum: Optional[CurriculumConfig] = None
     """The lessons (environments, sampling, dependencies) and how they are scheduled."""
     num_train_steps: int = 100
@@ -249,6 +250,10 @@ class RLJobConfig:
             checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self))
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
+        models = policy_models(self)
+        streams = () if len(models) == 1 else tuple(
+            ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)
+            for m in models)
         return RolloutWorkerConfig(
             rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
             groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
@@ -256,4 +261,4 @@ class RLJobConfig:
             eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
             micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
             max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler,
-            inflight=self.inflight, lora=self.lora)
+            inflight=self.inflight, lora=self.lora, streams=streams)

@@ -44,19 +44,32 @@ class ConfigError(ValueError):
 
 def check_job(config: "RLJobConfig") -> None:
     """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
-    from marinrl.policies import policy_names, resolve_policies
+    from marinrl.policies import policy_models, policy_names
 
     config.validate()
-    config = resolve_policies(config)  # a single policy's model, optimizer, loss and adapters are the job's
-    check_optimizer(config)
+    models = policy_models(config)  # one: the job, with a single policy's model, optimizer, loss, adapters
     check_environments(config.curriculum, policy_names(config))
+    for m in models:
+        own = config.policies.get(m.name) if len(models) > 1 else None
+        try:
+            check_policy_model(m.job)
+        except ConfigError as e:  # a policy's own model, optimizer or adapters: named under `policies.<name>`
+            head = e.field.split(".")[0].split("[")[0]
+            if own is None or not (getattr(own, head, None) is not None or head == "lora"):
+                raise
+            raise ConfigError(f"policies.{m.name}.{e.field}", e.problem) from None
+    check_writable(config.run_dir, "run_root")
+
+
+def check_policy_model(config: "RLJobConfig") -> None:
+    """The optimizer, model, adapters and row length of one trained model (`marinrl/policies.py`)."""
+    check_optimizer(config)
     seq_len = check_model(config.model)
     if config.lora is not None:
         check_lora(config)
     if seq_len is not None and config.batching.max_length > seq_len:
         raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
-    check_writable(config.run_dir, "run_root")
 
 
 def check_optimizer(config: "RLJobConfig") -> None:

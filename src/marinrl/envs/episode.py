@@ -37,6 +37,7 @@ from marinrl.envs.base import (
     new_group_id,
 )
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams
+from marinrl.rollout.policy_router import policy_context
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, FinishReason, RolloutGroup
 
 
@@ -185,7 +186,7 @@ class MultiTurnEnv:
             prompt = encode_prompt(tokenizer, problem.prompt, chat=self.chat)
             episodes.append([EpisodeRecord(problem, list(prompt)) for _ in range(n_generations)])
         flat = [e for row in episodes for e in row]
-        calls = run_turns(ctx, flat, sampling, rng, self.max_turns, self.max_episode_tokens,
+        calls = run_turns(policy_context(ctx, self.policy_name), flat, sampling, rng, self.max_turns, self.max_episode_tokens,
                           step=lambda e: self.step(e.problem, e.actions),
                           encode=lambda text: self.encode_observation(tokenizer, text))
         groups = []

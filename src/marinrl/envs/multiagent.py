@@ -7,8 +7,8 @@ what the environment paid for that move. Rollouts are tagged with `agent_name` a
 and grouped per (problem, turn, agent): the n_generations episodes of one problem at turn t form one
 group, so group-relative advantages compare the same agent in the same situation, never a solver
 with a checker. With one shared policy (agents differ only by their prompts) every agent's turns
-train that policy; the policy name in each rollout is what lets separate policies be trained later
-without changing the data format. Today one `ctx` serves every policy name.
+train that policy; with separate policy models (`policies:`, docs/policies.md) each agent's turns are
+sampled by its policy's model (`policy_context`) and train only that model.
 
 Token-in/token-out: a move quoted in another agent's view is inserted as the exact tokens the
 mover sampled (without the EOS or stop sequence that ended its turn), never re-tokenized text.
@@ -32,6 +32,7 @@ from marinrl.envs.base import (
 )
 from marinrl.envs.episode import Feedback
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams
+from marinrl.rollout.policy_router import policy_context
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutGroup
 
 
@@ -145,7 +146,8 @@ class MultiAgentEnv:
                 problem_of = [problems[e // n_generations] for e in slots]
                 prompts = [self.encode_view(tokenizer, self.view(p, agent, moves[e]))
                            for p, e in zip(problem_of, slots)]
-                generations = ctx.generate(prompts, 1, sampling, int(rng.integers(0, 2**31 - 1)))
+                generations = policy_context(ctx, agent.policy).generate(prompts, 1, sampling,
+                                                                         int(rng.integers(0, 2**31 - 1)))
                 calls += 1
                 if len(generations) != len(slots) or any(len(row) != 1 for row in generations):
                     raise RuntimeError(f"ctx.generate returned {len(generations)} rows for {len(slots)} prompts "
@@ -267,3 +269,44 @@ class SolveCheckEnv(MultiAgentEnv):
         right = (verdict == "y" and solver_right) or (verdict == "n" and not solver_right)
         return Feedback(reward=float(right), done=True,
                         indicators={"success": float(right), "accepted": float(verdict == "y")})
+
+
+@register_env("two_roles")
+class TwoRolesEnv(MultiAgentEnv):
+    """Two agents, `first` and `second`, see the same prompt (`<digit>?`) and are each paid for
+    answering their own character (`targets`, default `0` and `z`): one model that plays both cannot
+    satisfy both, one policy per agent (`policies:` with `full` or `lora` policies, docs/policies.md) can.
+
+    The reward is dense so that a tiny random model learns it in tens of steps: a one-byte answer `b`
+    earns `max(0, 1 - |b - target| / 64)` (1 for the target itself), anything else 0. Indicator
+    `success`: the answer is the target. `policies` maps agent names to policy names."""
+
+    env_name = "two_roles"
+
+    def __init__(self, targets: Mapping[str, str] | None = None, policies: Mapping[str, str] | None = None):
+        targets = {"first": "0", "second": "z", **dict(targets or {})}
+        policies = dict(policies or {})
+        for what, given in (("targets", targets), ("policies", policies)):
+            unknown = set(given) - {"first", "second"}
+            if unknown:
+                raise ValueError(f"two_roles: {what} names unknown agents {sorted(unknown)}; agents: first, second")
+        for agent, target in targets.items():
+            if not isinstance(target, str) or len(target.encode()) != 1:
+                raise ValueError(f"two_roles: targets.{agent} must be one ASCII character, got {target!r}")
+        self.targets = targets
+        self.agents = tuple(Agent(name, policies.get(name, DEFAULT_POLICY)) for name in ("first", "second"))
+        self.check_agents()
+
+    def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
+        digits = rng.integers(0, 10, n)
+        return [Problem(prompt=f"{d}?", answer="", example_id=f"{d}") for d in digits]
+
+    def view(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Sequence[Segment]:
+        return [problem.prompt]
+
+    def judge(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Feedback:
+        answer = moves[-1].text.encode("utf-8", "replace")
+        target = self.targets[agent.name].encode()[0]
+        reward = max(0.0, 1.0 - abs(answer[0] - target) / 64) if len(answer) == 1 else 0.0
+        return Feedback(reward=reward, done=agent.name == "second",
+                        indicators={"success": float(answer == bytes([target]))})

@@ -127,6 +127,12 @@ class RolloutManager:
             lengths = [r.response_tokens.size for g in groups for r in g.rollouts]
             stats["response_length_mean"] = float(np.mean(lengths))
             stats["finish_stop_frac"] = float(np.mean([r.finish_reason == "stop" for g in groups for r in g.rollouts]))
+            by_policy: dict[str, list[float]] = {}
+            for g in groups:
+                for r in g.rollouts:
+                    by_policy.setdefault(r.policy_name, []).append(r.episode_reward)
+            if len(by_policy) > 1:  # several policies play this lesson: each one's reward
+                stats.update({f"policy/{p}/reward_mean": float(np.mean(v)) for p, v in sorted(by_policy.items())})
         if eval_type == "eval" and rewards and self.curriculum is not None:
             self.curriculum.update_from_eval(lesson_id, rewards, step)
         batch = RolloutBatch(tuple(groups), RolloutMetadata(worker_id, weight_step)) if groups else None
@@ -142,9 +148,13 @@ class RolloutManager:
         if self.curriculum is not None:
             self.curriculum.update_from_training(lesson_id, [r.episode_reward for r in batch.rollouts], step)
 
-    def update_model(self, model, weight_step: int = 0) -> None:
-        """Serve new weights (no recompile). `weight_step` only labels the server's own reporting."""
-        self.server.reload(model, weight_step)
+    def update_model(self, model, weight_step: int = 0, model_name: str | None = None) -> None:
+        """Serve new weights (no recompile). `weight_step` only labels the server's own reporting.
+        `model_name`: which policy model's server, when the server is a `PolicyRouter`."""
+        if model_name is None:
+            self.server.reload(model, weight_step)
+        else:
+            self.server.reload(model, weight_step, model_name)
 
     def shutdown(self) -> None:
         self.server.shutdown()

@@ -44,6 +44,11 @@ class DryRunContext:
                  seed: int) -> list[list[Generation]]:
         return self._server.generate_dry(prompts, n, sampling, seed)
 
+    def for_policy(self, policy: str) -> "DryRunContext":
+        """The dry run of `policy`'s model (several policy models: `marinrl/rollout/policy_router.py`)."""
+        route = getattr(self._server, "for_policy", None)
+        return self if route is None else DryRunContext(route(policy))
+
 
 def warm_up_sampler(manager, calls: Sequence[tuple[str, int, int]]) -> dict[str, float]:
     """Run every lesson's environment once per (mode, n_examples, n_generations) in `calls` against a

@@ -29,6 +29,7 @@ from marinrl.fs import RolloutStorageError
 from marinrl.inference.inflight import InflightConfig
 from marinrl.logs import ENV_ERRORS
 from marinrl.lora import AdapterMergingClient, LoraRLConfig
+from marinrl.rollout.policy_router import split_by_model
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
@@ -49,6 +50,18 @@ class EnvironmentFailedError(RuntimeError):
     """A lesson's environment failed `max_consecutive_env_failures` calls in a row. The message names
     the lesson, the environment and its last error; the job stops with it instead of restarting the
     worker, which would repeat the failure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStream:
+    """One policy model's weights and rollout files, for a job of several (docs/policies.md)."""
+
+    name: str
+    policies: tuple[str, ...]
+    """The policies this model plays: their turns are sampled by its server and written to its files."""
+    rollout_root: str
+    weights: WeightTransferConfig
+    lora: Optional[LoraRLConfig] = None
 
 
 @dataclasses.dataclass
@@ -89,11 +102,19 @@ class RolloutWorkerConfig:
     lora: Optional[LoraRLConfig] = None
     """The job's `LoraRLConfig` when it trains LoRA adapters: versions then carry the adapters only, and
     the worker merges each into the base model it started with (`marinrl/lora.py`)."""
+    streams: tuple[ModelStream, ...] = ()
+    """Several policy models: one stream each, in the job's order (the manager's server is then a
+    `PolicyRouter` with a server per model). Empty: one model, from `rollout_root`, `weights`, `lora`."""
+
+    def model_streams(self) -> tuple[ModelStream, ...]:
+        return self.streams or (ModelStream("policy", (), self.rollout_root, self.weights, self.lora),)
 
     def __post_init__(self):
         require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
                          "max_consecutive_env_failures")
         require_at_least(self, 0, "max_staleness", "micro_eval_every", "eval_every", "final_step")
+        if self.inflight.enabled and len(self.streams) > 1:
+            raise ValueError("inflight.enabled with several policy models is not supported")
         if self.inflight.enabled and self.max_staleness == 0:
             raise ValueError("inflight.enabled with max_staleness 0: on-policy never mixes weight versions inside "
                              "a rollout; turn inflight off or allow max_staleness >= 1")
@@ -134,29 +155,44 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.tracker = tracker
         self.counters = _Counters()
-        self.weight_step: int | None = None
+        streams = config.model_streams()
+        self.weight_steps: dict[str, int | None] = {s.name: None for s in streams}
+        """Each policy model's weight step now (one model: `policy`)."""
         self.eval_history: list[dict[str, Any]] = []
         self._stop = threading.Event()
-        self._writer = RolloutWriter(config.rollout_root, storage_options=config.storage_options)
-        self._client = self._weight_client(config, manager.model)
+        self._writers = {s.name: RolloutWriter(s.rollout_root, storage_options=config.storage_options)
+                         for s in streams}
+        servers = ({s.name: manager.server.server_of(s.name) for s in streams} if config.streams
+                   else {streams[0].name: manager.server})
+        self._clients = {s.name: self._weight_client(s, servers[s.name].model) for s in streams}
+        self._model_of = {p: s.name for s in streams for p in s.policies}
+        self._several = len(streams) > 1
         self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
         self._env_totals: dict[str, float] = {}  # "<lesson>/<counter>" -> running total
         self._failure_streak = 0  # failed calls in a row, any lesson: paces the backoff
         self._lesson_streaks: dict[str, int] = {}  # failed calls in a row per lesson: the budget
 
     @staticmethod
-    def _weight_client(config: RolloutWorkerConfig, model):
+    def _weight_client(stream: ModelStream, model):
         """Full versions into `model`'s skeleton; with LoRA, adapter versions merged into `model` (the base)."""
-        if config.lora is None:
-            return config.weights.build_client(model)
-        return AdapterMergingClient(config.weights, config.lora, model)
+        if stream.lora is None:
+            return stream.weights.build_client(model)
+        return AdapterMergingClient(stream.weights, stream.lora, model)
+
+    @property
+    def weight_step(self) -> int | None:
+        """The oldest weight step the worker serves (None before every model's first weights): it paces
+        the worker and labels its metrics and evaluations."""
+        steps = self.weight_steps.values()
+        return None if any(s is None for s in steps) else min(steps)
 
     def stop(self) -> None:
         self._stop.set()
 
     @property
     def finished(self) -> bool:
-        return self.weight_step is not None and self.weight_step >= self.config.final_step
+        step = self.weight_step
+        return step is not None and step >= self.config.final_step
 
     # ------------------------------------------------------------------ the loop
 
@@ -166,7 +202,8 @@ class RolloutWorker:
         if cfg.warm_up_sampler:
             self.warm_up()
             clock.mark("warm_up")
-        self._receive(self._client.wait_for(0, cfg.weight_timeout_s))
+        for name, client in self._clients.items():
+            self._receive(name, client.wait_for(0, cfg.weight_timeout_s))
         clock.mark("wait_weights")
         target = self.weight_step  # the trainer step the next batch is for
         batches = 0
@@ -174,19 +211,23 @@ class RolloutWorker:
         clock.mark("first_eval")
         last_eval_step = self.weight_step
         while not self._stop.is_set() and not self.finished:
-            update = self._client.poll()
-            if update is not None:
-                self._receive(update)
+            for name, client in self._clients.items():
+                update = client.poll()
+                if update is not None:
+                    self._receive(name, update)
             target = max(target, self.weight_step)  # restarts move the trainer back: follow it
-            if self.weight_step < target - cfg.max_staleness:
+            behind = [n for n, step in self.weight_steps.items() if step < target - cfg.max_staleness]
+            if behind:
                 waited_from = time.perf_counter()
                 try:
-                    update = self._client.wait_for(target - cfg.max_staleness, timeout_s=1.0)
+                    update = self._clients[behind[0]].wait_for(target - cfg.max_staleness, timeout_s=1.0)
                 except TimeoutError:
                     continue  # re-check stop and restarts; the trainer may be compiling
-                self._receive(update, waited_s=time.perf_counter() - waited_from)
+                self._receive(behind[0], update, waited_s=time.perf_counter() - waited_from)
                 if self.finished:
                     break
+                if len(behind) > 1:
+                    continue  # another model is still behind
             if self._generate_and_write(target):
                 target += 1
                 batches += 1
@@ -212,11 +253,12 @@ class RolloutWorker:
             calls.append(("eval", cfg.micro_eval_examples, 1))
         return warm_up_sampler(self.manager, calls)
 
-    def _receive(self, update, waited_s: float = 0.0) -> None:
-        self.manager.update_model(update.model, update.weight_step)
-        self.weight_step = update.weight_step
+    def _receive(self, name: str, update, waited_s: float = 0.0) -> None:
+        self.manager.update_model(update.model, update.weight_step, name if self._several else None)
+        self.weight_steps[name] = update.weight_step
         self.counters.weight_updates += 1
-        metrics = {f"weights/{k}": v for k, v in self._client.metrics.items()}
+        prefix = f"weights/{name}/" if self._several else "weights/"
+        metrics = {f"{prefix}{k}": v for k, v in self._clients[name].metrics.items()}
         metrics["rollout/weight_wait_s"] = waited_s
         self._log(metrics)
 
@@ -227,10 +269,12 @@ class RolloutWorker:
         if not self.config.inflight.enabled:
             return contextlib.nullcontext()
 
+        (name, client), = self._clients.items()  # one model (checked in the config)
+
         def poll():
-            update = self._client.poll()
+            update = client.poll()
             if update is not None:
-                self.weight_step = update.weight_step
+                self.weight_steps[name] = update.weight_step
                 self.counters.weight_updates += 1
                 self.counters.inflight_swaps += 1
             return update
@@ -262,7 +306,9 @@ class RolloutWorker:
             self._failed(lesson_id, ENV_ERRORS.last() or f"it returned no usable group ({dropped or 'no groups'})")
             return False
         self._failure_streak = self._lesson_streaks[lesson_id] = 0
-        if not self._write(batch):
+        parts = (split_by_model(batch, self._model_of, self.weight_steps) if self._several
+                 else [(next(iter(self._writers)), batch)])
+        if not all([self._write(name, part) for name, part in parts]):
             return False
         self.manager.update_training_stats(lesson_id, batch, self.weight_step)
         n_tokens = sum(r.response_tokens.size for r in batch.rollouts)
@@ -308,10 +354,10 @@ class RolloutWorker:
             raise EnvironmentFailedError(message)
         self._stop.wait(min(BACKOFF_FIRST_S * 2 ** (self._failure_streak - 1), BACKOFF_MAX_S))
 
-    def _write(self, batch: RolloutBatch, attempts: int = 3) -> bool:
+    def _write(self, model_name: str, batch: RolloutBatch, attempts: int = 3) -> bool:
         for attempt in range(attempts):
             try:
-                self._writer.write(batch)
+                self._writers[model_name].write(batch)
                 self.counters.batches_written += 1
                 self.counters.rollouts_written += len(batch)
                 return True

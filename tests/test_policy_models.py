@@ -1,0 +1,103 @@
+"""One policy per agent (docs/policies.md): a job of two policy models, a `full` one (L3) and a `lora`
+one (L2), each with its own trainer, weight stream and rollout files, on the `two_roles` environment
+whose agents see the same prompt and must answer differently (one shared model cannot do both).
+Real local Ray, real trainers, tiny Llamas. Also the pure routing of a batch to the models."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import numpy as np
+
+from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.envs.base import EnvConfig
+from marinrl.job import RLJob
+from marinrl.lora import LoraRLConfig
+from marinrl.models import build_model
+from marinrl.policies import PolicyConfig
+from marinrl.rollout.policy_router import split_by_model
+from marinrl.storage import RolloutReader
+from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.transfer.base import ModelSkeleton
+from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
+from test_job import job_config
+from test_train_worker import make_rollout_batch
+
+ROLES = LessonConfig(lesson_id="roles", env=EnvConfig("two_roles", {"policies": {"second": "other"}}),
+                     max_tokens=1, graduate_at=None)
+
+
+def _tagged(batch: RolloutBatch, policies: list[str]) -> RolloutBatch:
+    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, policy_name=p) for r in g.rollouts))
+                   for g, p in zip(batch.groups, policies))
+    return dataclasses.replace(batch, groups=groups)
+
+
+def test_a_batch_is_split_per_policy_model_and_stamped_with_its_weights():
+    batch = RolloutBatch(make_rollout_batch(3, np.random.default_rng(0)).groups
+                         + make_rollout_batch(3, np.random.default_rng(1)).groups, RolloutMetadata("producer", 3))
+    batch = _tagged(batch, ["policy", "other", "stranger", "other"][:len(batch.groups)])
+    parts = split_by_model(batch, {"policy": "a", "other": "b"}, {"a": 3, "b": 5, "c": 4})
+    assert [name for name, _ in parts] == ["a", "b"]  # c has no group: no file
+    (_, a), (_, b) = parts
+    # a policy no model plays goes to the first model, whose trainer refuses it by name
+    assert [g.rollouts[0].policy_name for g in a.groups] == ["policy", "stranger"]
+    assert {g.rollouts[0].policy_name for g in b.groups} == {"other"}
+    assert a.weight_step == 3 and b.weight_step == 5
+    assert all(r.metadata == RolloutMetadata(batch.metadata.worker_id, 5, batch.metadata.created_at) for r in b.rollouts)
+    assert {g.group_id for _, p in parts for g in p.groups} == {g.group_id for g in batch.groups}
+
+
+def _logged(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line.split("json_logger: ", 1)[1]) for line in path.read_text().splitlines()
+            if "json_logger: {" in line]
+
+
+def test_two_agents_with_a_model_each_both_learn_their_own_role_and_resume_per_policy(tmp_path, ray_session):
+    """`first` is played by `policy` (full: a model of its own), `second` by `other` (a LoRA adapter on
+    its own copy of the base). Each trainer trains only its agent's groups, read from its own rollout
+    files; the LoRA stream carries adapters only; both greedy evaluations rise; a rerun resumes each
+    trainer from its own checkpoint and trains only new groups."""
+    policies = {"policy": PolicyConfig(specialization="full"),
+                "other": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2, alpha=4.0),
+                                      optimizer=RLAdamConfig(learning_rate=3e-2))}
+    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(ROLES,)), num_train_steps=30, eval_every=30,
+                     policies=policies, optimizer=RLAdamConfig(learning_rate=5e-3))
+    result = RLJob(cfg).run()
+    assert set(result.policies) == {"policy", "other"} and result.train == result.policies["policy"]
+    agent_of = {"policy": "first", "other": "second"}
+    for name, train in result.policies.items():
+        assert train["final_step"] == 30
+        trained = [g for step in train["trained_groups"] for g in step]
+        assert trained and all(f":t{0 if name == 'policy' else 1}:{agent_of[name]}:" in g for g in trained), trained[:4]
+        written = [r for b in RolloutReader(f"{cfg.run_dir}/policies/{name}/rollouts").read_new() for r in b.rollouts]
+        assert {r.policy_name for r in written} == {name} and {r.agent_name for r in written} == {agent_of[name]}
+    assert result.curriculum_step == 30  # the first model's trainer keeps the curriculum's clock
+
+    # L2: the adapter's weight stream is a fraction of the full model's
+    logs = tmp_path / "job" / "logs"
+    sent = {n: {e["metrics"]["weights/bytes"] for e in _logged(logs / f"trainer-{n}.log")
+                if "weights/bytes" in e.get("metrics", {})} for n in policies}
+    full = ModelSkeleton(build_model(cfg.model)).nbytes
+    assert sent["other"] and max(sent["other"]) < full / 4 and min(sent["policy"]) >= full, (sent, full)
+
+    # Both roles learn: greedy evaluation of each policy's own reward, at the start and at the end
+    (rollouts,) = result.rollouts
+    evals = [e["metrics"] for e in rollouts["evals"] if e["kind"] == "eval"]
+    assert len(evals) >= 2
+    for name in policies:
+        start, end = evals[0][f"eval/roles/policy/{name}/reward_mean"], evals[-1][f"eval/roles/policy/{name}/reward_mean"]
+        # rewards are multiples of 1/64 in [0, 1]; a rise of 0.2 is about 13 characters closer to the target
+        assert end >= start + 0.2 and end >= 0.5, (name, start, end)
+
+    # Resume per policy: the same job with two more steps continues each model from its own checkpoint
+    again = RLJob(dataclasses.replace(cfg, num_train_steps=32, eval_every=0)).run()
+    for name, train in again.policies.items():
+        assert train["first_step"] == 30 and train["final_step"] == 32
+        assert f"policies/{name}/checkpoints" in train["resumed_from"]
+        before = {g for step in result.policies[name]["trained_groups"] for g in step}
+        after = [g for step in train["trained_groups"] for g in step]
+        assert after and not before & set(after)  # nothing trained twice
+
