@@ -110,6 +110,8 @@ def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
         specialization="full", model=ModelConfig(model=job_config("/tmp").model.model, vocab_size=512,
                                                  tokenizer="/nonexistent/tok"))}), "policies.critic.model.tokenizer"),
     (dict(inflight=dataclasses.replace(job_config("/tmp").inflight, enabled=True)), "inflight.enabled"),
+    (dict(policies={"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(
+        specialization="lora", lora=LoraRLConfig(target_modules="qproj"))}), "policies.critic.lora.target_modules"),
 ])
 def test_what_several_policy_models_cannot_do_is_refused(tmp_path, overrides, field):
     policies = overrides.pop("policies", {"policy": PolicyConfig(specialization="full"),
@@ -150,15 +152,16 @@ def test_a_rollout_of_an_undefined_policy_stops_the_trainer_at_ingestion(tmp_pat
     assert isinstance(caught.value.__cause__, UnknownPolicyError)
 
 
-def test_the_policies_example_passes_preflight(tmp_path):
+@pytest.mark.parametrize("name, models", [("policies", [("policy", ("policy", "critic"))]),
+                                          ("policy_models", [("policy", ("policy",)), ("other", ("other",))])])
+def test_the_policies_examples_pass_preflight(tmp_path, name, models):
     import pathlib
 
     from marinrl.config_errors import load_job_config
     from marinrl.job_config import RLJobConfig
     from marinrl.preflight import check_job
 
-    path = pathlib.Path(__file__).parents[1] / "experiments" / "policies.yaml"
+    path = pathlib.Path(__file__).parents[1] / "experiments" / f"{name}.yaml"
     job = load_job_config(RLJobConfig, str(path), ["--run_root", str(tmp_path)])
     check_job(job)
-    assert policy_names(job) == ("policy", "critic")
-    assert all(p.specialization == "shared" for p in job.policies.values())
+    assert [(m.name, m.policies) for m in policy_models(job)] == models
