@@ -18,6 +18,13 @@ Shapes (`--shape`):
   characters, each about 1/512 likely per token under a near-uniform random-init model, so a response's
   length is roughly geometric with mean ~64 and a tail to the cap (the model's seq_len is 512). This is where
   a batch waits for its longest sequence, and where in-flight updates should help most.
+- `roles`: two agents (the `two_roles` environment: `first` and `second` see the same 3-token prompt and
+  each answers up to 32 tokens, graded on its first byte), 8 problems per batch, so 8 groups per agent;
+  `--policies` says who trains them: `one` (both agents one shared model: one trainer, which trains 8
+  of a batch's 16 groups per step), `l3` (a `full` model per agent: two trainers of 8 groups each) or
+  `l2` (a LoRA adapter per agent, rank 8, on a copy of the base each: two trainers). Peak RSS is per
+  process (the two trainers' are listed as trainer, trainer-2); `weight_bytes` is the bytes per
+  published version of each trainer's weight stream.
 
 Figures (median, min, max over trainer steps 3..--steps, 1-based):
 - `step_s`: `train/step_s` of the trainer's history (wall time of one trainer step);
@@ -41,6 +48,7 @@ depends on whether earlier runs filled it. Prints a table, then one JSON line pe
 
     python bench/e2e.py [--steps 20] [--modes on_policy,async]
     python bench/e2e.py --shape long --modes async,inflight [--max_tokens 256]
+    python bench/e2e.py --shape roles --modes async --policies one,l3,l2
 """
 
 from __future__ import annotations
@@ -64,10 +72,13 @@ import psutil  # noqa: E402
 import ray  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 
+from machine import machine  # noqa: E402  (bench/machine.py)
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.envs.base import EnvConfig  # noqa: E402
 from marinrl.inference.inflight import InflightConfig  # noqa: E402
 from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
+from marinrl.lora import LoraRLConfig  # noqa: E402
+from marinrl.policies import PolicyConfig  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
 from marinrl.train.batching import BatchingConfig  # noqa: E402
@@ -76,21 +87,32 @@ from marinrl.train.trainer_config import RLAdamConfig  # noqa: E402
 
 MODES = {"on_policy": 0, "async": 1, "inflight": 1}
 """Each mode's max_staleness."""
-SHAPES = ("reference", "long")
+SHAPES = ("reference", "long", "roles")
+POLICIES = ("one", "l3", "l2")
+"""The `roles` shape's policy layouts."""
 LONG_STOPS = tuple("01234567")
 
 
-def job_config(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256) -> RLJobConfig:
+def job_config(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256,
+               policies: str = "one") -> RLJobConfig:
     long = shape == "long"
     lesson = LessonConfig(lesson_id="echo14", env=EnvConfig("echo", {"alphabet_size": 26, "length": 14}),
                           max_tokens=max_tokens if long else 32, stop=LONG_STOPS if long else (), temperature=1.0,
                           graduate_at=None)
+    policy_map = {}
+    if shape == "roles":
+        lesson = LessonConfig(lesson_id="roles", env=EnvConfig("two_roles", {"policies": {"second": "other"}}),
+                              max_tokens=32, temperature=1.0, graduate_at=None)
+        spec = {"one": "shared", "l3": "full", "l2": "lora"}[policies]
+        lora = LoraRLConfig(rank=8, alpha=16.0) if spec == "lora" else None
+        policy_map = {name: PolicyConfig(specialization=spec, lora=lora) for name in ("policy", "other")}
     llama = LlamaConfig(seq_len=512 if long else 64, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4,
                         num_kv_heads=4, gradient_checkpointing=False, tie_word_embeddings=False, scan_layers=False)
     batching = BatchingConfig(max_length=16 + max_tokens + 16, min_bucket=16) if long else BatchingConfig(
         max_length=64, min_bucket=16)
     return RLJobConfig(
-        run_id=f"e2e-{shape}-{mode}", run_root=root,
+        run_id=f"e2e-{shape}-{mode}" + (f"-{policies}" if shape == "roles" else ""), run_root=root,
+        policies=policy_map,
         model=ModelConfig(model=llama, vocab_size=512, seed=0, init_std=0.02, dtype="float32"),
         curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=steps, groups_per_step=8, n_generations=8,
         max_staleness=MODES[mode], loss=LossConfig.preset("grpo", kl_beta=0.04),
@@ -126,6 +148,7 @@ class RssWatcher:
 
     def _loop(self, interval_s: float) -> None:
         me = psutil.Process()
+        names: dict[int, str] = {}  # pid -> role, numbered from the second process of a role on (trainer-2)
         while not self._stop.is_set():
             try:
                 children = me.children(recursive=True)
@@ -136,6 +159,10 @@ class RssWatcher:
                     title = " ".join(proc.cmdline())
                     role = next((r for k, r in self.ROLES.items() if f"ray::{k}" in title), None)
                     if role:
+                        if proc.pid not in names:
+                            n = sum(1 for r in names.values() if r.split("-")[0] == role)
+                            names[proc.pid] = role if n == 0 else f"{role}-{n + 1}"
+                        role = names[proc.pid]
                         self.peaks[role] = max(self.peaks.get(role, 0.0), self._hwm_mb(proc.pid))
                 except (psutil.Error, OSError):
                     continue
@@ -149,12 +176,25 @@ def stats(values: list[float]) -> dict | None:
     return {"median": round(statistics.median(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
-def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256) -> dict:
-    cfg = job_config(mode, steps, root, shape, max_tokens)
+def _weight_bytes(log: pathlib.Path) -> float | None:
+    """Median bytes per published version, from a trainer's JSON log lines."""
+    sent = []
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if "json_logger: {" in line:
+            metrics = json.loads(line.split("json_logger: ", 1)[1]).get("metrics", {})
+            if "weights/bytes" in metrics:
+                sent.append(metrics["weights/bytes"])
+    return statistics.median(sent) if sent else None
+
+
+def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tokens: int = 256,
+             policies: str = "one") -> dict:
+    cfg = job_config(mode, steps, root, shape, max_tokens, policies)
     started = time.time()
     # The local Ray is started here, as RLJob would start it, but with address="local": a bare ray.init()
     # connects to any other Ray found running on the machine (e.g. a test session) instead of starting one.
-    ray.init(address="local", num_cpus=cfg.n_rollout_workers + 2, include_dashboard=False,
+    trainers = 2 if shape == "roles" and policies != "one" else 1
+    ray.init(address="local", num_cpus=cfg.n_rollout_workers + trainers + 1, include_dashboard=False,
              namespace=f"marinrl-{cfg.run_id}", object_store_memory=512 * 1024 * 1024,
              runtime_env={"env_vars": _actor_env()}, log_to_driver=False)
     try:
@@ -164,7 +204,11 @@ def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tok
         ray.shutdown()
     run_dir = pathlib.Path(cfg.run_dir)
     history = [h for h in result.train["history"] if 3 <= h["step"] <= steps]
-    first_logged = read_event_wall_times(run_dir / "tensorboard" / "trainer", "train/step_s")
+    first_dir = run_dir / "policies" / "policy" if result.policies else run_dir
+    first_logged = read_event_wall_times(first_dir / "tensorboard" / "trainer", "train/step_s")
+    logs = sorted((run_dir / "logs").glob("trainer*.log"))
+    second = result.policies.get("other")
+    second_history = [h for h in second["history"] if 3 <= h["step"] <= steps] if second else []
     worker = read_event_scalars(run_dir / "tensorboard" / "rollout-0")
     window = range(2, steps)  # batches generated with weights 2..steps-1 are those trained at steps 3..steps
 
@@ -176,6 +220,10 @@ def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tok
     return {
         "mode": mode,
         "shape": shape,
+        "policies": policies if shape == "roles" else None,
+        "second_step_s": stats([h["train/step_s"] for h in second_history]) if second else None,
+        "second_update_s": stats([h["train/update_s"] for h in second_history]) if second else None,
+        "weight_bytes": {log.stem: _weight_bytes(log) for log in logs},
         "steps": result.train["final_step"],
         "step_s": stats([h["train/step_s"] for h in history]),
         "update_s": stats([h["train/update_s"] for h in history]),
@@ -207,24 +255,37 @@ def main() -> int:
     parser.add_argument("--root", default=None, help="run root (default: a temporary directory)")
     parser.add_argument("--shape", default="reference", choices=SHAPES)
     parser.add_argument("--max_tokens", type=int, default=256, help="long shape: the cap on new tokens")
+    parser.add_argument("--policies", default="one", help=f"roles shape: some of {','.join(POLICIES)}")
     args = parser.parse_args()
     modes = args.modes.split(",")
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; expected some of {sorted(MODES)}")
+    layouts = args.policies.split(",") if args.shape == "roles" else ["one"]
+    for p in layouts:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown --policies {p!r}; expected some of {list(POLICIES)}")
     results = []
+    before = machine()
     with tempfile.TemporaryDirectory(prefix="marinrl-e2e-") as tmp:
         for mode in modes:
-            results.append(run_mode(mode, args.steps, args.root or tmp, args.shape, args.max_tokens))
-    print(f"\nRLJob at the {args.shape} shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
+            for layout in layouts:
+                results.append(run_mode(mode, args.steps, args.root or tmp, args.shape, args.max_tokens, layout))
+    print(f"\nmachine: {json.dumps(before)}; load average at the end: {os.getloadavg()[0]:.2f}")
+    print(f"RLJob at the {args.shape} shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
     for r in results:
-        print(f"\n{r['mode']} ({r['steps']} steps, job {r['job_s']} s, max staleness trained {r['staleness_max']})")
+        layout = f" policies={r['policies']}" if r["policies"] else ""
+        print(f"\n{r['mode']}{layout} ({r['steps']} steps, job {r['job_s']} s, max staleness trained {r['staleness_max']})")
         for key in ("step_s", "update_s", "wait_s", "batch_s", "publish_s", "generation_s", "gen_tokens_per_s",
                     "idle_fraction", "token_staleness", "version_spread_max", "response_length"):
             print(f"  {key:18s} {_fmt(r[key])}")
         print(f"  {'inflight_swaps':18s} {r['inflight_swaps']}")
         print(f"  {'first_step_s':18s} {r['first_step_s']}")
         print(f"  {'peak_rss_mb':18s} {r['peak_rss_mb']}")
+        if r["policies"]:
+            print(f"  {'second_step_s':18s} {_fmt(r['second_step_s'])}")
+            print(f"  {'second_update_s':18s} {_fmt(r['second_update_s'])}")
+            print(f"  {'weight_bytes':18s} {r['weight_bytes']}")
     for r in results:
         print(json.dumps(r))
     return 0

@@ -6,6 +6,7 @@ fails every call stops the job with its error, logged once in the run folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -20,11 +21,14 @@ from typing import Callable
 import pytest
 import ray
 
+from marinrl.curriculum_config import CurriculumConfig
 from marinrl.job import RLJob
+from marinrl.policies import PolicyConfig
 from marinrl.train.worker import SIDECAR
 
 import faulty_envs
 from test_job import job_config
+from test_policy_models import ROLES
 
 DEADLINE_S = 150.0
 
@@ -119,14 +123,21 @@ def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ra
     assert len(groups) == len(set(groups)) == 8 * cfg.groups_per_step
 
 
-def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session):
+@pytest.mark.parametrize("policy_models", [False, True], ids=["one_model", "two_policy_models"])
+def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session, policy_models):
+    """One trainer; or, with a model per agent (docs/policies.md), the second policy model's trainer is
+    killed: the job names that model's checkpoint, and the rerun resumes every model from its own."""
     cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=4, checkpoint_every=2, max_staleness=2)
     ckpt_root = f"{cfg.run_dir}/checkpoints"
+    if policy_models:
+        cfg = dataclasses.replace(cfg, curriculum=CurriculumConfig(lessons=(ROLES,)), policies={
+            "policy": PolicyConfig(specialization="full"), "other": PolicyConfig(specialization="lora")})
+        ckpt_root = f"{cfg.run_dir}/policies/other/checkpoints"
     job = RLJob(cfg)
 
     def kill_trainer_after_first_checkpoint():
         ckpt_step = _poll(lambda: _committed_checkpoint_step(ckpt_root), "the trainer's first checkpoint")
-        (trainer,) = _actors_of(job, "TrainerActor")
+        trainer = _actors_of(job, "TrainerActor")[-1]  # with two policy models: `other`'s
         # The checkpoint is written before the step's bookkeeping: wait until that step is reported.
         trained = _poll(lambda: (t := ray.get(trainer.trained_groups.remote(), timeout=10)) and t[-1][0] >= ckpt_step
                         and t, f"the trainer to report step {ckpt_step}")
@@ -143,8 +154,12 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     assert max(before) < cfg.num_train_steps, "the trainer was killed after it had finished"
     assert not _actors_of(job, "RolloutActor") and not _actors_of(job, "TrainerActor")
 
+    survivor = _committed_checkpoint_step(f"{cfg.run_dir}/policies/policy/checkpoints") if policy_models else None
     result = RLJob(cfg).run()
-    train = result.train
+    train = result.policies["other"] if policy_models else result.train
+    if policy_models:  # the model that kept running was stopped with the job: it resumes from its own checkpoint
+        assert result.policies["policy"]["first_step"] == survivor
+        assert result.policies["policy"]["final_step"] == cfg.num_train_steps
     first = train["first_step"]
     assert first > 0 and first % cfg.checkpoint_every == 0  # resumed from a checkpoint, not from scratch
     assert first in before, f"the killed trainer reported steps {sorted(before)} but resumed from {first}"
@@ -165,9 +180,12 @@ _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
-    from marinrl.job import RLJob
+    from marinrl.curriculum_config import CurriculumConfig
+from marinrl.job import RLJob
+from marinrl.policies import PolicyConfig
     from marinrl.train.replay_config import ReplayConfig
     from test_job import job_config
+from test_policy_models import ROLES
 
     broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,
                           graduate_at=None)
@@ -216,6 +234,7 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import pathlib
     from test_job import job_config
+from test_policy_models import ROLES
     from marinrl.job import RLJob, RayJobConfig
     from marinrl.placement import PlacementConfig
 

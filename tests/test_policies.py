@@ -14,6 +14,7 @@ from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob
 from marinrl.lora import LoraRLConfig
 from marinrl.models import ModelConfig
+from marinrl.placement import PlacementConfig
 from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
 from marinrl.rollout.worker import ModelStream
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
@@ -93,6 +94,9 @@ def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tm
                                         m.train_worker_config().weights, m.job.lora) for m in models)
     one = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(), "critic": PolicyConfig()})).config
     assert len(policy_models(one)) == 1 and one.rollout_worker_config(0).streams == ()  # L1: today's job
+    placed = dict(policies, coach=PolicyConfig(specialization="full", placement=PlacementConfig(num_cpus=3)))
+    coach = policy_models(job_config(tmp_path, policies=placed))[1]
+    assert coach.job.ray.trainer == PlacementConfig(num_cpus=3) and models[2].job.ray.trainer == job.ray.trainer
 
 
 def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
@@ -112,6 +116,12 @@ def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
     (dict(inflight=dataclasses.replace(job_config("/tmp").inflight, enabled=True)), "inflight.enabled"),
     (dict(policies={"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(
         specialization="lora", lora=LoraRLConfig(target_modules="qproj"))}), "policies.critic.lora.target_modules"),
+    (dict(policies={"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(
+        specialization="full", placement=PlacementConfig(num_hosts=2))}), "policies.critic.placement"),
+    (dict(policies={"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(
+        specialization="full", placement=PlacementConfig(num_cpus=-1))}), "policies.critic.placement.num_cpus"),
+    (dict(policies={"policy": PolicyConfig(), "critic": PolicyConfig(placement=PlacementConfig())}),
+     "policies.critic.placement"),
 ])
 def test_what_several_policy_models_cannot_do_is_refused(tmp_path, overrides, field):
     policies = overrides.pop("policies", {"policy": PolicyConfig(specialization="full"),

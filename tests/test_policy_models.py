@@ -10,6 +10,7 @@ import json
 import pathlib
 
 import numpy as np
+import pytest
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import EnvConfig
@@ -50,16 +51,40 @@ def test_a_batch_is_split_per_policy_model_and_stamped_with_its_weights():
     assert {g.group_id for _, p in parts for g in p.groups} == {g.group_id for g in batch.groups}
 
 
+def test_two_roles_pays_each_agent_for_its_own_character():
+    from marinrl.envs.base import Problem
+    from marinrl.envs.multiagent import Move, TwoRolesEnv
+
+    env = TwoRolesEnv(policies={"second": "other"})
+    first, second = env.agents
+    assert (first.policy, second.policy) == ("policy", "other")
+    problem = Problem(prompt="3?", answer="", example_id="3")
+    assert env.view(problem, first, []) == env.view(problem, second, [Move("first", (48,), "0")])  # same prompt
+    pays = {text: env.judge(problem, second, [Move("first", (48,), "0"), Move("second", (), text)])
+            for text in ("z", "y", "zz", "0", "", "<|reserved_7|>")}
+    assert pays["z"].reward == 1.0 and pays["z"].indicators["success"] == 1.0 and pays["z"].done
+    assert pays["y"].reward == 1.0 - 1 / 64 and pays["y"].indicators["success"] == 0.0
+    assert pays["zz"].reward == 1.0 and pays["zz"].indicators["success"] == 0.0  # graded on the first byte
+    assert pays["0"].reward == 0.0 and pays[""].reward == 0.0  # 74 bytes away, and nothing
+    assert pays["<|reserved_7|>"].reward == 0.0  # a special token is no character
+    ok = env.judge(problem, first, [Move("first", (48,), "0")])
+    assert ok.reward == 1.0 and not ok.done
+    with pytest.raises(ValueError, match="targets.first must be one ASCII character"):
+        TwoRolesEnv(targets={"first": "ab"})
+    with pytest.raises(ValueError, match="policies names unknown agents"):
+        TwoRolesEnv(policies={"third": "x"})
+
+
 def _logged(path: pathlib.Path) -> list[dict]:
     return [json.loads(line.split("json_logger: ", 1)[1]) for line in path.read_text().splitlines()
             if "json_logger: {" in line]
 
 
-def test_two_agents_with_a_model_each_both_learn_their_own_role_and_resume_per_policy(tmp_path, ray_session):
+def test_two_agents_with_a_model_each_both_learn_their_own_role(tmp_path, ray_session):
     """`first` is played by `policy` (full: a model of its own), `second` by `other` (a LoRA adapter on
     its own copy of the base). Each trainer trains only its agent's groups, read from its own rollout
-    files; the LoRA stream carries adapters only; both greedy evaluations rise; a rerun resumes each
-    trainer from its own checkpoint and trains only new groups."""
+    files; the LoRA stream carries adapters only; both greedy evaluations rise. (Resume per policy
+    model after a SIGKILL: tests/test_job_faults.py.)"""
     policies = {"policy": PolicyConfig(specialization="full"),
                 "other": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2, alpha=4.0),
                                       optimizer=RLAdamConfig(learning_rate=3e-2))}
@@ -91,13 +116,4 @@ def test_two_agents_with_a_model_each_both_learn_their_own_role_and_resume_per_p
         start, end = evals[0][f"eval/roles/policy/{name}/reward_mean"], evals[-1][f"eval/roles/policy/{name}/reward_mean"]
         # rewards are multiples of 1/64 in [0, 1]; a rise of 0.2 is about 13 characters closer to the target
         assert end >= start + 0.2 and end >= 0.5, (name, start, end)
-
-    # Resume per policy: the same job with two more steps continues each model from its own checkpoint
-    again = RLJob(dataclasses.replace(cfg, num_train_steps=32, eval_every=0)).run()
-    for name, train in again.policies.items():
-        assert train["first_step"] == 30 and train["final_step"] == 32
-        assert f"policies/{name}/checkpoints" in train["resumed_from"]
-        before = {g for step in result.policies[name]["trained_groups"] for g in step}
-        after = [g for step in train["trained_groups"] for g in step]
-        assert after and not before & set(after)  # nothing trained twice
 

@@ -183,7 +183,7 @@ class RLJob:
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            trainers = cfg.trainer.num_cpus * cfg.trainer.hosts() * len(policy_models(self.config))
+            trainers = sum(m.job.ray.trainer.num_cpus * m.job.ray.trainer.hosts() for m in policy_models(self.config))
             asked = trainers + self.config.n_rollout_workers * cfg.rollout.num_cpus
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
@@ -206,17 +206,19 @@ class RLJob:
             group = None
             if cfg.ray.trainer.hosts() > 1:
                 group = TrainerGroup(cfg.ray.trainer, cfg.trainer_group, on_cluster=on_cluster, log_dir=self._log_dir)
-            check_cluster(cfg.ray.trainer, cfg.ray.rollout, cfg.n_rollout_workers,
-                          wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
-                          spread=group is not None and group.strategy == "STRICT_SPREAD")
+            models = policy_models(cfg)
+            placements = [m.job.ray.trainer for m in models]
+            for placement in [p for i, p in enumerate(placements) if p not in placements[:i]]:  # each model's trainer
+                check_cluster(placement, cfg.ray.rollout, cfg.n_rollout_workers,
+                              wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
+                              spread=group is not None and group.strategy == "STRICT_SPREAD")
             curriculum_name = self._start_curriculum(namespace)
             curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
-            models = policy_models(cfg)
             if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
                 trainers = []
                 for k, m in enumerate(models):
-                    trainers.append(TrainerActor.options(**cfg.ray.trainer.ray_options()).remote(
+                    trainers.append(TrainerActor.options(**m.job.ray.trainer.ray_options()).remote(
                         m.train_worker_config(), curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)

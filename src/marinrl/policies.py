@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from marinrl.lora import LoraRLConfig
 from marinrl.models import ModelConfig
+from marinrl.placement import PlacementConfig
 from marinrl.preflight import ConfigError
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay import UnknownPolicyError  # noqa: F401  (raised at ingestion)
@@ -52,9 +53,12 @@ class PolicyConfig:
     """The policy's loss; None: the job's `loss`. Not for a `shared` policy next to others."""
     lora: Optional[LoraRLConfig] = None
     """The adapters of a `lora` policy (rank, alpha, target_modules); None: `LoraRLConfig()`'s defaults."""
+    placement: Optional[PlacementConfig] = None
+    """What this policy's trainer needs of its host (`num_cpus`, `num_gpus`, `tpu`, `resources`, …, as
+    `ray.trainer`); None: `ray.trainer`. One host per trainer when the job has several policy models."""
 
     def own_fields(self) -> list[str]:
-        return [f for f in ("model", "optimizer", "loss") if getattr(self, f) is not None]
+        return [f for f in ("model", "optimizer", "loss", "placement") if getattr(self, f) is not None]
 
 
 def policy_names(job: "RLJobConfig") -> tuple[str, ...]:
@@ -87,6 +91,10 @@ def check_policies(job: "RLJobConfig") -> None:
                 raise ConfigError(f"{where}.lora", f"only a `lora` policy has adapters; this one is "
                                                    f"{policy.specialization!r}")
             policy.lora.errors(f"{where}.lora")
+        if policy.placement is not None:
+            if not isinstance(policy.placement, PlacementConfig):
+                raise ConfigError(f"{where}.placement", f"must be a mapping like ray.trainer, got {policy.placement!r}")
+            policy.placement.errors(f"{where}.placement")
     if len(policies) == 1:
         return
     for name, policy in policies.items():
@@ -94,7 +102,8 @@ def check_policies(job: "RLJobConfig") -> None:
         if own and policy.specialization == "shared":
             raise ConfigError(f"policies.{name}.{own[0]}",
                               f"a shared policy trains the job's one model with the job's optimizer and loss; with "
-                              f"{len(policies)} policies set `{own[0]}` at the top level, or make the policy `full` "
+                              f"{len(policies)} policies set `{'ray.trainer' if own[0] == 'placement' else own[0]}` at "
+                              "the top level, or make the policy `full` "
                               "(a model of its own) or `lora` (an adapter of its own)")
     models = policy_models(job)
     if len(models) > 1:
@@ -110,9 +119,13 @@ def _check_policy_models(job: "RLJobConfig", models: tuple["PolicyModel", ...]) 
                               f"{m.job.model.tokenizer!r} differs from policy model {first.name!r}'s "
                               f"{first.job.model.tokenizer!r}: agents quote each other's exact tokens, so every "
                               "policy's model must use one tokenizer")
-    if job.ray.trainer.hosts() > 1:
-        raise ConfigError("ray.trainer", f"a trainer over {job.ray.trainer.hosts()} hosts with {len(models)} policy "
-                                         "models (one trainer each) is not supported: use one-host trainers")
+    for m in models:
+        placement = m.job.ray.trainer
+        if placement.hosts() > 1:
+            own = job.policies.get(m.name)
+            field = f"policies.{m.name}.placement" if own is not None and own.placement is not None else "ray.trainer"
+            raise ConfigError(field, f"a trainer over {placement.hosts()} hosts with {len(models)} policy models (one "
+                                     "trainer each) is not supported: use one-host trainers")
     if job.inflight.enabled:
         raise ConfigError("inflight.enabled", f"in-flight weight updates with {len(models)} policy models are not "
                                               "supported: turn inflight off")
@@ -153,9 +166,10 @@ def _model_job(job: "RLJobConfig", name: str, policy: PolicyConfig) -> "RLJobCon
     weights = job.weights
     if weights is not None:
         weights = _weights_of(weights, name)
+    ray = dataclasses.replace(job.ray, trainer=policy.placement) if policy.placement is not None else job.ray
     return dataclasses.replace(job, run_root=f"{job.run_dir}/policies", run_id=name, policies={},
                                model=policy.model or job.model, optimizer=policy.optimizer or job.optimizer,
-                               loss=policy.loss or job.loss, lora=lora, weights=weights)
+                               loss=policy.loss or job.loss, lora=lora, weights=weights, ray=ray)
 
 
 def _weights_of(weights, name: str):
@@ -183,8 +197,9 @@ def _resolved(job: "RLJobConfig") -> "RLJobConfig":
         return job
     (policy,) = job.policies.values()
     lora = (policy.lora or LoraRLConfig()) if policy.specialization == "lora" else None
+    ray = dataclasses.replace(job.ray, trainer=policy.placement) if policy.placement is not None else job.ray
     return dataclasses.replace(job, model=policy.model or job.model, optimizer=policy.optimizer or job.optimizer,
-                               loss=policy.loss or job.loss, lora=lora if job.lora is None else job.lora)
+                               loss=policy.loss or job.loss, lora=lora if job.lora is None else job.lora, ray=ray)
 
 
 def env_policy_names(env) -> set[str]:

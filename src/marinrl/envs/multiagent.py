@@ -277,9 +277,10 @@ class TwoRolesEnv(MultiAgentEnv):
     answering their own character (`targets`, default `0` and `z`): one model that plays both cannot
     satisfy both, one policy per agent (`policies:` with `full` or `lora` policies, docs/policies.md) can.
 
-    The reward is dense so that a tiny random model learns it in tens of steps: a one-byte answer `b`
-    earns `max(0, 1 - |b - target| / 64)` (1 for the target itself), anything else 0. Indicator
-    `success`: the answer is the target. `policies` maps agent names to policy names."""
+    The reward is dense so that a tiny random model learns it in tens of steps: an answer whose first
+    byte is `b` earns `max(0, 1 - |b - target| / 64)`; an empty answer, or one that begins with a
+    special token (`<|…|>`: the byte-level tokenizer's reserved tokens are half its vocabulary), earns 0.
+    Indicator `success`: the answer is exactly the target. `policies` maps agent names to policy names."""
 
     env_name = "two_roles"
 
@@ -307,6 +308,7 @@ class TwoRolesEnv(MultiAgentEnv):
     def judge(self, problem: Problem, agent: Agent, moves: Sequence[Move]) -> Feedback:
         answer = moves[-1].text.encode("utf-8", "replace")
         target = self.targets[agent.name].encode()[0]
-        reward = max(0.0, 1.0 - abs(answer[0] - target) / 64) if len(answer) == 1 else 0.0
+        clean = answer and not answer.startswith(b"<|")
+        reward = max(0.0, 1.0 - abs(answer[0] - target) / 64) if clean else 0.0
         return Feedback(reward=reward, done=agent.name == "second",
                         indicators={"success": float(answer == bytes([target]))})
