@@ -27,7 +27,7 @@ from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig
 from marinrl.preflight import ConfigError
 from marinrl.train.losses import LossConfig
-from marinrl.train.replay import UnknownPolicyError  # noqa: F401  (raised at ingestion)
+from marinrl.train.replay_ingest import UnknownPolicyError  # noqa: F401  (raised at ingestion)
 from marinrl.train.trainer_config import JobOptimizerConfig
 from marinrl.types import DEFAULT_POLICY
 

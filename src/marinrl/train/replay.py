@@ -14,7 +14,9 @@ max_staleness`. A group from the future (`w > step`) is never trained on.
 
 Around it, one module per concept: `replay_config` (the `replay:` config), `sampling` (strategies),
 `group_filters`, `replay_groups` (the group records and `ReplaySample`), `staleness` (the window of
-usable weight steps) and `replay_state` (checkpoints: exactly once across restarts, docs/replay.md).
+usable weight steps), `replay_ingest` (what a file's groups go through before they enter),
+`replay_report` (metrics and the timeout's description) and `replay_state` (checkpoints: exactly once
+across restarts, docs/replay.md).
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from marinrl.train.advantages import AdvantageKind, advantage_scale, group_advan
 from marinrl.train.group_filters import ScoredGroup
 from marinrl.train.replay_config import ReplayConfig, RewardFn
 from marinrl.train.replay_groups import BufferedGroup, ReplaySample, SampledGroup
+from marinrl.train.replay_ingest import UnknownPolicyError, prepare_batch  # noqa: F401  (UnknownPolicyError: API)
+from marinrl.train.replay_report import ReplayReporting
 from marinrl.train.replay_state import ReplayCheckpointing, file_key
 from marinrl.train.staleness import StalenessWindow, group_weight_step, newest_weight_step
-from marinrl.types import RolloutBatch, RolloutGroup
+from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +55,8 @@ class ReplayIngestionError(RuntimeError):
     """The background ingestion thread died; raised by `sample()` with the thread's error as cause."""
 
 
-class UnknownPolicyError(ValueError):
-    """A rollout tagged with a policy this trainer does not train, met at ingestion (`marinrl/policies.py`)."""
 
-
-
-class ReplayBuffer(ReplayCheckpointing):
+class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
     """Rollout groups waiting to be trained on. Thread-safe: one ingestion thread, one trainer.
 
     Lifecycle: build (`ReplayConfig.build(reader)`), optionally `load_state_dict(state)`, `start()`
@@ -166,68 +166,8 @@ class ReplayBuffer(ReplayCheckpointing):
         return added
 
     def _prepare(self, batch: RolloutBatch):
-        """Rewards, validity and filters of one batch: (kept groups, group drops, rollout drops) by reason."""
-        dropped: collections.Counter[str] = collections.Counter()
-        dropped_rollouts: collections.Counter[str] = collections.Counter()
-
-        def drop(g: RolloutGroup, reason: str):
-            dropped[reason] += 1
-            dropped_rollouts[reason] += len(g)
-
-        scored = []
-        for g in batch.groups:
-            self._check_policy(g)
-            envs = {r.env_name for r in g.rollouts}
-            if len(envs) != 1:
-                logger.error("group %r mixes environments %s; dropped", g.group_id, sorted(envs))
-                drop(g, "invalid")
-                continue
-            if self._weights is not None and next(iter(envs)) not in self._weights:
-                drop(g, "unweighted_env")
-                continue
-            if any(r.prompt_tokens.size == 0 for r in g.rollouts):
-                logger.error("group %r has a rollout with an empty prompt; dropped", g.group_id)
-                drop(g, "invalid")
-                continue
-            if self._max_tokens is not None and max(r.num_tokens for r in g.rollouts) > self._max_tokens:
-                drop(g, "too_long")
-                continue
-            scored.append(self._score(g))
-        for f in self.config.filters:
-            before = {s.group.group_id: len(s.group) for s in scored}
-            scored = f.apply(scored)
-            after = {s.group.group_id: len(s.group) for s in scored}
-            for gid, n in before.items():
-                if gid not in after:
-                    dropped[f.name] += 1
-                    dropped_rollouts[f.name] += n
-                elif after[gid] < n:
-                    dropped_rollouts[f.name] += n - after[gid]
-        return scored, dropped, dropped_rollouts
-
-    def _check_policy(self, g: RolloutGroup) -> None:
-        """A policy this trainer does not train is a config error, never trained into this model."""
-        if self._policies is None:
-            return
-        unknown = sorted({r.policy_name for r in g.rollouts} - self._policies)
-        if unknown:
-            r = g.rollouts[0]
-            raise UnknownPolicyError(
-                f"rollouts of lesson {r.lesson_id!r} (environment {r.env_name!r}, agent {r.agent_name!r}) are tagged "
-                f"with policy {unknown[0]!r}, which this trainer does not train (it trains "
-                f"{', '.join(map(repr, sorted(self._policies)))}); define it under `policies:` in the job config")
-
-    def _score(self, g: RolloutGroup) -> ScoredGroup:
-        out = g.rewards if self._reward_fn is None else self._reward_fn(g)
-        rewards, trainable = out if isinstance(out, tuple) else (out, np.ones(len(g), dtype=bool))
-        rewards, trainable = np.asarray(rewards, dtype=np.float64), np.asarray(trainable)
-        if rewards.shape != (len(g),) or not np.all(np.isfinite(rewards)):
-            raise ValueError(f"reward_fn returned rewards {rewards!r} for group {g.group_id!r} of {len(g)} rollouts; "
-                             f"expected {len(g)} finite numbers")
-        if trainable.shape != (len(g),) or trainable.dtype != np.bool_:
-            raise ValueError(f"reward_fn returned trainable {trainable!r} for group {g.group_id!r}; expected {len(g)} "
-                             f"booleans")
-        return ScoredGroup(g, rewards, trainable)
+        return prepare_batch(batch, filters=self.config.filters, env_weights=self._weights,
+                             max_tokens=self._max_tokens, reward_fn=self._reward_fn, policies=self._policies)
 
     def _insert(self, scored: ScoredGroup, source: str | None, uses: int, now: float) -> int:
         """Adds one group (lock held); returns 1 if it stayed."""
@@ -457,77 +397,3 @@ class ReplayBuffer(ReplayCheckpointing):
         self._sampled_groups += len(picked)
         self._last_sampled_step = step
         return ReplaySample(step, tuple(out))
-
-    def _describe_wait(self, step: int, n: int, quotas: dict[str, int] | None, timeout_s: float) -> str:
-        s = self._strategy
-        lo = self._window.oldest_step(step)
-        lines = [f"no batch of {n} groups for trainer step {step} within {timeout_s:g} s; sampling "
-                 f"{s.describe()} accepts weight steps {lo}..{step}"]
-        if quotas is not None:
-            need = ", ".join(f"{e}={k} (usable {len(self._usable(e, step))})" for e, k in quotas.items())
-            lines.append(f"needed per env: {need}")
-        held = sum(len(env) for env in self._groups.values())
-        lines.append(f"buffer holds {held} groups" + (":" if held else ""))
-        for env in sorted(self._groups):
-            # After the purge every group left is usable at `step`; what is missing is more of them.
-            by_step: dict[int, list[int]] = collections.defaultdict(lambda: [0, 0])
-            for g in self._groups[env].values():
-                by_step[g.weight_step][0] += 1
-                by_step[g.weight_step][1] += g.uses > 0
-            if by_step:
-                parts = ", ".join(f"weight_step {w}: {n} groups ({used} used before)"
-                                  for w, (n, used) in sorted(by_step.items()))
-                lines.append(f"  {env}: {parts}")
-        drops = ", ".join(f"{r}={k}" for r, k in self._dropped.most_common()) or "none"
-        lines.append(f"groups dropped unused so far: {drops}")
-        if self.reader is None:
-            lines.append("ingestion: no reader; groups come only from ingest()")
-        else:
-            thread = "running" if self.running else "not running (sample() polls)"
-            since = ("never read" if self._last_read_at is None
-                     else f"last read {self._clock() - self._last_read_at:.1f} s ago")
-            lines.append(f"ingestion: thread {thread}, {self._ingested_files} files ingested, {since}, "
-                         f"{self._read_errors} read errors; reader {getattr(self.reader, 'url', self.reader)!s}")
-        if self._restore:
-            lines.append(f"{len(self._restore)} files from the checkpoint are not re-read yet")
-        return "\n".join(lines)
-
-    # ------------------------------------------------------------------ metrics
-
-    def metrics(self) -> dict[str, float]:
-        """Flat `replay/...` numbers for the tracker; counters are cumulative over the run."""
-        with self._lock:
-            out: dict[str, float] = {
-                "replay/groups": float(sum(len(env) for env in self._groups.values())),
-                "replay/ingested_groups": float(self._ingested_groups),
-                "replay/ingested_files": float(self._ingested_files),
-                "replay/sampled_groups": float(self._sampled_groups),
-                "replay/read_errors": float(self._read_errors),
-                "replay/restore_files_pending": float(len(self._restore)),
-                "replay/step": float(self._step),
-            }
-            for env, groups in sorted(self._groups.items()):
-                out[f"replay/size/{env}"] = float(len(groups))
-                out[f"replay/size_rollouts/{env}"] = float(sum(len(g.group) for g in groups.values()))
-            out.update({f"replay/{k}": float(v) for k, v in self._reader_totals().items()})
-            for reason, k in self._dropped.items():
-                out[f"replay/dropped/{reason}"] = float(k)
-            for reason, k in self._dropped_rollouts.items():
-                out[f"replay/dropped_rollouts/{reason}"] = float(k)
-            for s, k in self._trained_staleness.items():
-                out[f"replay/trained_staleness/{s}"] = float(k)
-            for u, k in self._retired_uses.items():
-                out[f"replay/uses/{u}"] = float(k)
-            if self._lags:
-                lags = np.array(self._lags)
-                out["replay/ingestion_lag_s/mean"] = float(lags.mean())
-                out["replay/ingestion_lag_s/max"] = float(lags.max())
-        return out
-
-    def _reader_totals(self) -> dict[str, int]:
-        """The reader's unreadable-file counts as running totals over the run, restarts included:
-        files quarantined, and file reads that failed after retries."""
-        counts = getattr(self.reader, "metrics", None) or {}
-        now = {"quarantined_files": counts.get("quarantined_files", 0),
-               "file_read_errors": counts.get("read_errors", 0)}
-        return {k: self._reader_totals_before[k] + v for k, v in now.items()}
