@@ -3,7 +3,7 @@
 The publisher keeps a host copy of the last version it committed and encodes each array of the next
 one as the cheapest of: `same` (no bytes), `elements` (the positions, as uint16 offsets in 65,536-element
 chunks plus a count per chunk, and the new values of the changed elements), `ulps` (the positions as
-1-byte gaps and each change as a 1-byte count of units in the last place, see `encode_ulps`), `blocks`
+1-byte gaps and each change as a 1-byte count of units in the last place, see `ulp_steps`), `blocks`
 (the indices and contents of the changed fixed-size blocks) or `dense` (the whole array). Every K-th version, and whenever asked, it is a full `snapshot` instead.
 The published versions since the last snapshot form a *chain*: [snapshot, delta, delta, ...].
 
@@ -108,8 +108,11 @@ def encode_array(name: str, old: np.ndarray, new: np.ndarray, encodings: Sequenc
     if "elements" in encodings:
         options["elements"] = n_changed * (LOCAL_DTYPE.itemsize + itemsize) + n_chunks * INDEX_DTYPE.itemsize
     if "ulps" in encodings:
-        gaps, steps = encode_ulps(idx, old_bits[idx], new_bits[idx])
-        options["ulps"] = gaps.size + steps.size + int(np.count_nonzero(steps == ESCAPE)) * itemsize
+        steps = ulp_steps(old_bits[idx], new_bits[idx])
+        cost = 2 * n_changed + int(np.count_nonzero(steps == ESCAPE)) * itemsize
+        if cost < min(options.values()):  # else its fillers cannot make it the cheapest
+            gaps = ulp_gaps(idx)
+            options["ulps"] = cost - n_changed + gaps.size
     if "blocks" in encodings and size < 2**32 * block:
         padded = np.zeros(-(-size // block) * block, bool)
         padded[:size] = changed
@@ -134,20 +137,23 @@ def encode_array(name: str, old: np.ndarray, new: np.ndarray, encodings: Sequenc
     return "dense", [f"{name}#val"], [new]
 
 
-def encode_ulps(idx: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The `ulps` gaps and steps of the changed elements at the sorted positions `idx`, whose bits go
-    from `old` to `new` (unsigned). A small step changes most bf16 elements by a few units in the last
-    place, i.e. their bits by a small integer: each element's step is new - old (wrapping) as int8, or
-    ESCAPE where it does not fit (sign flips, NaNs, large moves: the new bits go whole in `val`). Each
-    position is its distance from the previous one (the first: from -1) in a uint8, preceded by one
-    filler (0) per GAP_MAX that the distance exceeds."""
+def ulp_steps(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The `ulps` steps of changed elements whose bits (unsigned) go from `old` to `new`. A small step
+    moves most bf16 elements by a few units in the last place, i.e. their bits by a small integer:
+    new - old (wrapping) as int8, or ESCAPE where it does not fit (sign flips, NaNs, large moves: the
+    new bits then go whole in `val`)."""
     diff = (new - old).view(_INT[new.dtype.itemsize])
-    steps = np.where((diff >= -128) & (diff <= 127), diff, ESCAPE).astype(ULP_DTYPE)
+    return np.where((diff >= -128) & (diff <= 127), diff, ESCAPE).astype(ULP_DTYPE)
+
+
+def ulp_gaps(idx: np.ndarray) -> np.ndarray:
+    """The `ulps` gaps of the sorted positions `idx`: each one's distance from the previous (the first's
+    from -1) in a uint8, preceded by a filler (0) for each GAP_MAX it exceeds."""
     dist = np.diff(idx, prepend=-1)
-    fillers = (dist - 1) // GAP_MAX
-    gaps = np.zeros(idx.size + int(fillers.sum()), GAP_DTYPE)
-    gaps[np.cumsum(fillers + 1) - 1] = dist - fillers * GAP_MAX
-    return gaps, steps
+    far = np.flatnonzero(dist > GAP_MAX)
+    fillers = (dist[far] - 1) // GAP_MAX
+    dist[far] -= fillers * GAP_MAX
+    return np.insert(dist.astype(GAP_DTYPE), np.repeat(far, fillers), 0)
 
 
 def _leaf_names(name: str, encoding: str) -> list[str]:
