@@ -186,13 +186,16 @@ def apply_array(name: str, encoding: str, old: np.ndarray, data: Sequence[np.nda
         if gaps.dtype != GAP_DTYPE or steps.dtype != ULP_DTYPE or val.dtype != bits.dtype or gaps.ndim != 1:
             raise WeightFormatError(f"{where}: the ulps delta of {name} has {gaps.dtype.name}/{steps.dtype.name}/"
                                     f"{val.dtype.name} leaves")
-        g = gaps.astype(np.int64)
-        idx = (np.cumsum(np.where(g == 0, GAP_MAX, g)) - 1)[g != 0]
+        filler = gaps == 0
+        idx = np.cumsum(np.where(filler, GAP_DTYPE.type(GAP_MAX), gaps), dtype=np.int64)
+        idx -= 1
+        if filler.any():
+            idx = idx[~filler]
         escaped = steps == ESCAPE
         if (steps.shape != idx.shape or val.shape != (int(escaped.sum()),)
                 or (idx.size and int(idx[-1]) >= bits.size)):
             raise WeightFormatError(f"{where}: the ulps delta of {name} does not fit the array")
-        bits[idx[~escaped]] += steps[~escaped].astype(_INT[bits.itemsize]).view(bits.dtype)  # wraps, as encoded
+        bits[idx] += steps.astype(_INT[bits.itemsize]).view(bits.dtype)  # wraps as encoded; ESCAPE adds 0
         bits[idx[escaped]] = val
         return new
     idx, val = data
