@@ -246,8 +246,8 @@ def part_delta(args, tmp: str) -> list[dict]:
                          "publish_ratio": statistics.median(d / f for d, f in zip(delta["publish_s"], full["publish_s"])),
                          "receive_ratio": statistics.median(d / f for d, f in zip(delta["receive_s"], full["receive_s"])),
                          "changed_fraction": statistics.median(x["changed_fraction"] for x in enc),
-                         **{f"{k}_bytes": statistics.median(x[k]["bytes"] for x in enc) for k in ENCODINGS_COMPARED},
-                         **{f"{k}_apply_s": statistics.median(x[k]["apply_s"] for x in enc) for k in ENCODINGS_COMPARED},
+                         **{f"{k}_{m}": statistics.median(x[k][m] for x in enc)
+                            for k in ENCODINGS_COMPARED for m in ("bytes", "apply_s")},
                          "load_avg": os.getloadavg()[0]}
                     r["bytes_ratio"] = r["delta_bytes"] / r["full_bytes"]
                     results.append(r)

@@ -4,7 +4,8 @@ The publisher keeps a host copy of the last version it committed and encodes eac
 one as the cheapest of: `same` (no bytes), `elements` (the positions, as uint16 offsets in 65,536-element
 chunks plus a count per chunk, and the new values of the changed elements), `ulps` (the positions as
 1-byte gaps and each change as a 1-byte count of units in the last place, see `ulp_steps`), `blocks`
-(the indices and contents of the changed fixed-size blocks) or `dense` (the whole array). Every K-th version, and whenever asked, it is a full `snapshot` instead.
+(the indices and contents of the changed fixed-size blocks) or `dense` (the whole array). Every K-th
+version, and whenever asked, it is a full `snapshot` instead.
 The published versions since the last snapshot form a *chain*: [snapshot, delta, delta, ...].
 
 A receiver holds a host mirror of the last version it verified. It applies the deltas after the
