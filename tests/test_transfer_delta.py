@@ -576,3 +576,16 @@ def test_ulp_steps_through_a_chain(quick_config, servers, model):
         assert got_step == step
         assert_bits_equal(got, versions[-1])
     assert client.metrics["delta_fallbacks"] == 0 and client.metrics["failures"] == 0
+
+
+def test_a_ray_reader_of_delta_payload_format_2_refuses_format_3(servers, model, tmp_path, request, monkeypatch,
+                                                                  caplog):
+    from marinrl.transfer import ray as ray_transfer
+
+    config = _config(request, tmp_path, "ray")
+    server = servers(config)
+    client = config.build_client(model)
+    server.publish(model, 0)
+    monkeypatch.setattr(ray_transfer, "DELTA_PAYLOAD_FORMAT_VERSION", 2)  # the client's code is older
+    assert client.poll() is None and client.model is None
+    assert client.metrics["failures"] == 1 and "payload format 3" in caplog.text
