@@ -14,7 +14,7 @@ servers side by side on the same versions, delta off and on (full_every above th
 versions: every measured delta is a delta), first for file:// packed and then for Ray (one pair at a
 time: the large model's copies add up), alternating which goes first per version, and reports the
 median bytes per sync, publish and receive seconds, and the paired per-version ratio delta / full.
-It also encodes each version with only the element encoding and with only the block encoding
+It also encodes each version with only the element, only the ulps and only the block encoding
 (transfer/delta.py, each with dense as the fallback): bytes and host seconds to apply.
 
 Models: `quickstart` (experiments/quickstart.yaml: hidden 64, 2 layers, vocab 512, fp32), `reference`
@@ -22,7 +22,7 @@ Models: `quickstart` (experiments/quickstart.yaml: hidden 64, 2 layers, vocab 51
 4 layers, vocab 32k, 46 M), `large8` (hidden 1024, 8 layers, 8 kv heads, vocab 32k, 160 M).
 
     python bench/transfer.py --part modes [--models reference,large] [--reps 7]
-    python bench/transfer.py --part delta [--models quickstart,reference,large8] [--reps 7]
+    python bench/transfer.py --part delta [--models quickstart,reference,large8] [--modes file,ray] [--reps 7]
 """
 
 from __future__ import annotations
@@ -162,12 +162,15 @@ class Trainer:
         return jax.block_until_ready(eqx.combine(cast, self.static))
 
 
+ENCODINGS_COMPARED = ("elements", "ulps", "blocks")
+
+
 def encodings_compared(prev, cur) -> dict:
-    """Bytes and apply seconds of `cur` over `prev` with only elements or only blocks (plus dense)."""
+    """Bytes and apply seconds of `cur` over `prev` with only elements, ulps or blocks (plus dense)."""
     names, old = host_leaves(prev)
     _, new = host_leaves(cur)
     out = {}
-    for only in ("elements", "blocks"):
+    for only in ENCODINGS_COMPARED:
         nbytes, apply_s = 0, 0.0
         for name, o, n in zip(names, old, new):
             encoding, _, data = encode_array(name, o, n, (only, "dense"))
@@ -230,9 +233,9 @@ def part_delta(args, tmp: str) -> list[dict]:
         for dtype_name in args.dtypes.split(","):
             for lr in [float(x) for x in args.lrs.split(",")]:
                 enc = []
-                for mode in ("file", "ray"):  # one pair at a time: the large model's copies add up
+                for mode in args.modes.split(","):  # one pair at a time: the large model's copies add up
                     tag = f"{model_name}-{dtype_name}-{lr:g}-{mode}-{uuid.uuid4().hex[:6]}"
-                    samples, e = run_pair(mode, tag, tmp, base, lr, jnp.dtype(dtype_name), args.reps, mode == "file")
+                    samples, e = run_pair(mode, tag, tmp, base, lr, jnp.dtype(dtype_name), args.reps, not enc)
                     enc = enc or e
                     full, delta = samples[False], samples[True]
                     r = {"part": "delta", "model": model_name, "dtype": dtype_name, "lr": lr, "mode": mode,
@@ -243,21 +246,20 @@ def part_delta(args, tmp: str) -> list[dict]:
                          "publish_ratio": statistics.median(d / f for d, f in zip(delta["publish_s"], full["publish_s"])),
                          "receive_ratio": statistics.median(d / f for d, f in zip(delta["receive_s"], full["receive_s"])),
                          "changed_fraction": statistics.median(x["changed_fraction"] for x in enc),
-                         "elements_bytes": statistics.median(x["elements"]["bytes"] for x in enc),
-                         "blocks_bytes": statistics.median(x["blocks"]["bytes"] for x in enc),
-                         "elements_apply_s": statistics.median(x["elements"]["apply_s"] for x in enc),
-                         "blocks_apply_s": statistics.median(x["blocks"]["apply_s"] for x in enc),
+                         **{f"{k}_{m}": statistics.median(x[k][m] for x in enc)
+                            for k in ENCODINGS_COMPARED for m in ("bytes", "apply_s")},
                          "load_avg": os.getloadavg()[0]}
                     r["bytes_ratio"] = r["delta_bytes"] / r["full_bytes"]
                     results.append(r)
+                    enc_mb = "/".join(f"{r[k + '_bytes'] / 1e6:.3g}" for k in ENCODINGS_COMPARED)
+                    enc_ms = "/".join(f"{r[k + '_apply_s'] * 1e3:.1f}" for k in ENCODINGS_COMPARED)
                     print(f"{model_name:10s} {dtype_name:8s} lr {lr:7.0e} {mode:4s} "
                           f"MB full {r['full_bytes'] / 1e6:8.2f} delta {r['delta_bytes'] / 1e6:8.2f} "
                           f"(x{r['bytes_ratio']:.3f})  publish ms {r['full_publish_s']['median'] * 1e3:7.1f} -> "
                           f"{r['delta_publish_s']['median'] * 1e3:7.1f} (x{r['publish_ratio']:.2f})  receive ms "
                           f"{r['full_receive_s']['median'] * 1e3:7.1f} -> {r['delta_receive_s']['median'] * 1e3:7.1f} "
                           f"(x{r['receive_ratio']:.2f})  changed {r['changed_fraction']:.4f}  "
-                          f"elements/blocks MB {r['elements_bytes'] / 1e6:.2f}/{r['blocks_bytes'] / 1e6:.2f} "
-                          f"apply ms {r['elements_apply_s'] * 1e3:.1f}/{r['blocks_apply_s'] * 1e3:.1f}", flush=True)
+                          f"{'/'.join(ENCODINGS_COMPARED)} MB {enc_mb}  apply ms {enc_ms}", flush=True)
     return results
 
 
@@ -268,6 +270,8 @@ def main() -> None:
                                                        "quickstart,reference,large8 (delta)")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="delta part: dtypes of the published weights")
     parser.add_argument("--lrs", default="1e-6,1e-4", help="delta part: AdamW learning rates")
+    parser.add_argument("--modes", default="file,ray", help="delta part: file and/or ray (the first "
+                                                            "one also measures the encodings)")
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     args.models = args.models or ("reference,large" if args.part == "modes" else "quickstart,reference,large8")

@@ -17,7 +17,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import GCS_BUCKET, GCS_OPTIONS
-from marinrl.transfer import FilesystemTransferConfig, ModelSkeleton, RayTransferConfig, WeightPublishError
+from marinrl.transfer import (
+    FilesystemTransferConfig,
+    ModelSkeleton,
+    RayTransferConfig,
+    WeightFormatError,
+    WeightPublishError,
+)
 from marinrl.transfer.checkpoint import DELTA_NAME, PACKED_NAME, SNAPSHOT_REQUEST_PREFIX, _Root
 from marinrl.transfer.delta import (
     BLOCK_ELEMENTS,
@@ -404,15 +410,182 @@ def test_delta_config_is_checked():
 
 
 def test_old_readers_refuse_a_delta_pointer(servers, model, tmp_path, request):
-    """A pointer with a chain says format version 2, which readers of version 1 refuse; without
+    """A pointer with a chain says format version 3, which readers of versions 1 and 2 refuse; without
     delta the pointer stays version 1 and its version folder holds weights.bin as before."""
     config = _config(request, tmp_path, "memory")
     server = servers(config)
     server.publish(model, 0)
     server.publish(sparse_step(model, 1), 1)
     root, pointer = _pointer(config)
-    assert pointer["format_version"] == 2 and [e["file"] for e in pointer["chain"]] == [PACKED_NAME, DELTA_NAME]
+    assert pointer["format_version"] == 3 and [e["file"] for e in pointer["chain"]] == [PACKED_NAME, DELTA_NAME]
     plain = FilesystemTransferConfig(root=f"memory://weights-{uuid.uuid4().hex[:10]}")
     servers(plain).publish(model, 0)
     _, pointer = _pointer(plain)
     assert pointer["format_version"] == 1 and "chain" not in pointer
+
+
+# ----------------------------------------------------------------------------- the ulps encoding
+
+ULPS_ENCODINGS = ("elements", "ulps", "dense")
+
+
+def _with_steps(old: np.ndarray, steps: dict[int, int]) -> np.ndarray:
+    """`old` with the raw bits at each position moved by its step (wrapping), e.g. +3 units in the last place."""
+    new = old.copy()
+    bits = new.reshape(-1).view({2: np.uint16, 4: np.uint32}[old.dtype.itemsize])
+    for position, step in steps.items():
+        bits[position] += np.array(step).astype(bits.dtype)  # two's complement: wraps as the encoder's diff
+    return new
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_ulps_round_trip_bits(dtype):
+    """Small steps go as int8 units in the last place and 1-byte gaps (fillers past 255); sign flips,
+    NaNs, -0.0 and steps beyond int8 go whole; everything comes back bit for bit."""
+    dt = jnp.dtype(dtype)
+    rng = np.random.default_rng(1)
+    size = 3 * (1 << 16) + 11
+    old = (rng.standard_normal(size) * 0.02).astype(dt)
+    width = {2: np.uint16, 4: np.uint32}[dt.itemsize]
+    quiet = range(100_000, 102_000)  # no random changes: the gaps below are exact
+    spread = [int(p) for p in rng.choice(size, size // 20, replace=False) if int(p) not in quiet]
+    small = {p: int(rng.choice([-3, -2, -1, 1, 2, 3])) for p in spread}
+    small.update({0: 127, 100_000: -128, 100_255: 1, 100_511: -1, 101_021: 2, 101_532: 1, size - 1: 5})
+    new = _with_steps(old, small)  # gaps 255, 256 (a filler), 510 (a filler), 511 (two fillers)
+    whole = [7, 300, 70_000, size - 2]  # escaped: a sign flip, a NaN with a payload, -0.0, a jump of 128
+    new[7] = -new[7]
+    new.view(width)[300] = {2: 0x7FC1, 4: 0x7FC00001}[dt.itemsize]
+    old[70_000], new[70_000] = np.asarray(0.0, dt), np.asarray(-0.0, dt)
+    new.view(width)[size - 2] = old.view(width)[size - 2] + width(128)
+    positions = np.flatnonzero(old.view(width) != new.view(width))
+    fillers = int(((np.diff(positions, prepend=-1) - 1) // 255).sum())
+    assert fillers >= 4
+
+    encoding, names, data = encode_array("w", old, new, ULPS_ENCODINGS)
+    assert encoding == "ulps" and names == ["w#gap", "w#ulp", "w#val"]
+    gaps, steps, val = data
+    assert steps.size == positions.size and val.size == len(whole) == int(np.count_nonzero(steps == 0))
+    assert gaps.size == positions.size + fillers
+    assert sum(a.nbytes for a in data) == gaps.size + steps.size + len(whole) * dt.itemsize
+    got = apply_array("w", encoding, old, data, BLOCK_ELEMENTS, "test")
+    np.testing.assert_array_equal(got.view(width), new.view(width))
+    assert array_crc(got) == array_crc(new)
+
+
+def test_ulps_is_chosen_after_a_small_step_and_not_for_large_jumps():
+    rng = np.random.default_rng(2)
+    master = (rng.standard_normal(200_000) * 0.02).astype(np.float32)
+    old = master.astype(jnp.bfloat16)
+    new = (master - 1e-4 * np.sign(rng.standard_normal(master.size))).astype(jnp.bfloat16)  # ~1e-6 relative
+    n_changed = int(np.count_nonzero(old.view(np.uint16) != new.view(np.uint16)))
+    assert 0.01 < n_changed / master.size < 0.9
+    encoding, _, data = encode_array("w", old, new, ULPS_ENCODINGS)
+    elements_bytes = n_changed * 4 + 4 * 4  # uint16 offset and bf16 value each, a count per 65,536
+    assert encoding == "ulps" and sum(a.nbytes for a in data) < 0.6 * elements_bytes
+
+    jumped = old.copy()
+    far = rng.choice(master.size, 100, replace=False)  # sparse: the fillers of 1-byte gaps cost more
+    jumped[far] = -jumped[far]  # sign flips: no step fits
+    assert encode_array("w", old, jumped, ULPS_ENCODINGS)[0] == "elements"
+    assert encode_array("w", old, -old, ULPS_ENCODINGS)[0] == "dense"
+
+
+@pytest.mark.parametrize("damage", ["past-the-end", "missing-value", "value-dtype"])
+def test_apply_refuses_a_malformed_ulps_delta(damage):
+    old = np.zeros(300, np.float32)
+    new = _with_steps(old, {3: 1, 299: 2})
+    new[10] = np.nan
+    encoding, _, (gaps, steps, val) = encode_array("w", old, new, ULPS_ENCODINGS)
+    assert encoding == "ulps"
+    if damage == "past-the-end":
+        gaps = np.concatenate([gaps, np.array([5], np.uint8)])
+        steps = np.concatenate([steps, np.array([1], np.int8)])
+    elif damage == "missing-value":
+        val = val[:0]
+    else:
+        val = val.view(np.int32)
+    with pytest.raises(WeightFormatError, match="ulps delta of w"):
+        apply_array("w", encoding, old, [gaps, steps, val], BLOCK_ELEMENTS, "test")
+
+
+def test_receiver_refuses_an_unknown_encoding(caplog):
+    names, shapes, dtypes = ["a"], [(4,)], [np.dtype(np.float32)]
+    publisher = DeltaPublisher(full_every=5)
+    from marinrl.transfer.base import VersionId
+
+    links = []
+    for step, arrays in enumerate([np.arange(4, dtype=np.float32), np.arange(4, dtype=np.float32) + 1]):
+        e = publisher.encode(VersionId(1, step), names, [arrays])
+        publisher.commit(e)
+        links.append(Link(VersionId(1, step), e.kind, e))
+    links[1].handle.meta["arrays"][0]["encoding"] = "zigzag"  # a newer writer's encoding
+
+    def load(link):
+        return link.handle.meta, link.handle.names, link.handle.arrays, link.handle.nbytes
+
+    receiver = DeltaReceiver(names, shapes, dtypes, "test")
+    assert receiver.receive(links, load)[0] == VersionId(1, 0)  # holds the snapshot, never a guess
+    assert VersionId(1, 1) in receiver.broken
+    assert "unknown encoding 'zigzag' of a" in caplog.text
+
+
+def test_a_reader_of_pointer_format_2_refuses_a_delta_pointer(servers, model, tmp_path, request, monkeypatch):
+    """Deltas may use `ulps`, which readers of format 2 do not know: they refuse the pointer up front."""
+    from marinrl.transfer import checkpoint
+
+    config = _config(request, tmp_path, "memory")
+    server = servers(config)
+    server.publish(model, 0)
+    server.publish(sparse_step(model, 1), 1)
+    root, pointer = _pointer(config)
+    assert pointer["format_version"] == 3
+    monkeypatch.setattr(checkpoint, "POINTER_FORMAT_VERSION", 2)
+    with pytest.raises(WeightFormatError, match="pointer format 3 is newer than this reader's"):
+        root.read_pointer()
+
+
+def ulp_step(model, step: int, fraction: float = 0.05):
+    """The next version after a small step: `fraction` of the elements move by 1-3 units in the last
+    place, and a few change sign or become NaN (escaped)."""
+    arrays, static = eqx.partition(model, eqx.is_array)
+    flat, treedef = jax.tree.flatten(arrays)
+    rng = np.random.default_rng(100 + step)
+    out = []
+    for x in flat:
+        host = np.array(x).reshape(-1)
+        width = {2: np.uint16, 4: np.uint32}[host.dtype.itemsize]
+        bits = host.view(width)
+        moved = np.flatnonzero(rng.random(host.size) < fraction)
+        bits[moved] += rng.choice([1, 2, 3, -1, -2, -3], moved.size).astype(width)
+        host[moved[:2]] = -host[moved[:2]]
+        bits[moved[2:3]] = {2: 0x7FC1, 4: 0x7FC00001}[host.dtype.itemsize]
+        out.append(jax.device_put(host.reshape(x.shape), x.sharding))
+    return eqx.combine(jax.tree.unflatten(treedef, out), static)
+
+
+def test_ulp_steps_through_a_chain(quick_config, servers, model):
+    server = servers(quick_config)
+    client = quick_config.build_client(model)
+    versions = [model]
+    server.publish(model, 0)
+    client.poll()
+    for step in (1, 2):
+        versions.append(ulp_step(versions[-1], step))
+        server.publish(versions[-1], step)
+        got, got_step = client.poll()
+        assert got_step == step
+        assert_bits_equal(got, versions[-1])
+    assert client.metrics["delta_fallbacks"] == 0 and client.metrics["failures"] == 0
+
+
+def test_a_ray_reader_of_delta_payload_format_2_refuses_format_3(servers, model, tmp_path, request, monkeypatch,
+                                                                  caplog):
+    from marinrl.transfer import ray as ray_transfer
+
+    config = _config(request, tmp_path, "ray")
+    server = servers(config)
+    client = config.build_client(model)
+    server.publish(model, 0)
+    monkeypatch.setattr(ray_transfer, "DELTA_PAYLOAD_FORMAT_VERSION", 2)  # the client's code is older
+    assert client.poll() is None and client.model is None
+    assert client.metrics["failures"] == 1 and "payload format 3" in caplog.text

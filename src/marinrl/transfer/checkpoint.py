@@ -65,7 +65,9 @@ POINTER_NAME = "latest.json"
 PACKED_NAME = "weights.bin"
 DELTA_NAME = "delta.bin"
 SNAPSHOT_REQUEST_PREFIX = "want-snapshot-"
-POINTER_FORMAT_VERSION = 2  # 2: a pointer may carry a delta chain; readers of 1 refuse it
+POINTER_FORMAT_VERSION = 3
+"""2: a pointer may carry a delta chain (readers of 1 refuse it); 3: its deltas may use the `ulps`
+encoding (readers of 2 refuse it rather than fall back to a snapshot at every delta)."""
 FORMATS = ("auto", "packed", "tensorstore")
 _VERSION_DIR = re.compile(r"^step-(\d+)-e(\d+)$")
 _LOCAL_PROTOCOLS = {"file", "local"}

@@ -11,7 +11,7 @@ failed transfer until the restarted trainer publishes. The actor lives as long a
 created it (the server's); if it dies, clients count failures and keep their weights, and the next
 publish creates a new one.
 
-With `delta`, each version is a payload of format 2 (a snapshot or a delta, transfer/delta.py) and
+With `delta`, each version is a payload of format 3 (a snapshot or a delta, transfer/delta.py) and
 the actor holds the chain of refs back to the last snapshot; a client fetches only the links after
 the version it holds, or the whole chain when it holds none of it.
 """
@@ -50,7 +50,7 @@ from marinrl.transfer.delta import (
 logger = logging.getLogger(__name__)
 
 PAYLOAD_FORMAT_VERSION = 1
-DELTA_PAYLOAD_FORMAT_VERSION = 2
+DELTA_PAYLOAD_FORMAT_VERSION = 3  # 3: deltas may use the `ulps` encoding (2: elements and dense only)
 _PUBLISH_ATTEMPTS = 4
 
 
