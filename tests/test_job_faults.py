@@ -180,12 +180,9 @@ _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
-    from marinrl.curriculum_config import CurriculumConfig
-from marinrl.job import RLJob
-from marinrl.policies import PolicyConfig
+    from marinrl.job import RLJob
     from marinrl.train.replay_config import ReplayConfig
     from test_job import job_config
-from test_policy_models import ROLES
 
     broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,
                           graduate_at=None)
@@ -234,7 +231,6 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import pathlib
     from test_job import job_config
-from test_policy_models import ROLES
     from marinrl.job import RLJob, RayJobConfig
     from marinrl.placement import PlacementConfig
 
