@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 import uuid
@@ -46,6 +45,7 @@ import optax
 import ray
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 
+from machine import machine  # bench/machine.py
 from marinrl.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import host_leaves
 from marinrl.transfer.delta import BLOCK_ELEMENTS, _bits, apply_array, encode_array
@@ -73,15 +73,6 @@ def shifted(model, k: float):
 
 def stats(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def machine() -> dict:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    return {"cpu": fields.get("Model name", "?").strip(), "cpus": os.cpu_count(),
-            "flags": " ".join(f for f in flags if f.startswith(("avx", "sse4", "fma", "sha", "vaes")))
-            or "?", "load_avg": os.getloadavg()[0], "jax": jax.__version__}
 
 
 # ----------------------------------------------------------------------------- part 1: modes
