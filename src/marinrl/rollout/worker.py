@@ -201,7 +201,7 @@ class RolloutWorker:
         if self.finished and last_eval_step != self.weight_step:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
-                "evals": self.eval_history}
+                "evals": self.eval_history, "weights": dict(self._client.metrics)}
 
     def warm_up(self) -> dict[str, float]:
         """Compile the sampler for the calls the worker makes first: a train batch, a full eval and (if
