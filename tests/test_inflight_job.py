@@ -39,8 +39,9 @@ _SCRIPT = textwrap.dedent("""
 def _run_script(script: str) -> dict:
     """Runs `script` in its own process with tests/ on PYTHONPATH; the JSON of its RESULT line."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    inherited = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0",  # absolute: Ray's workers start elsewhere
+           "PYTHONPATH": os.pathsep.join([tests, *inherited])}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
                           cwd=os.path.dirname(tests))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -177,6 +177,8 @@ class RolloutWorker:
             update = self._client.poll()
             if update is not None:
                 self._receive(update)
+                if self.finished:  # the trainer's last weights: no step will train another batch
+                    break
             target = max(target, self.weight_step)  # restarts move the trainer back: follow it
             if self.weight_step < target - cfg.max_staleness:
                 waited_from = time.perf_counter()
