@@ -1,6 +1,8 @@
 """RLJob with in-flight weight updates, end to end: rollouts whose tokens come from two weight versions
-are written, read and trained on. Its own process and local Ray with tests/ on PYTHONPATH, as
-tests/test_job_faults.py: Ray's workers import the test environment by its dotted path."""
+are written, read and trained on; with delta weight sync the quickstart learns its task to its eval
+bar; a job SIGKILLed mid-run resumes training every group exactly once. Each runs in its own process
+and local Ray with tests/ on PYTHONPATH, as tests/test_job_faults.py: Ray's workers import the test
+environments (tests/inflight_envs.py) by their dotted path."""
 
 from __future__ import annotations
 
@@ -67,7 +69,6 @@ def test_an_async_job_with_in_flight_updates_trains_on_rollouts_of_mixed_version
     assert all(h["batch/token_staleness_mean"] <= 1 for h in history)
 
 
-
 _LEARNS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, pathlib
     import draccus
@@ -121,6 +122,7 @@ def test_a_job_with_in_flight_swaps_and_delta_sync_learns_the_quickstart_task(tm
     evals = out["evals"]
     assert evals[0] == [0, 0.0] and evals[-1][0] == LEARNING_STEPS
     assert max(reward for _, reward in evals) >= EVAL_BAR and evals[-1][1] >= EVAL_BAR - 0.1, evals
+
 
 _RESUME_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, signal
