@@ -1,4 +1,4 @@
-"""An environment for the in-flight RLJob test, importable by dotted path from Ray actors
+"""Environments for the in-flight RLJob tests, importable by dotted path from Ray actors
 (`EnvConfig("inflight_envs:WaitsForNewWeights", {...})` with tests/ on PYTHONPATH, as
 tests/faulty_envs.py)."""
 
@@ -10,6 +10,7 @@ import threading
 import time
 
 from marinrl.envs import Feedback, MultiTurnEnv, Problem
+from marinrl.envs.toy import EchoEnv, grade_answer
 
 
 class WaitsForNewWeights(MultiTurnEnv):
@@ -51,4 +52,52 @@ class WaitsForNewWeights(MultiTurnEnv):
                 while self._published() <= self._began_with and time.monotonic() < deadline:
                     wake.wait(0.02)  # polls a condition: the trainer's next publish
             return Feedback(reward=float(actions[0].startswith("a")), observation="!")
+        return Feedback(reward=0.0, done=True)
+
+
+
+class EchoAcrossASwap(MultiTurnEnv):
+    """The quickstart's `echo` task (`37c=` answers `c`, EchoEnv with `echo_args`, its `holdout`
+    included), then one more turn: after the answer a training episode waits, as `WaitsForNewWeights`,
+    for weights newer than the ones it began with, and the model samples one more token with them.
+    Every training batch but the first is sampled by two weight versions; evaluations do not wait.
+
+    The second turn earns nothing. With reward-to-go credit (train/advantages.py) its token gets the
+    same advantage in every rollout of a group, so it adds no signal for a wrong letter; a second
+    graded question would credit the first answer with the second's reward (measured: 0.67-0.80 at
+    step 100 instead of the quickstart's 0.8 at 50-60)."""
+
+    env_name = "echo_across_a_swap"
+    max_turns = 2
+    max_episode_tokens = 8
+
+    def __init__(self, weights_root: str, echo_args: dict, timeout_s: float = 120.0):
+        self.echo = EchoEnv(**echo_args)
+        self.pointer = os.path.join(weights_root, "latest.json")
+        self.timeout_s = timeout_s
+        self._train_calls = 0
+        self._mode = "eval"
+        self._began_with: int | None = None
+
+    def _published(self) -> int:
+        with open(self.pointer) as f:
+            return int(json.load(f)["weight_step"])
+
+    def sample(self, ctx, n_examples, n_generations, sampling, rng, mode):
+        self._mode = mode
+        self._train_calls += mode == "train"
+        self._began_with = self._published() if mode == "train" else None
+        return super().sample(ctx, n_examples, n_generations, sampling, rng, mode)
+
+    def problems(self, n, rng, mode):
+        return self.echo.problems(n, rng, mode)
+
+    def step(self, problem, actions):
+        if len(actions) == 1:
+            if self._mode == "train" and self._train_calls > 1:
+                deadline = time.monotonic() + self.timeout_s
+                wake = threading.Event()
+                while self._published() <= self._began_with and time.monotonic() < deadline:
+                    wake.wait(0.02)  # polls a condition: the trainer's next publish
+            return Feedback(reward=grade_answer(actions[0], problem.answer).reward, observation=";")
         return Feedback(reward=0.0, done=True)

@@ -102,12 +102,13 @@ def test_a_generation_that_spans_a_swap_stamps_each_token_with_the_weights_that_
             assert np.abs(logprobs[EVERY:] - before[EVERY:]).max() > 100 * LOGPROB_ATOL
 
 
-def test_chunks_without_a_swap_give_the_samples_of_one_call(models):
+@pytest.mark.parametrize("every, polls_after", [(3, [3, 6, 9]), (1, list(range(1, 12)))])
+def test_chunks_without_a_swap_give_the_samples_of_one_call(models, every, polls_after):
     old, _ = models
     whole = scan_sampler.sample(old, PROMPTS, **KW)
     source = SwapAt(None, 1, at=10**9)
-    chunked = scan_sampler.sample(old, PROMPTS, swaps=WeightSwaps(source, old, 7, every_tokens=3), **KW)
-    assert source.polls == 1 + 3  # before the prefill, then after tokens 3, 6 and 9 (12 in all)
+    chunked = scan_sampler.sample(old, PROMPTS, swaps=WeightSwaps(source, old, 7, every_tokens=every), **KW)
+    assert source.polls == 1 + len(polls_after)  # before the prefill, then after those tokens (12 in all)
     np.testing.assert_array_equal(whole.tokens, chunked.tokens)
     np.testing.assert_allclose(whole.logprobs, chunked.logprobs, atol=1e-6, rtol=0)
     assert whole.weight_steps is None and np.all(chunked.weight_steps == 7)

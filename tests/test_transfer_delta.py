@@ -140,6 +140,7 @@ def test_chain_of_deltas_is_bit_exact(config, servers, model):
     assert kinds == ["snapshot", "delta", "delta"] * 2 + ["snapshot"]
     assert server.metrics["deltas_published"] == 4
     assert client.metrics["failures"] == 0 and client.metrics["delta_fallbacks"] == 0
+    assert client.metrics["deltas_applied"] == 4 and client.metrics["snapshots_loaded"] == 3
 
 
 def test_late_client_gets_the_snapshot_then_the_deltas(config, servers, model):
@@ -154,12 +155,14 @@ def test_late_client_gets_the_snapshot_then_the_deltas(config, servers, model):
     assert step == 2
     assert_bits_equal(got, versions[2])
     assert late.metrics["bytes"] == sum(sizes)  # the snapshot and both deltas
+    assert (late.metrics["snapshots_loaded"], late.metrics["deltas_applied"]) == (1, 2)
     versions.append(sparse_step(versions[-1], 3, leaves=slice(0, 1)))
     server.publish(versions[-1], 3)  # full_every 3: a snapshot
     versions.append(sparse_step(versions[-1], 4))
     delta_bytes = server.publish(versions[-1], 4).bytes
     got, step = late.poll()  # holds 2, not in the chain [3, 4]: the new snapshot and the delta
     assert step == 4 and late.metrics["bytes"] > delta_bytes
+    assert (late.metrics["snapshots_loaded"], late.metrics["deltas_applied"]) == (2, 3)
     assert_bits_equal(got, versions[-1])
 
 

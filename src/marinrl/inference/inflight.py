@@ -135,17 +135,17 @@ def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, t
     steps_by_token = np.full((max_new,), swaps.step, dtype=np.int64)
     state = _start(swaps.model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
                    n=n, max_new=max_new, mesh=mesh)
-    t = 1
+    t = 1  # the prefill sampled token 0
     while t < max_new:
-        state = _decode(swaps.model, state, stops, stop_valid, budget, temperature,
-                        jnp.asarray(t + swaps.every_tokens - 1 if t == 1 else t + swaps.every_tokens, jnp.int32),
-                        mesh=mesh)
-        t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
-        t = int(t)
-        if finished or t >= max_new:
-            break
-        if swaps.check():
+        if t % swaps.every_tokens == 0 and swaps.check():  # chunks end at multiples of every_tokens
             steps_by_token[t:] = swaps.step
             if swaps.kv == "recompute":
                 state = _recompute(swaps.model, state, stops, mesh=mesh)
+        t_stop = (t // swaps.every_tokens + 1) * swaps.every_tokens
+        state = _decode(swaps.model, state, stops, stop_valid, budget, temperature, jnp.asarray(t_stop, jnp.int32),
+                        mesh=mesh)
+        t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
+        t = int(t)
+        if finished:
+            break
     return (*_outputs(state, stops), steps_by_token)

@@ -215,6 +215,8 @@ class RolloutWorker:
                 update = client.poll()
                 if update is not None:
                     self._receive(name, update)
+            if self.finished:  # the trainer's last weights: no step will train another batch
+                break
             target = max(target, self.weight_step)  # restarts move the trainer back: follow it
             behind = [n for n, step in self.weight_steps.items() if step < target - cfg.max_staleness]
             if behind:
@@ -242,7 +244,7 @@ class RolloutWorker:
         if self.finished and last_eval_step != self.weight_step:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
-                "evals": self.eval_history}
+                "evals": self.eval_history, "weights": dict(self._client.metrics)}
 
     def warm_up(self) -> dict[str, float]:
         """Compile the sampler for the calls the worker makes first: a train batch, a full eval and (if

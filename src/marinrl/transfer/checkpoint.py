@@ -55,6 +55,7 @@ from marinrl.transfer.delta import (
     DeltaPublisher,
     Link,
     check_delta_config,
+    delta_metrics,
     receive_model,
 )
 from marinrl.transfer.packed import read_packed, read_packed_meta, write_packed
@@ -415,8 +416,7 @@ class FilesystemWeightClient(WeightTransferClient):
 
     @property
     def metrics(self) -> dict[str, float]:
-        receiver = getattr(self, "_delta_receiver", None)
-        return {**super().metrics, "delta_fallbacks": receiver.fallbacks if receiver else 0}
+        return {**super().metrics, **delta_metrics(self)}
 
     def _read_tensorstore(self, folder: str):
         url = self._root.tensorstore_url(folder)

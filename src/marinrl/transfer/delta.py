@@ -286,6 +286,10 @@ class DeltaReceiver:
         self.mirror: list[np.ndarray] | None = None
         self.fallbacks = 0
         """Times a delta failed and the receiver went back to the snapshot."""
+        self.deltas_applied = 0
+        """Deltas applied to the mirror and verified (each version reached from the one before it)."""
+        self.snapshots_loaded = 0
+        """Snapshots loaded whole (the first version, a fallback, or a client too far behind)."""
         self.broken: set[VersionId] = set()
         """Deltas that failed from the snapshot too: the chain ends before them until the next snapshot."""
 
@@ -306,6 +310,7 @@ class DeltaReceiver:
             try:
                 mirror, changed, nbytes = self._walk(self.mirror, self.version, chain[held + 1:], load)
                 self.version, self.mirror = chain[-1].version, mirror
+                self.deltas_applied += len(chain) - held - 1
                 return self.version, sorted(changed), nbytes
             except Exception as e:  # noqa: BLE001 - any failed delta: start over from the snapshot
                 self.fallbacks += 1
@@ -316,6 +321,7 @@ class DeltaReceiver:
         meta, names, data, n = load(chain[0])
         nbytes += n
         mirror, version = self._snapshot(chain[0], meta, names, data), chain[0].version
+        walked = 0
         for link in chain[1:]:
             try:
                 mirror, _, n = self._walk(mirror, version, [link], load)
@@ -326,9 +332,12 @@ class DeltaReceiver:
                 break
             nbytes += n
             version = link.version
+            walked += 1
         if self.version is not None and version <= self.version:
             return None
         self.version, self.mirror = version, mirror
+        self.snapshots_loaded += 1
+        self.deltas_applied += walked
         return version, list(range(len(mirror))), nbytes
 
     def _snapshot(self, link: Link, meta: dict, names, data) -> list[np.ndarray]:
@@ -391,6 +400,15 @@ class DeltaReceiver:
         if [e["name"] for e in entries] != self.names:
             raise WeightFormatError(f"{where}: its arrays do not match the model's leaves")
         return entries
+
+
+def delta_metrics(client) -> dict[str, float]:
+    """A client's delta counters for its `metrics` (zeros before its first chain)."""
+    receiver: DeltaReceiver | None = getattr(client, "_delta_receiver", None)
+    if receiver is None:
+        return {"delta_fallbacks": 0, "deltas_applied": 0, "snapshots_loaded": 0}
+    return {"delta_fallbacks": receiver.fallbacks, "deltas_applied": receiver.deltas_applied,
+            "snapshots_loaded": receiver.snapshots_loaded}
 
 
 def receive_model(client, links: Sequence[Link], load: Loader):

@@ -44,6 +44,7 @@ from marinrl.transfer.delta import (
     DeltaPublisher,
     Link,
     check_delta_config,
+    delta_metrics,
     receive_model,
 )
 
@@ -276,5 +277,4 @@ class RayWeightClient(WeightTransferClient):
 
     @property
     def metrics(self) -> dict[str, float]:
-        receiver = getattr(self, "_delta_receiver", None)
-        return {**super().metrics, "delta_fallbacks": receiver.fallbacks if receiver else 0}
+        return {**super().metrics, **delta_metrics(self)}
