@@ -244,7 +244,13 @@ class RolloutWorker:
         if self.finished and last_eval_step != self.weight_step:
             self._evaluate(full=True)
         return {"worker_id": self.worker_id, "weight_step": self.weight_step, **dataclasses.asdict(self.counters),
-                "evals": self.eval_history, "weights": dict(self._client.metrics)}
+                "evals": self.eval_history, "weights": self._weight_metrics()}
+
+    def _weight_metrics(self) -> dict:
+        """The weight client's counters (deltas applied, snapshots loaded, ...); per policy model when several."""
+        if not self._several:
+            return dict(next(iter(self._clients.values())).metrics)
+        return {name: dict(client.metrics) for name, client in self._clients.items()}
 
     def warm_up(self) -> dict[str, float]:
         """Compile the sampler for the calls the worker makes first: a train batch, a full eval and (if
