@@ -1,7 +1,6 @@
-"""RLJob with in-flight weight updates, end to end: with delta weight sync the quickstart learns its
-task to its eval bar from rollouts whose tokens come from two weight versions (written, read and
-trained on within the staleness window of their oldest token); a job SIGKILLed mid-run resumes
-training every group exactly once. Each runs in its own process
+"""RLJob with in-flight weight updates, end to end: rollouts whose tokens come from two weight versions
+are written, read and trained on; with delta weight sync the quickstart learns its task to its eval
+bar; a job SIGKILLed mid-run resumes training every group exactly once. Each runs in its own process
 and local Ray with tests/ on PYTHONPATH, as tests/test_job_faults.py: Ray's workers import the test
 environments (tests/inflight_envs.py) by their dotted path."""
 
@@ -12,6 +11,32 @@ import os
 import subprocess
 import sys
 import textwrap
+
+_SCRIPT = textwrap.dedent("""
+    import json, pathlib
+    from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+    from marinrl.envs.base import EnvConfig
+    from marinrl.inference.inflight import InflightConfig
+    from marinrl.job import RLJob
+    from marinrl.storage import RolloutReader
+    from test_job import job_config
+
+    root = pathlib.Path({root!r})
+    lesson = LessonConfig(lesson_id="waits", env=EnvConfig("inflight_envs:WaitsForNewWeights",
+                                                           {{"weights_root": str(root / "job" / "weights")}}),
+                          max_tokens=4, graduate_at=None)
+    cfg = job_config(root, max_staleness=1, warm_up_sampler=False, curriculum=CurriculumConfig(lessons=(lesson,)),
+                     inflight=InflightConfig(enabled=True, swap_every_tokens=2, kv={kv!r}))
+    result = RLJob(cfg).run()
+    written = [r for batch in RolloutReader(f"{{cfg.run_dir}}/rollouts").read_new() for r in batch.rollouts]
+    (rollouts,) = result.rollouts
+    print("RESULT " + json.dumps(dict(
+        final_step=result.train["final_step"], history=result.train["history"],
+        inflight_swaps=rollouts["inflight_swaps"], sample_failures=rollouts["sample_failures"],
+        rollouts=[dict(start=r.metadata.weight_step, steps=r.token_weight_steps.tolist(),
+                       mask=r.loss_mask.tolist()) for r in written])))
+""")
+
 
 def _run_script(script: str) -> dict:
     """Runs `script` in its own process with tests/ on PYTHONPATH; the JSON of its RESULT line."""
@@ -24,6 +49,24 @@ def _run_script(script: str) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_an_async_job_with_in_flight_updates_trains_on_rollouts_of_mixed_versions(tmp_path):
+    """Episodes of two turns whose environment waits, between the turns, for the trainer's next weights
+    (tests/inflight_envs.py): the second turn is sampled by newer weights, swapped in while the batch is
+    being generated. Every step trains, within the staleness window of each group's oldest token."""
+    out = _run_script(_SCRIPT.format(root=str(tmp_path), kv="recompute"))
+    history = out["history"]
+    assert out["final_step"] == 5 and [h["step"] for h in history] == [1, 2, 3, 4, 5]
+    assert all(h["batch/staleness_max"] <= 1 for h in history)  # by the oldest token (the default)
+    assert out["inflight_swaps"] >= 3 and out["sample_failures"] == 0
+    mixed = [r for r in out["rollouts"] if len(set(r["steps"])) > 1]
+    assert len(mixed) >= len(out["rollouts"]) // 2, out["rollouts"]  # every batch but the first spans a swap
+    for r in mixed:  # turn 1 and the observation: the weights it began with; turn 2: newer ones
+        first_obs = r["mask"].index(False)
+        assert set(r["steps"][:first_obs + 1]) == {r["start"]} and r["steps"][-1] > r["start"]
+    assert any(h["batch/version_spread_max"] >= 1 for h in history)
+    assert all(h["batch/token_staleness_mean"] <= 1 for h in history)
 
 
 _LEARNS_SCRIPT = textwrap.dedent("""
@@ -49,16 +92,11 @@ _LEARNS_SCRIPT = textwrap.dedent("""
     result = RLJob(cfg).run()
     written = [r for batch in RolloutReader(f"{{cfg.run_dir}}/rollouts").read_new() for r in batch.rollouts]
     (rollouts,) = result.rollouts
-    spans = [r.token_weight_steps.tolist() + [r.metadata.weight_step] for r in written
-             if len(set(r.token_weight_steps.tolist())) > 1]
     print("RESULT " + json.dumps(dict(
         final_step=result.train["final_step"], weights=rollouts["weights"], inflight_swaps=rollouts["inflight_swaps"],
-        sample_failures=rollouts["sample_failures"], history=result.train["history"],
         evals=[(e["weight_step"], e["metrics"]["eval/echo/reward_mean"]) for e in rollouts["evals"]
                if e["kind"] == "eval"],
-        rollouts=len(written), spans=len(spans),
-        # the answer: the weights the rollout began with; the token after the wait: newer ones
-        answer_then_newer=sum(s[0] == s[-1] and s[-2] > s[-1] for s in spans),
+        rollouts=len(written), spans=sum(len(set(r.token_weight_steps.tolist())) > 1 for r in written),
         deltas_on_disk=len(list((root / "job" / "weights").rglob("delta.bin"))))))
 """)
 LEARNING_STEPS = 150
@@ -72,14 +110,9 @@ def test_a_job_with_in_flight_swaps_and_delta_sync_learns_the_quickstart_task(tm
     the trainer's next weights (tests/inflight_envs.py): every batch after the first is sampled by two
     versions. The greedy eval reward on held-out prompts reaches the quickstart's bar."""
     out = _run_script(_LEARNS_SCRIPT.format(root=str(tmp_path), steps=LEARNING_STEPS, enabled=True))
-    history = out["history"]
-    assert out["final_step"] == LEARNING_STEPS and [h["step"] for h in history] == list(range(1, LEARNING_STEPS + 1))
+    assert out["final_step"] == LEARNING_STEPS
     # Tokens of two weight versions in one rollout: every batch but the first (evals are not written).
     assert out["inflight_swaps"] >= LEARNING_STEPS - 1 and out["spans"] >= out["rollouts"] * 0.9, out
-    assert out["answer_then_newer"] == out["spans"] and out["sample_failures"] == 0
-    # Trained within the staleness window of each group's oldest token (the default reduction).
-    assert all(h["batch/staleness_max"] <= 1 and h["batch/token_staleness_mean"] <= 1 for h in history)
-    assert any(h["batch/version_spread_max"] >= 1 for h in history)
     # The rollout worker advanced by deltas, checked against the publisher's checksums, not by snapshots
     # alone: a snapshot every 10 versions (full_every's default), deltas in between.
     weights = out["weights"]
