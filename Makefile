@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test quickstart bench clean lock
+.PHONY: install test test-slow quickstart bench clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ install: $(STAMP)
 # pytest exits 5 when it collects nothing: that is a failure here too.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The learning jobs of minutes that `make test` leaves out (pytest's `slow` marker).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 # The main job: a real RL run on the CPU that visibly learns (local Ray, tiny Llama, echo task).
 quickstart: $(STAMP)

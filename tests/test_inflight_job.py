@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
@@ -104,6 +106,7 @@ EVAL_BAR = 0.8
 """The quickstart's held-out bar (experiments/quickstart.py)."""
 
 
+@pytest.mark.slow  # about 2 minutes: `make test-slow` (the CI budget runs the rest; README)
 def test_a_job_with_in_flight_swaps_and_delta_sync_learns_the_quickstart_task(tmp_path):
     """The quickstart (its yaml: model, 32 x 16 samples, lr, KL, eval) with in-flight weight updates and
     delta weight sync, on the quickstart's echo task followed by one more, ungraded token that waits for

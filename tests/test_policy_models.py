@@ -82,24 +82,24 @@ def _logged(path: pathlib.Path) -> list[dict]:
 
 def test_two_agents_with_a_model_each_both_learn_their_own_role(tmp_path, ray_session):
     """`first` is played by `policy` (full: a model of its own), `second` by `other` (a LoRA adapter on
-    its own copy of the base). Each trainer trains only its agent's groups, read from its own rollout
+    its own copy of the base), 20 steps. Each trainer trains only its agent's groups, read from its own rollout
     files; the LoRA stream carries adapters only; both greedy evaluations rise. (Resume per policy
     model after a SIGKILL: tests/test_job_faults.py.)"""
     policies = {"policy": PolicyConfig(specialization="full"),
                 "other": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2, alpha=4.0),
                                       optimizer=RLAdamConfig(learning_rate=3e-2))}
-    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(ROLES,)), num_train_steps=30, eval_every=30,
+    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(ROLES,)), num_train_steps=20, eval_every=20,
                      groups_per_step=8, n_generations=8, policies=policies, optimizer=RLAdamConfig(learning_rate=1e-2))
     result = RLJob(cfg).run()
     assert set(result.policies) == {"policy", "other"} and result.train == result.policies["policy"]
     agent_of = {"policy": "first", "other": "second"}
     for name, train in result.policies.items():
-        assert train["final_step"] == 30
+        assert train["final_step"] == 20
         trained = [g for step in train["trained_groups"] for g in step]
         assert trained and all(f":t{0 if name == 'policy' else 1}:{agent_of[name]}:" in g for g in trained), trained[:4]
         written = [r for b in RolloutReader(f"{cfg.run_dir}/policies/{name}/rollouts").read_new() for r in b.rollouts]
         assert {r.policy_name for r in written} == {name} and {r.agent_name for r in written} == {agent_of[name]}
-    assert result.curriculum_step == 30  # the first model's trainer keeps the curriculum's clock
+    assert result.curriculum_step == 20  # the first model's trainer keeps the curriculum's clock
 
     # L2: the adapter's weight stream is a fraction of the full model's
     logs = tmp_path / "job" / "logs"
