@@ -214,6 +214,15 @@ class RLJobConfig:
 
     # ------------------------------------------------------------------ derived configs
 
+    def rollout_dtype(self) -> str:
+        """The dtype rollout workers sample in and the trainer publishes weights in: `inference.dtype`, else
+        the trainer's compute dtype (docs/models.md, "Dtypes")."""
+        if self.inference.dtype is not None:
+            return self.inference.dtype
+        import numpy as np
+
+        return np.dtype(self.trainer.mp.compute_dtype).name
+
     def sampling(self):
         if self.max_uses > 1:
             return ReplaySamplingConfig(staleness=self.max_staleness, uses=self.max_uses)

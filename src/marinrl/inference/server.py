@@ -38,6 +38,9 @@ from marinrl.models import ModelConfig, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+"""What `inference.dtype` may name."""
+
 
 @dataclasses.dataclass(frozen=True)
 class InferenceServerConfig:
@@ -76,6 +79,10 @@ class InferenceServerConfig:
     equal chunks (same samples either way)."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
+    dtype: Optional[str] = None
+    """The rollout model's dtype: its weights, KV cache and the weights the trainer publishes (cast once
+    on the trainer's side). None: the trainer's compute dtype (`trainer.mp`), so bfloat16 rollouts under
+    `mp: p=f32,c=bfloat16` and float32 on the CPU quickstart. Resolved by `RLJobConfig.rollout_dtype()`."""
     model_axis_size: Optional[int] = None
     """Tensor parallelism of the rollout model: how many of this host's local devices share each
     weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local
@@ -93,6 +100,9 @@ class InferenceServerConfig:
             raise ValueError(f"InferenceServerConfig.http_min_batch must be >= 1, got {self.http_min_batch}")
         if self.scan_max_cache_bytes < 1:
             raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
+        if self.dtype is not None and self.dtype not in ROLLOUT_DTYPES:
+            raise ValueError(f"inference.dtype must be one of {', '.join(ROLLOUT_DTYPES)} (or null: the trainer's "
+                             f"compute dtype), got {self.dtype!r}")
         if self.model_axis_size is not None and self.model_axis_size < 1:
             raise ValueError(f"inference.model_axis_size must be >= 1 (or None: all local devices), "
                              f"got {self.model_axis_size}")
