@@ -55,7 +55,9 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
 
     from marinrl.models import build_model
     from marinrl.train.losses import LossConfig
-    from marinrl.train.worker import _is_initial_policy, _step_loss, build_reference, cpu_trainer_config
+    from marinrl.train.initial_weights import CheckpointWeights, build_reference
+    from marinrl.train.initial_weights import is_initial_policy as _is_initial_policy
+    from marinrl.train.worker import _step_loss, cpu_trainer_config
     from test_train_worker import TINY
 
     cfg = cpu_trainer_config(num_train_steps=1, train_batch_size=4, log_dir=tmp_path / "logs", tracker=(), id="ref",
@@ -66,8 +68,8 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
         assert _is_initial_policy(TINY, trainer, state, resumed=False)
         assert not _is_initial_policy(TINY, trainer, state, resumed=True)
         assert not _is_initial_policy(dataclasses.replace(TINY, dtype="bfloat16"), trainer, state, resumed=False)
-        copied = build_reference(TINY, trainer, initial_policy=state.model)
-        built = build_reference(TINY, trainer)
+        copied = build_reference(CheckpointWeights(TINY, trainer), trainer, initial_policy=state.model)
+        built = build_reference(CheckpointWeights(TINY, trainer), trainer)
         leaves = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
         for c, b, p in zip(leaves(copied), leaves(built), leaves(state.model), strict=True):
             np.testing.assert_array_equal(np.asarray(c), np.asarray(b))

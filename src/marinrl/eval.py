@@ -240,8 +240,9 @@ def _has_model_config(step_dir: str) -> bool:
 
 
 def load_policy(checkpoint: Checkpoint, config: EvalConfig):
-    """(model, tokenizer) of a resolved checkpoint."""
-    from marinrl.models import build_model, build_tokenizer
+    """(model, tokenizer) of a resolved checkpoint, read straight onto the rollout mesh of `config.inference`."""
+    from marinrl.inference.server import load_served_model
+    from marinrl.models import build_tokenizer
 
     base = config.model or ModelConfig()
     tokenizer = config.tokenizer or base.tokenizer
@@ -251,7 +252,7 @@ def load_policy(checkpoint: Checkpoint, config: EvalConfig):
     else:
         model_config = dataclasses.replace(base, levanter_checkpoint=checkpoint.path, hf_checkpoint=None,
                                            tokenizer=tokenizer)
-    model = build_model(model_config)
+    model = load_served_model(model_config, config.inference)
     return model, build_tokenizer(dataclasses.replace(model_config, vocab_size=model.Vocab.size))
 
 

@@ -35,6 +35,15 @@ from marinrl.tokenizers import byte_tokenizer
 
 logger = logging.getLogger(__name__)
 
+_READS: dict[str, int] = {}
+"""Checkpoint weight reads of this process, by path: a trainer or rollout worker reads its checkpoint
+once (docs/models.md, "Loading"), and tests and bench/rehearsal.py check it with `hf_reads()`."""
+
+
+def hf_reads() -> int:
+    """How many times this process has read a Hugging Face checkpoint's weights (any path)."""
+    return sum(_READS.values())
+
 HF_TO_LEVANTER = {
     "llama": "llama",
     "mistral": "mistral",
@@ -127,6 +136,7 @@ def load_hf_checkpoint(
     converter = HFCheckpointConverter(
         type(config), reference_checkpoint=path, HfConfigClass=type(hf_config), tokenizer=byte_tokenizer(512)
     )
+    _READS[path] = _READS.get(path, 0) + 1
     with default_mesh(mesh):
         return converter.load_pretrained(
             config.model_type,

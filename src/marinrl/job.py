@@ -19,8 +19,10 @@ import sys
 import time
 from typing import Any, Optional
 
+import psutil
 import ray
 
+from marinrl import program_audit
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
@@ -39,10 +41,18 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------- the actors
 
 
+def _audited(options: dict) -> dict:
+    """`options` plus the program audit's switch when the driver has it (`marinrl.program_audit`): on a Ray
+    the job did not start, the actors' environment is the cluster's, so the switch travels per actor."""
+    if not program_audit.auditing():
+        return options
+    return {**options, "runtime_env": {"env_vars": {program_audit.AUDIT_ENV: os.environ[program_audit.AUDIT_ENV]}}}
+
+
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
 _PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                 "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
-                "WANDB_BASE_URL", "WANDB_DIR")
+                "WANDB_BASE_URL", "WANDB_DIR", program_audit.AUDIT_ENV)
 
 
 def _actor_env() -> dict[str, str]:
@@ -98,8 +108,8 @@ class RolloutActor:
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         import_tensorboardx_without_torch()  # before its tracker imports it
-        from marinrl.inference.server import InferenceServer
-        from marinrl.models import build_model, build_tokenizer
+        from marinrl.inference.server import InferenceServer, load_served_model
+        from marinrl.models import build_tokenizer
         from marinrl.rollout.manager import LessonRuntime, RolloutManager
         from marinrl.rollout.policy_router import PolicyRouter
         from marinrl.rollout.worker import RolloutWorker
@@ -110,7 +120,8 @@ class RolloutActor:
         tokenizer = build_tokenizer(job.model)
         inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
         models = policy_models(job)
-        weights = [build_model(m.job.model) for m in models]
+        rss_before_model = psutil.Process().memory_info().rss
+        weights = [load_served_model(m.job.model, inference) for m in models]
         clock.mark("model")
         servers = {m.name: InferenceServer(inference if k == 0 else dataclasses.replace(inference, serve_http=False),
                                            w, tokenizer).start() for k, (m, w) in enumerate(zip(models, weights))}
@@ -131,10 +142,18 @@ class RolloutActor:
         self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
                                     startup=clock)
+        self._rss_before_model = rss_before_model
+        self._program_constants = None
+        if program_audit.auditing() and job.inference.backend == "scan":
+            from marinrl.inference.sampler import program_constant_bytes
+
+            self._program_constants = max(program_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)
+                                          for s in servers.values())
 
     def run(self) -> dict:
         try:
-            return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id()}
+            return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id(),
+                    "process": program_audit.process_stats(self._rss_before_model, self._program_constants)}
         finally:
             self.worker.tracker.finish()  # flush its event files: the actor is killed once the job ends
 
@@ -218,7 +237,7 @@ class RLJob:
             if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
                 trainers = []
                 for k, m in enumerate(models):
-                    trainers.append(TrainerActor.options(**m.job.ray.trainer.ray_options()).remote(
+                    trainers.append(TrainerActor.options(**_audited(m.job.ray.trainer.ray_options())).remote(
                         m.train_worker_config(), curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)
@@ -320,7 +339,7 @@ class RLJob:
 
     def _rollout_actor(self, i: int, curriculum_name, namespace, restart: bool = False):
         cfg = self.config
-        actor = RolloutActor.options(**cfg.ray.rollout.ray_options()).remote(  # a restart's clock starts at its own start
+        actor = RolloutActor.options(**_audited(cfg.ray.rollout.ray_options())).remote(  # a restart's clock starts at its own start
             cfg, i, curriculum_name, namespace, self._log_dir, None if restart else self._started)
         self._actors.append(actor)
         return actor

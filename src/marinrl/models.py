@@ -90,10 +90,13 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype must be a float dtype (float32, bfloat16, float16), got {self.dtype!r}")
 
 
-def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None) -> LmHeadModel:
-    """The model `config` describes: loaded from its checkpoint, or initialized from its seed. A checkpoint
-    is read straight onto `mesh` with `axis_mapping` (defaults: those in context, else one device)."""
-    dtype = jnp.dtype(config.dtype)
+def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None, dtype=None) -> LmHeadModel:
+    """The model `config` describes: loaded from its checkpoint, or initialized from its seed, in `dtype`
+    (default `config.dtype`). Eager, never under a caller's jit: a checkpoint is read straight onto `mesh`
+    with `axis_mapping`, tensor by tensor, and an initialization runs as one program whose outputs are
+    laid out by `axis_mapping`; no device ever holds the whole model unless the mesh has one device
+    (defaults: the mesh and mapping in context, else one device)."""
+    dtype = jnp.dtype(dtype or config.dtype)
     if config.hf_checkpoint:
         return load_hf_checkpoint(config.hf_checkpoint, dtype=dtype, axis_mapping=axis_mapping, mesh=mesh,
                                   gradient_checkpointing=getattr(config.model, "gradient_checkpointing", None))
@@ -102,7 +105,42 @@ def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None) -> LmHeadM
             config.levanter_checkpoint, model_config=None, vocab_size=None, dtype=dtype, fallback=config,
             axis_mapping=axis_mapping, mesh=mesh,
         )
-    return init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
+    if mesh is None and axis_mapping is None:
+        return init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
+    with _default_mesh(mesh):
+        return hax.named_jit(
+            lambda: init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype),
+            out_axis_resources=axis_mapping)()
+
+
+def model_architecture(config: ModelConfig) -> tuple[LmConfig, int]:
+    """(Levanter config, vocabulary size) of the model `build_model(config)` returns, from the checkpoint's
+    config file alone (no weights are read): what a mesh is planned from before the load."""
+    if config.hf_checkpoint:
+        from marinrl.hf_checkpoints import levanter_config, read_hf_config
+
+        hf_config = read_hf_config(config.hf_checkpoint)
+        lev = levanter_config(hf_config, config.hf_checkpoint)
+        gc = getattr(config.model, "gradient_checkpointing", None)
+        if gc is not None and hasattr(lev, "gradient_checkpointing"):
+            lev = dataclasses.replace(lev, gradient_checkpointing=gc)
+        return lev, int(hf_config.vocab_size)
+    if config.levanter_checkpoint:
+        step_dir = discover_latest_checkpoint(config.levanter_checkpoint)
+        saved = _read_model_config(step_dir) if step_dir else None
+        if saved:
+            return saved
+    return config.model, config.vocab_size
+
+
+def abstract_model(config: ModelConfig, dtype=None) -> LmHeadModel:
+    """`build_model(config)`'s structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves), without
+    reading a weight or running an initializer."""
+    lev, vocab = model_architecture(config)
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = eqx.filter_eval_shape(lev.model_type.init, hax.Axis("vocab", vocab), lev, key=jax.random.PRNGKey(0))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        shape)
 
 
 def build_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:

@@ -491,3 +491,15 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
 
     return jax.lax.while_loop(cond, body, state)
 
+
+
+def program_constant_bytes(model, mesh: Optional[Mesh] = None, *, prompt_tokens: int = 16, max_new: int = 16) -> int:
+    """Bytes of the constants in the sampling program for `model` (one prompt row at a small bucket; the
+    weights are its arguments, so its constants do not grow with the model: `marinrl.program_audit`)."""
+    from marinrl import program_audit  # an audit, not part of sampling
+
+    rows = 1
+    args = (jnp.zeros((rows, prompt_tokens), jnp.int32), jnp.ones((rows,), jnp.int32), jnp.ones((rows,), bool),
+            jnp.full((1, 1), STOP_PAD, jnp.int32), jnp.zeros((1,), bool), jnp.asarray(max_new, jnp.int32),
+            jnp.asarray(1.0, jnp.float32), jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32))
+    return program_audit.constant_bytes(functools.partial(_generate, n=1, max_new=max_new, mesh=mesh), model, *args)

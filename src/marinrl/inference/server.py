@@ -34,7 +34,7 @@ from marinrl.inference.inflight import InflightConfig, WeightSwaps
 from marinrl.inference.levanter_engine import EngineConfig, EngineJob, LevanterEngine, engine_key
 from marinrl.inference.api_auth import check_api_key, is_loopback
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
-from marinrl.models import ModelConfig, build_model, build_tokenizer
+from marinrl.models import ModelConfig, abstract_model, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,17 @@ class InferenceServerConfig:
                 "(e.g. --inference.api_key \"$(openssl rand -hex 32)\"), or serve on inference.host: 127.0.0.1")
 
 
+def load_served_model(model_config: ModelConfig, config: InferenceServerConfig, dtype: Optional[str] = None):
+    """The model `model_config` describes, in `dtype` (default: `model_config.dtype`), built straight onto
+    the rollout mesh `config` asks for: the mesh is planned from the checkpoint's config file alone, then
+    each weight is read (or initialized) already sharded, so no device holds the whole model unless the
+    mesh has one device. `InferenceServer` then finds it in place (`sharding.place` copies nothing)."""
+    where = sharding.rollout_mesh(abstract_model(model_config, dtype), config.model_axis_size)
+    if where is None:
+        return build_model(model_config, dtype=dtype)
+    return build_model(model_config, axis_mapping=where.axis_mapping, mesh=where.mesh, dtype=dtype)
+
+
 class InferenceServer:
     """Implements `marinrl.inference.context.InferenceContext`. Thread-safe: `generate` may be called
     from several threads, and `reload` waits for nothing but a running engine call."""
@@ -143,7 +154,8 @@ class InferenceServer:
         cls, config: InferenceServerConfig, model_config: ModelConfig, *, weight_step: int = 0
     ) -> "InferenceServer":
         """A server for the model and tokenizer `model_config` describes (not started)."""
-        return cls(config, build_model(model_config), build_tokenizer(model_config), weight_step=weight_step)
+        return cls(config, load_served_model(model_config, config), build_tokenizer(model_config),
+                   weight_step=weight_step)
 
     # ------------------------------------------------------------------ lifecycle
 

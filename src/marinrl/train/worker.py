@@ -26,18 +26,21 @@ import jax
 import jax.numpy as jnp
 import levanter
 import levanter.tracker
+import psutil
 from levanter.metrics import Metric, ReductionType
 from levanter.optim import OptimizerConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.trainer import Trainer, TrainerConfig
 
-from marinrl import multihost
+from marinrl import multihost, program_audit
 from marinrl import lora as lora_rl
 from marinrl.config_checks import require_at_least
-from marinrl.models import ModelConfig, build_model
+from marinrl.models import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
+from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
+                                           is_initial_policy, resume_model_init)
 from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
@@ -191,36 +194,9 @@ class TrainResult:
     """The checkpoint folder the run resumed from (None: a fresh start)."""
     skipped_checkpoints: list[str] = dataclasses.field(default_factory=list)
     """`<folder>: <why>` for each newer checkpoint that did not load on resume."""
-
-
-def build_reference(config: ModelConfig, trainer: Trainer, initial_policy=None):
-    """The frozen reference model, built as Levanter builds the policy: under the trainer's global mesh,
-    sharded by its parameter axis mapping, so each process builds (or reads) only its own shards and the
-    reference logprobs run SPMD like the loss. A from-scratch init under one `named_jit` draws the same
-    values as the policy's (same seed), so the KL starts at 0 on one host or several.
-
-    `initial_policy`: the policy as freshly initialized from `config` (`_is_initial_policy`): the
-    reference is a device copy of it (the train step donates the policy's buffers), which skips
-    compiling the initializer a second time, or reading the checkpoint again."""
-    if initial_policy is not None:
-        with hax.partitioning.set_mesh(trainer.device_mesh):
-            return hax.named_jit(lambda m: jax.tree.map(lambda x: jnp.copy(x) if eqx.is_array(x) else x, m),
-                                 out_axis_resources=trainer.parameter_axis_mapping)(initial_policy)
-    if config.levanter_checkpoint or config.hf_checkpoint:  # read straight onto the mesh, shard by shard
-        return build_model(config, axis_mapping=trainer.parameter_axis_mapping, mesh=trainer.device_mesh)
-    with hax.partitioning.set_mesh(trainer.device_mesh):
-        return hax.named_jit(lambda: build_model(config), out_axis_resources=trainer.parameter_axis_mapping)()
-
-
-def _is_initial_policy(config: ModelConfig, trainer: Trainer, state, resumed: bool) -> bool:
-    """Whether `state.model` holds exactly `build_model(config)`: a fresh start (no resume, no Levanter
-    `initialize_from` or `load_checkpoint_path`, step 0), no quantization, and every floating weight
-    kept in `config.dtype` (a mixed-precision cast to another parameter dtype would change values)."""
-    tc = trainer.config
-    if resumed or int(state.step) != 0 or tc.initialize_from or tc.load_checkpoint_path or tc.quantization:
-        return False
-    dtype = jnp.dtype(config.dtype)
-    return all(x.dtype == dtype for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
+    process: dict = dataclasses.field(default_factory=dict)
+    """This process's peak RSS, its RSS before the model, checkpoint reads and (when auditing) the largest
+    constant bytes of its programs (`marinrl.program_audit.process_stats`)."""
 
 
 class TrainWorker:
@@ -265,7 +241,9 @@ class TrainWorker:
         with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
                      add_default_hooks=False) as trainer:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
-            state, replay, skipped = self._initial_state(trainer)
+            rss_before_model = psutil.Process().memory_info().rss
+            source = CheckpointWeights(cfg.model, trainer)  # read at most once in this process
+            state, replay, skipped = self._initial_state(trainer, source)
             clock.mark("state")
             cfg = dataclasses.replace(cfg, batching=cfg.batching.for_model(getattr(state.model.config, "hidden_dim", None)))
             first_step = self.step = int(state.step)
@@ -274,9 +252,9 @@ class TrainWorker:
 
             reference = None
             if cfg.loss.uses_reference and cfg.lora is None:  # with LoRA: the base, `_reference_of(state)`
-                fresh = _is_initial_policy(cfg.model, trainer, state, resumed=self._resumed_from is not None)
-                initial = state.model if fresh else None
-                reference = build_reference(cfg.model, trainer, initial_policy=initial)
+                fresh = is_initial_policy(cfg.model, trainer, state, resumed=self._resumed_from is not None)
+                reference = build_reference(source, trainer, initial_policy=state.model if fresh else None)
+            source.release()
             clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
             server = cfg.weights.build_server()
@@ -288,6 +266,7 @@ class TrainWorker:
             batch_size = trainer_cfg.train_batch_size
             last_ckpt = None
             info = None
+            program_constants = None
             if replay is not None:
                 replay.start()
             try:
@@ -311,6 +290,9 @@ class TrainWorker:
                     if ref is not None:
                         ref.array.block_until_ready()
                     t2 = time.perf_counter()
+                    if self.step == first_step and program_audit.auditing():  # traced before the step donates `state`
+                        program_constants = self._program_constants(trainer, state, StepInput(batch, ref), ref_fn,
+                                                                    ref_model)
                     info = trainer.train_step(state, StepInput(batch, ref))
                     state = info.state
                     t3 = time.perf_counter()
@@ -358,7 +340,18 @@ class TrainWorker:
             metrics = {**(replay.metrics() if replay is not None else {}), **self._checkpoint_metrics(skipped)}
             return TrainResult(first_step, self.step, last_ckpt, metrics, self.history, self.trained_groups,
                                resumed_from=self._resumed_from.path if self._resumed_from else None,
-                               skipped_checkpoints=skipped)
+                               skipped_checkpoints=skipped,
+                               process=program_audit.process_stats(rss_before_model, program_constants))
+
+    @staticmethod
+    def _program_constants(trainer: Trainer, state, step_input, ref_fn, ref_model) -> int:
+        """The largest constant bytes of this trainer's programs: the train step and the reference's
+        logprobs (docs/models.md, "Loading": weights are arguments, never constants)."""
+        step = getattr(trainer, "_jit_train_step_fn_no_hook")  # what `trainer.train_step` runs without hooks
+        sizes = [program_audit.constant_bytes(step, state, (step_input,), {})]
+        if ref_model is not None:
+            sizes.append(program_audit.constant_bytes(ref_fn, ref_model, step_input.batch))
+        return max(sizes)
 
     def _published(self, model):
         """What a weight version carries: the adapters alone with LoRA, else the whole model."""
@@ -371,32 +364,26 @@ class TrainWorker:
             return None
         return lora_rl.without_adapters(state.model) if self.config.lora is not None else reference
 
-    def _model_init(self):
-        """(model_init, is_trainable) for Levanter's `initial_state`: with LoRA the base with adapters,
-        only the adapters trainable (and checkpointed: the base is rebuilt from `model` on resume)."""
-        cfg = self.config
-        if cfg.lora is None:
-            return functools.partial(build_model, cfg.model), True
-        lora = cfg.lora
-
-        def model_init():
-            return lora_rl.add_adapters(build_model(cfg.model), lora)
-
-        return model_init, lora_rl.trainable_filter(eqx.filter_eval_shape(model_init))
+    def _trainable(self, model_init):
+        """Levanter's `is_trainable`: with LoRA only the adapters (and only they are checkpointed: the
+        base is rebuilt from `model` on resume), else everything."""
+        if self.config.lora is None:
+            return True
+        return lora_rl.trainable_filter(eqx.filter_eval_shape(model_init))
 
     # ------------------------------------------------------------------ resume
 
-    def _initial_state(self, trainer: Trainer):
+    def _initial_state(self, trainer: Trainer, source: CheckpointWeights):
         """(state, replay buffer, skipped checkpoints): from the newest checkpoint whose model, optimizer,
         sidecar and curriculum state all load — all from that one checkpoint, or the rollout stream
-        would not match the weights — else freshly initialized."""
+        would not match the weights — else freshly initialized (docs/models.md, "Loading")."""
         cfg = self.config
         key = jax.random.PRNGKey(cfg.trainer.seed)
-        model_init, trainable = self._model_init()
 
         def load(folder: StepFolder):
             sidecar = read_sidecar(folder.path)
-            state = self._load_state(trainer, folder.path, key, model_init, trainable)
+            model_init = resume_model_init(source, cfg.lora)
+            state = self._load_state(trainer, folder.path, key, model_init, self._trainable(model_init))
             if int(sidecar["step"]) != int(state.step):
                 raise ValueError(f"{SIDECAR} is for step {sidecar['step']}, the saved state for step {int(state.step)}")
             replay = self._build_replay(int(state.step))
@@ -414,10 +401,12 @@ class TrainWorker:
             if resumed.skipped:
                 print(f"[marinrl] resumed from the previous checkpoint {resumed.folder.path}", flush=True)
             return (*resumed.loaded, resumed.skipped)
-        state = trainer.initial_state(key, model_init=model_init, is_trainable=trainable)  # Levanter's rules: initialize_from, load_checkpoint
+        model_init = fresh_model_init(source, cfg.lora)
+        state = trainer.initial_state(key, model_init=model_init, is_trainable=self._trainable(model_init))  # Levanter's rules: initialize_from, load_checkpoint
+        source.release()  # the state's model took the loaded buffers over (donated)
         if int(state.step) > 0:
-            source = trainer.config.initialize_from or trainer.checkpoint_path
-            raise RuntimeError(f"the checkpoint Levanter loaded from {source} (step {int(state.step)}) has no "
+            loaded_from = trainer.config.initialize_from or trainer.checkpoint_path
+            raise RuntimeError(f"the checkpoint Levanter loaded from {loaded_from} (step {int(state.step)}) has no "
                                f"{SIDECAR}: cannot resume the rollout stream exactly")
         return state, self._build_replay(0), []
 
