@@ -141,7 +141,8 @@ class RolloutActor:
         manager = RolloutManager(server, lessons, curriculum)
         self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
-                                    startup=clock)
+                                    startup=clock,  # a previous job's weights on this run are not this trainer's:
+                                    min_epoch=None if job_started_at is None else int(job_started_at * 1e9))
         self._rss_before_model = rss_before_model
         self._program_constants = None
         if program_audit.auditing() and job.inference.backend == "scan":

@@ -34,7 +34,7 @@ from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
 from marinrl.train.staleness import version_spread_metrics
-from marinrl.transfer.base import WeightTransferConfig
+from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferConfig, WeightWaitTimeout
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
 
@@ -140,14 +140,23 @@ class _Counters:
     eval_failures: int = 0
     weight_updates: int = 0
     inflight_swaps: int = 0
+    trainer_restarts: int = 0
+    """Weights of a newer trainer epoch received (docs/weight_transfer.md, "Restarts")."""
+    batches_dropped_restart: int = 0
+    """Batches generated for a trainer that restarted meanwhile: dropped, never written."""
 
 
 class RolloutWorker:
     """One rollout worker. `run()` loops until the trainer's final weights arrive or `stop()`."""
 
     def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *, worker_id: str,
-                 tracker: Tracker | None = None, startup: StartupClock | None = None):
+                 tracker: Tracker | None = None, startup: StartupClock | None = None,
+                 min_epoch: int | None = None):
+        """`min_epoch`: weights of an older trainer epoch (`transfer.base.VersionId.epoch`, the trainer's
+        start in ns) belong to a previous job on this run: never generated for, never taken as final.
+        The job passes its own start time."""
         self.config = config
+        self._min_epoch = min_epoch
         self.startup = startup or StartupClock()
         """Its `startup:` log line (docs/performance.md, "First step")."""
         self.manager = manager
@@ -158,6 +167,8 @@ class RolloutWorker:
         streams = config.model_streams()
         self.weight_steps: dict[str, int | None] = {s.name: None for s in streams}
         """Each policy model's weight step now (one model: `policy`)."""
+        self._epochs: dict[str, int | None] = {s.name: None for s in streams}
+        """The trainer epoch (`transfer.base.VersionId`) of each model's weights held now."""
         self.eval_history: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._writers = {s.name: RolloutWriter(s.rollout_root, storage_options=config.storage_options)
@@ -203,33 +214,35 @@ class RolloutWorker:
             self.warm_up()
             clock.mark("warm_up")
         for name, client in self._clients.items():
-            self._receive(name, client.wait_for(0, cfg.weight_timeout_s))
+            self._receive(name, self._wait_for_this_jobs_trainer(client))
         clock.mark("wait_weights")
         target = self.weight_step  # the trainer step the next batch is for
+        seen_restarts = self.counters.trainer_restarts
         batches = 0
         self._evaluate(full=True)
         clock.mark("first_eval")
         last_eval_step = self.weight_step
+        waiting_since, interval = None, WAIT_FIRST_INTERVAL_S  # waiting for weights the next batch needs
         while not self._stop.is_set() and not self.finished:
-            for name, client in self._clients.items():
-                update = client.poll()
+            for name, client in self._clients.items():  # every version a client takes is noted here: a
+                update = client.poll()                  # restart's lower step included
                 if update is not None:
-                    self._receive(name, update)
+                    waited = 0.0 if waiting_since is None else time.perf_counter() - waiting_since
+                    self._receive(name, update, waited_s=waited)
             if self.finished:  # the trainer's last weights: no step will train another batch
                 break
-            target = max(target, self.weight_step)  # restarts move the trainer back: follow it
-            behind = [n for n, step in self.weight_steps.items() if step < target - cfg.max_staleness]
-            if behind:
-                waited_from = time.perf_counter()
-                try:
-                    update = self._clients[behind[0]].wait_for(target - cfg.max_staleness, timeout_s=1.0)
-                except TimeoutError:
-                    continue  # re-check stop and restarts; the trainer may be compiling
-                self._receive(behind[0], update, waited_s=time.perf_counter() - waited_from)
-                if self.finished:
-                    break
-                if len(behind) > 1:
-                    continue  # another model is still behind
+            # A newer trainer epoch (a restart, possibly from an older checkpoint) starts the count again from
+            # its weights: the steps of the epoch before it will never be published again.
+            restarts = self.counters.trainer_restarts
+            target = self.weight_step if restarts != seen_restarts else max(target, self.weight_step)
+            seen_restarts = restarts
+            if any(step < target - cfg.max_staleness for step in self.weight_steps.values()):
+                if waiting_since is None:
+                    waiting_since, interval = time.perf_counter(), WAIT_FIRST_INTERVAL_S
+                self._stop.wait(interval)  # backs off to WAIT_MAX_INTERVAL_S; stop() ends it at once
+                interval = min(2 * interval, WAIT_MAX_INTERVAL_S)
+                continue
+            waiting_since = None
             if self._generate_and_write(target):
                 target += 1
                 batches += 1
@@ -263,12 +276,49 @@ class RolloutWorker:
 
     def _receive(self, name: str, update, waited_s: float = 0.0) -> None:
         self.manager.update_model(update.model, update.weight_step, name if self._several else None)
-        self.weight_steps[name] = update.weight_step
+        self._note_version(name, update)
         self.counters.weight_updates += 1
         prefix = f"weights/{name}/" if self._several else "weights/"
         metrics = {f"{prefix}{k}": v for k, v in self._clients[name].metrics.items()}
         metrics["rollout/weight_wait_s"] = waited_s
         self._log(metrics)
+
+    def _wait_for_this_jobs_trainer(self, client):
+        """The first weights of this job's trainer: a previous job's newest version (a higher step, say,
+        than the checkpoint this job's trainer resumed from) is skipped, so the worker neither stops at a
+        final step nor waits for a step that the trainer now running will not publish."""
+        deadline = time.monotonic() + self.config.weight_timeout_s
+        update = client.wait_for(0, self.config.weight_timeout_s)
+        while self._min_epoch is not None and client.version.epoch < self._min_epoch:
+            if time.monotonic() > deadline:
+                raise WeightWaitTimeout(
+                    f"no weights from this job's trainer after {self.config.weight_timeout_s:.0f} s (holding "
+                    f"{client.version}, published before this job started)")
+            time.sleep(0.1)
+            update = client.poll() or update
+        return update
+
+    def _note_version(self, name: str, update) -> None:
+        """Record `update` as model `name`'s weights; a newer trainer epoch than the one held is a restart."""
+        self.weight_steps[name] = update.weight_step
+        version = getattr(self._clients[name], "version", None)
+        epoch = None if version is None else version.epoch
+        held = self._epochs[name]
+        if held is not None and epoch is not None and epoch > held:
+            self.counters.trainer_restarts += 1
+            logger.warning("%s: the trainer restarted (weights of epoch %d at step %d after epoch %d): following it",
+                           self.worker_id, epoch, update.weight_step, held)
+        self._epochs[name] = epoch
+
+    def _newer_epoch_waiting(self) -> bool:
+        """Whether a restarted trainer's weights are waiting (received now if so): the batch just generated
+        for the previous trainer is then never written, since the new one counts its steps afresh."""
+        restarts = self.counters.trainer_restarts
+        for name, client in self._clients.items():
+            update = client.poll()
+            if update is not None:
+                self._receive(name, update)
+        return self.counters.trainer_restarts != restarts
 
     def _inflight_updates(self):
         """While a training batch is generated: the server swaps in weights that arrive meanwhile
@@ -282,7 +332,7 @@ class RolloutWorker:
         def poll():
             update = client.poll()
             if update is not None:
-                self.weight_steps[name] = update.weight_step
+                self._note_version(name, update)
                 self.counters.weight_updates += 1
                 self.counters.inflight_swaps += 1
             return update
@@ -293,6 +343,7 @@ class RolloutWorker:
         cfg = self.config
         lesson_id = self.lessons.sample_lesson(int(self._rng.integers(2**31)))
         started = time.perf_counter()
+        restarts_before = self.counters.trainer_restarts
         ENV_ERRORS.forget_last()
         try:
             with self._inflight_updates():
@@ -314,6 +365,11 @@ class RolloutWorker:
             self._failed(lesson_id, ENV_ERRORS.last() or f"it returned no usable group ({dropped or 'no groups'})")
             return False
         self._failure_streak = self._lesson_streaks[lesson_id] = 0
+        if self.counters.trainer_restarts != restarts_before or self._newer_epoch_waiting():
+            self.counters.batches_dropped_restart += 1
+            logger.warning("%s: dropped a batch of %d rollouts generated for the trainer before its restart",
+                           self.worker_id, len(batch.rollouts))
+            return False
         parts = (split_by_model(batch, self._model_of, self.weight_steps) if self._several
                  else [(next(iter(self._writers)), batch)])
         if not all([self._write(name, part) for name, part in parts]):
