@@ -20,7 +20,9 @@ Components (per device), and how exact each is:
 
 Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
 the Python process (its baseline), Ray, a second copy of the weights while a new version is received or
-published, and the host memory of checkpoints and rollout files. On an accelerator with
+published, and the host memory of checkpoints and rollout files. Nor what only a CPU compile allocates:
+XLA:CPU keeps float32 copies of bfloat16 weights for its matmuls (the engine's programs' scratch grows by
+twice a layer's bfloat16 shard per layer, docs/scaling.md), about 2 × `weights` on fake CPU devices. On an accelerator with
 `inference.engine.max_pages: null` the engine grows its cache to `hbm_utilization` of free memory; the
 plan counts the pages `max_seqs` full-length sequences need.
 
