@@ -11,8 +11,9 @@ hosts): `ray job submit --working-dir . -- python experiments/grpo_math_qwen3_0p
 gs://MY_BUCKET/runs ...` (infra/README.md). On `infra/tpu-v6e.yaml`: `--ray.trainer.tpu v6e-8
 --ray.rollout.tpu v6e-4`. On GPUs (`infra/gpu.yaml`, or one machine with 2+ GPUs and `--ray.address
 null`): `--ray.trainer.tpu null --ray.trainer.num_gpus 1 --ray.rollout.tpu null --ray.rollout.num_gpus 1
---n_rollout_workers 1 --trainer.per_device_parallelism 16` (one H100 holds the 0.6B state and a
-16-row microbatch: `--dry_run` with those flags prints the numbers).
+--n_rollout_workers 1 --trainer.per_device_parallelism 16` (one H100 holds either role: `--dry_run` with
+those flags predicts 31 GiB for the trainer with 16-row microbatches, 20 of them activations, and 31 GiB
+for a rollout worker, 28 of them the engine's page cache).
 
 Why Qwen3-0.6B and not Qwen2.5-0.5B-Instruct: marinrl samples Llama-family models only (the scan
 sampler and Levanter's engine decode both need `LlamaLMHeadModel`, docs/models.md), and Levanter's

@@ -1,6 +1,6 @@
-"""Every recipe in experiments/: its config parses and validates, and its dry run lowers the train and
-generation steps at the recipe's shapes (in a subprocess with the trainer's number of fake devices)
-and prints sane numbers."""
+"""Every recipe in experiments/: its config parses and validates, and its dry run (in a subprocess with the
+trainer's number of fake devices) lowers the train step, compiles the engine's prefill and decode loop at
+the recipe's shapes, and prints memory per role and FLOPs that hold together."""
 
 from __future__ import annotations
 
@@ -81,24 +81,35 @@ def test_dry_run(name):
 
     config = parse_recipe(_recipe(name)["RECIPE"], [])
     report, text = _dry_run(name)
-    train, gen = report["train"], report["generation"]
-    per_host = config.ray.trainer.devices()
-    assert train["devices"] == per_host * config.ray.trainer.hosts()
-    assert gen["devices"] == config.ray.rollout.devices()
-    assert "an extrapolation" in text  # fewer layers were lowered, and the output says so
+    trainer, rollout = report["trainer"], report["rollout"]
+    n = report["total_params"]
 
-    for step in (train, gen):
-        # FSDP (train) or tensor parallelism (generation) splits every large matrix: per-device parameter
-        # bytes are the total over the devices that split them, up to the small unsplit leaves (norms)
-        shards = step["devices"] if step["name"] == "train" else step["mesh"]["model"]
-        assert step["param_bytes_total"] / shards <= step["param_bytes_per_device"] <= \
-            step["param_bytes_total"] / shards * 1.01
-        assert step["param_bytes_total"] == pytest.approx(4 * step["total_params"])  # float32 parameters
-    # AdamW: two moments per parameter, sharded like the parameters
-    assert train["state_bytes_per_device"] == pytest.approx(2 * train["param_bytes_per_device"], rel=1e-3)
-    # forward + backward: 6·params·tokens, minus the embedding lookup, plus attention and recomputation
-    assert 6 * train["total_params"] * train["tokens"] * 0.5 < train["flops"] < 6 * train["total_params"] * \
-        train["tokens"] * 2
-    # prefill and a decode step: 2·params·tokens within the same factors
-    assert 2 * gen["total_params"] * gen["tokens"] * 0.5 < gen["flops"] < 2 * gen["total_params"] * gen["tokens"] * 2
-    assert 0 < gen["state_bytes_per_device"] and 0 < train["activation_bytes_per_device"]
+    # the backend the recipe runs is the one compiled: Levanter's engine, its prefill and its decode loop
+    assert report["backend"] == "engine" and "rollout backend: engine" in text
+    programs = {p["name"]: p for p in report["programs"]}
+    assert list(programs) == ["train step", "engine prefill", "engine decode loop"]
+    assert programs["engine prefill"]["compiled"] and programs["engine decode loop"]["compiled"]
+    assert trainer["devices"] == config.ray.trainer.devices() * config.ray.trainer.hosts()
+    assert rollout["devices"] == programs["engine decode loop"]["devices"] == config.ray.rollout.devices()
+
+    # trainer: float32 parameters split by FSDP over every device (up to the unsplit norms), gradients the same
+    # bytes, AdamW's two moments, and the peak is their sum with the accumulator and the activations
+    t = trainer["bytes_per_device"]
+    assert 4 * n / trainer["devices"] <= t["parameters"] <= 4 * n / trainer["devices"] * 1.01
+    assert t["gradients"] == t["parameters"] == t["gradient_accumulator"]  # microbatches: an accumulator too
+    assert t["optimizer_state"] == pytest.approx(2 * t["parameters"], rel=1e-3)
+    assert trainer["peak_bytes_per_device"] == pytest.approx(sum(t.values()))
+    assert 0 < t["activations"]
+    # rollout: bfloat16 weights (the recipes' compute dtype), tensor-parallel over the model axis
+    r, model_axis = rollout["bytes_per_device"], rollout["mesh"]["model"]
+    assert 2 * n / model_axis <= r["weights"] <= 2 * n / model_axis * 1.01
+    assert r["cache"] > r["weights"] / 10 and rollout["peak_bytes_per_device"] == pytest.approx(sum(r.values()))
+
+    # FLOPs: the MFU convention within its attention share of 6·N·T, the recompute on top (checkpointing on)
+    tf, gf = report["train_flops"], report["generation_flops"]
+    assert tf["tokens"] == report["rows"] * report["row_length"]
+    assert 6 * n * tf["tokens"] * 0.5 < tf["model"] < 6 * n * tf["tokens"] * 1.5
+    assert tf["executed"] == pytest.approx(tf["model"] + tf["recompute"]) and tf["recompute"] > 0
+    rows = config.groups_per_step * config.n_generations
+    assert gf["decode_tokens"] == rows * (report["response_tokens"] - 1)
+    assert gf["total"] == pytest.approx(gf["prefill"] + gf["decode"]) and gf["decode"] > 10 * gf["prefill"]

@@ -7,9 +7,11 @@ so defaults written as Python objects would be lost on the first `--model.x` fla
 under the flags keeps every other value.
 
 `--dry_run` runs `marinrl.dry_run` instead of the job: the config is parsed and validated, the process
-gets as many fake CPU devices as the trainer has (set before JAX's backend starts), and the train and
-generation steps are lowered at the recipe's shapes. `--dry_run.layers N`, `--dry_run.prompt_tokens N`
-and `--dry_run.response_tokens N` change what it lowers (`DryRunShapes`).
+gets as many fake CPU devices as the trainer has (set before JAX's backend starts), the train step is
+lowered and the rollout backend's programs (Levanter's engine, or the scan sampler) are compiled at the
+recipe's shapes, and each role's memory per device and the FLOPs per step are printed (docs/scaling.md).
+`--dry_run.layers N`, `--dry_run.prompt_tokens N` and `--dry_run.response_tokens N` change the depth
+lowered and the token shapes (`DryRunShapes`).
 """
 
 from __future__ import annotations

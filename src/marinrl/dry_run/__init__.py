@@ -1,0 +1,26 @@
+"""The dry run of a job config: what its programs are, what each role holds per device, and how many
+FLOPs a step takes, at the config's real shapes on a laptop (fake CPU devices, no weights: the model,
+the optimizer state and the engine's cache are abstract, `eqx.filter_eval_shape`), so an 8B recipe checks
+before a TPU is rented. What breaks first on a pod is a mesh that does not divide the model, a batch
+that does not divide the mesh, a program that does not compile, or a state that does not fit a chip.
+
+- `programs.py`: the trainer's step (lowered) and the rollout backend the job runs (`inference.backend`),
+  lowered and compiled: for `engine`, Levanter's `_run_prefill` and `_run_generation_loop` over its paged
+  KV cache; for `scan`, the scan sampler. With `DryRunShapes.layers` layers, on the trainer's and a
+  rollout worker's meshes.
+- `memory.py`: `predicted_memory(job, role, n_devices) -> MemoryPlan`, per device by component (exact from
+  shapes and shardings, except activations and the rollout working set, estimates), and its peak.
+- `flops.py`: train FLOPs twice (model: 6·N·T + attention; executed: with the gradient-checkpointing
+  recompute) and generation FLOPs of a whole batch (every prompt's prefill and every decode step of
+  every row), from shapes, one rule for every recipe.
+
+The devices are the trainer's: `ray.trainer` fixes their number (`tpu: v5p-64` → 32), the process must
+have that many (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before JAX loads: see
+`marinrl.recipe`). A rollout worker's mesh takes the first `ray.rollout.devices()` of them.
+"""
+
+from marinrl.dry_run.memory import MemoryPlan, predicted_memory, rollout_devices, trainer_devices
+from marinrl.dry_run.report import DryRunReport, DryRunShapes, dry_run
+
+__all__ = ["DryRunReport", "DryRunShapes", "MemoryPlan", "dry_run", "predicted_memory", "rollout_devices",
+           "trainer_devices"]

@@ -1,0 +1,366 @@
+"""What each role of a job holds per device: `predicted_memory(job, role, n_devices) -> MemoryPlan`.
+
+Nothing is lowered: the model, the optimizer state and the engine's cache are built abstractly
+(`eqx.filter_eval_shape`, no arrays), their shardings come from the role's axis mapping
+(`haliax.partitioning.pspec_for`) on a mesh of `n_devices`, and each leaf's shard is counted. So any
+`RLJobConfig` answers in seconds, for any device count, on any machine.
+
+Components (per device), and how exact each is:
+- trainer: `parameters` (float32 master weights, `trainer.mp`'s param dtype), `gradients` (the same
+  leaves and shardings: gradients of float32 parameters are float32), `gradient_accumulator` (Levanter's
+  microbatch loop keeps a running sum beside each microbatch's gradients; 0 without microbatches) and
+  `optimizer_state`: exact from shapes and shardings. `activations`: an estimate from shapes for one
+  microbatch (`train_activation_bytes`).
+  Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations.
+- rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis),
+  `cache` (engine: the paged KV cache of `inference.engine.max_pages` pages, by default `max_seqs` ×
+  ceil(`max_seq_len` / page) pages, plus the engine's decode state; scan: one call's KV cache):
+  exact from shapes and shardings. `working_set`: an estimate of one engine prefill or decode step's
+  buffers (`rollout_working_set_bytes`). Peak = weights + cache + working_set.
+
+Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
+the Python process (its baseline), Ray, a second copy of the weights while a new version is received or
+published, and the host memory of checkpoints and rollout files. Nor what only a CPU compile allocates:
+XLA:CPU keeps float32 copies of bfloat16 weights for its matmuls (the engine's programs' scratch grows by
+twice a layer's bfloat16 shard per layer, docs/scaling.md), about 2 × `weights` on fake CPU devices. On an accelerator with
+`inference.engine.max_pages: null` the engine grows its cache to `hbm_utilization` of free memory; the
+plan counts the pages `max_seqs` full-length sequences need.
+
+The rollout mesh is the accelerator's: `inference.model_axis_size`, else the largest divisor of the
+device count that splits the model's heads and MLP (on a CPU a server with `model_axis_size: null`
+uses one device: set it for a like-for-like comparison there). The engine's page size and cache dtype
+are `inference.engine.page_size` (else 128) and `inference.engine.compute_dtype` (else the rollout dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from marinrl.dry_run.flops import ModelDims
+
+Role = Literal["trainer", "rollout"]
+GiB = float(1 << 30)
+ACCELERATOR_PAGE_SIZE = 128
+"""The engine's page size on TPU/GPU when `inference.engine.page_size` is unset (`EngineConfig`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """One role's predicted memory: bytes per device by component, and the peak they add up to."""
+
+    role: str
+    devices: int
+    """Devices the role's mesh spans."""
+    devices_per_process: int
+    """Devices one process holds: a host's chips, or all fake CPU devices (they share one process)."""
+    mesh: dict
+    """Mesh axis sizes."""
+    bytes_per_device: dict
+    """Component name -> bytes on the most loaded device, in the order the peak adds them."""
+    estimated: tuple
+    """The components that are estimates from shapes (the others are exact from shapes and shardings)."""
+
+    @property
+    def peak_bytes_per_device(self) -> float:
+        return float(sum(self.bytes_per_device.values()))
+
+    @property
+    def peak_bytes_per_process(self) -> float:
+        return self.peak_bytes_per_device * self.devices_per_process
+
+    @property
+    def composition(self) -> str:
+        return " + ".join(self.bytes_per_device)
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "peak_bytes_per_device": self.peak_bytes_per_device,
+                "peak_bytes_per_process": self.peak_bytes_per_process}
+
+
+# ------------------------------------------------------------------------------------------- shapes
+
+
+def abstract_model(model_config, vocab_size: int, dtype):
+    """The model as ShapeDtypeStructs (no weights): its floating leaves in `dtype`."""
+    def init():
+        model = model_config.model_type.init(hax.Axis("vocab", vocab_size), model_config, key=jax.random.PRNGKey(0))
+        return cast_floats(model, dtype)
+
+    return eqx.filter_eval_shape(init)
+
+
+def cast_floats(tree, dtype):
+    def cast(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding)
+        if eqx.is_inexact_array(x):
+            return x.astype(dtype)
+        return x
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+def _arrays(tree) -> list:
+    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, (jax.ShapeDtypeStruct, jax.Array))]
+
+
+def shard_bytes(tree, mapping: dict, mesh: dict) -> float:
+    """Bytes of `tree`'s shard on its most loaded device when haliax lays it out by `mapping` (logical
+    axis -> mesh axis) on a mesh of these axis sizes; leaves that are not NamedArrays are replicated."""
+    specs = hax.partitioning.pspec_for(tree, mapping, preserve_existing_shardings=False)
+    leaves = jax.tree_util.tree_leaves(tree)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    if len(leaves) != len(spec_leaves):
+        raise AssertionError(f"haliax gave {len(spec_leaves)} partition specs for {len(leaves)} leaves")
+    total = 0.0
+    for x, spec in zip(leaves, spec_leaves):
+        if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+            continue
+        shape = list(x.shape)
+        for i, axes in enumerate(tuple(spec) if isinstance(spec, PartitionSpec) else ()):
+            for name in (axes if isinstance(axes, tuple) else (axes,)):
+                if name is not None:
+                    shape[i] = -(-shape[i] // mesh.get(name, 1))
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return total
+
+
+def total_bytes(tree) -> float:
+    return float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in _arrays(tree)))
+
+
+def count(tree) -> int:
+    return int(sum(math.prod(x.shape) for x in _arrays(tree)))
+
+
+# ------------------------------------------------------------------------------------------- devices
+
+
+def trainer_devices(job) -> int:
+    """The trainer mesh's devices: its placement's per host × hosts (`v5p-64`: 4 × 8), else 8."""
+    per_host = job.ray.trainer.devices()
+    return per_host * job.ray.trainer.hosts() if per_host else 8
+
+
+def rollout_devices(job) -> int:
+    """The devices one rollout worker sees: its placement's, else all of this process's."""
+    n = job.ray.rollout.devices()
+    return n if n is not None else len(jax.devices())
+
+
+def trainer_mesh(job, n_devices: int) -> dict:
+    """Levanter's FSDP mesh over `n_devices` (`create_fsdp_mesh`): replica × data × model."""
+    t = job.trainer
+    replica = t.replica_ici_axis_size * t.replica_dcn_axis_size
+    model = t.model_axis_size
+    if n_devices % (replica * model):
+        raise ValueError(f"trainer.model_axis_size ({model}) × replica axes ({replica}) does not divide the "
+                         f"trainer's {n_devices} devices")
+    return {"replica": replica, "data": n_devices // (replica * model), "model": model}
+
+
+def rollout_model_axis_size(job, n_devices: int) -> int:
+    """`inference.model_axis_size`, else the accelerator's default: the largest divisor of `n_devices` that
+    splits the model's heads, KV heads and MLP (marinrl.inference.sharding)."""
+    cfg = job.model.model
+    size = job.inference.model_axis_size
+    if size is None:
+        size = max(d for d in range(1, n_devices + 1) if n_devices % d == 0 and cfg.num_kv_heads % d == 0
+                   and cfg.num_heads % d == 0 and cfg.intermediate_dim % d == 0)
+    for what, n in (("the rollout devices", n_devices), ("num_kv_heads", cfg.num_kv_heads),
+                    ("num_heads", cfg.num_heads), ("intermediate_dim", cfg.intermediate_dim)):
+        if n % size:
+            raise ValueError(f"inference.model_axis_size is {size}, which does not divide {what} ({n})")
+    return size
+
+
+def rollout_mapping(job, model_axis_size: int) -> dict:
+    from marinrl.inference import sharding
+
+    mapping = {axis: sharding.MODEL for axis in sharding.TENSOR_PARALLEL_AXES}
+    if job.model.vocab_size % model_axis_size == 0:
+        mapping["vocab"] = sharding.MODEL
+    return mapping
+
+
+def engine_sizing(job):
+    """The Levanter `InferenceEngineConfig` a rollout worker builds on an accelerator: `inference.engine`
+    resolved, with the page size, page budget and cache dtype an accelerator would take."""
+    e = job.inference.engine
+    page = e.page_size or ACCELERATOR_PAGE_SIZE
+    pages = e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
+    dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
+    return dataclasses.replace(e.resolved(), page_size=page, max_pages=pages, compute_dtype=dtype)
+
+
+def abstract_engine_state(model, engine_config):
+    """The engine's `GenState` (paged KV cache and decode state) as ShapeDtypeStructs, as
+    `InferenceEngine.from_model_with_config` builds it."""
+    from levanter.inference.engine import GenState
+    from levanter.inference.jit_scheduler import DecodeState
+    from levanter.inference.page_table import PageTable
+
+    c = engine_config
+
+    def build():
+        table = PageTable.init(c.max_pages, c.max_seqs, c.page_size, c.max_pages_per_seq)
+        cache = model.initial_cache(table.spec(), dtype=c.compute_dtype)
+        state = DecodeState.init(table, max_stop_seqs=c.max_stop_seqs, max_stop_tokens=c.max_stop_tokens,
+                                 max_queued_tokens=c.max_queued_tokens, enable_logprobs=c.enable_logprobs)
+        return GenState(cache=cache, decode_state=state)
+
+    return eqx.filter_eval_shape(build)
+
+
+# ------------------------------------------------------------------------------------------- estimates
+
+
+def microbatch_rows_per_device(job, mesh: dict) -> int:
+    """Rows one device holds in one microbatch: `per_device_parallelism`, else its share of the batch."""
+    if job.trainer.per_device_parallelism > 0:
+        return job.trainer.per_device_parallelism
+    return max(1, job.groups_per_step * job.n_generations // (mesh["data"] * mesh["replica"]))
+
+
+def train_activation_bytes(job, mesh: dict, length: int) -> float:
+    """One microbatch's activations per device, from shapes (an estimate). With gradient checkpointing
+    each layer keeps its input (rows × length × hidden, compute dtype) and one layer's working set is live
+    at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
+    gradients); without, every layer keeps its working set. The loss's logits and their gradient in
+    float32 come on top, over one vocabulary block (`cross_entropy_block_size`, else the vocabulary)."""
+    cfg = job.model.model
+    rows = microbatch_rows_per_device(job, mesh)
+    compute = np.dtype(job.trainer.mp.compute_dtype).itemsize
+    working = 16 * rows * length * max(cfg.hidden_dim, cfg.intermediate_dim // 2) * compute / mesh["model"]
+    checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
+    kept = rows * length * cfg.hidden_dim * compute * cfg.num_layers if checkpointing else working * cfg.num_layers
+    block = min(getattr(cfg, "cross_entropy_block_size", None) or job.model.vocab_size, job.model.vocab_size)
+    logits = 2 * rows * length * block * 4 / mesh["model"]
+    return float(kept + working + logits)
+
+
+def rollout_working_set_bytes(job, model_axis_size: int, data_axis_size: int) -> float:
+    """The larger of one engine prefill and one decode step, per device, from shapes (an estimate): the
+    logits of every token in the step (compute dtype), the sampled rows' logits in float32 twice
+    (softmax and log-softmax), and one layer's activations (hidden, q/k/v, the MLP's hidden units).
+    For the scan sampler: one decode step of a call's rows."""
+    dims = ModelDims.of(job.model.model, job.model.vocab_size)
+    itemsize = np.dtype(job.inference.engine.compute_dtype or job.rollout_dtype()).itemsize
+    vocab_shards = model_axis_size if dims.vocab % model_axis_size == 0 else 1
+
+    def step(tokens: int, sampled: int) -> float:
+        logits = tokens * dims.vocab * itemsize / vocab_shards
+        sampled_logits = 2 * sampled * dims.vocab * 4 / vocab_shards
+        layer = tokens * (2 * dims.hidden + (dims.q_dim + 2 * dims.kv_dim + 2 * dims.intermediate) / model_axis_size)
+        return logits + sampled_logits + layer * itemsize
+
+    if job.inference.backend == "engine":
+        e = engine_sizing(job)
+        decode = e.imputed_max_tokens_per_round
+        return max(step(e.max_prefill_size, e.max_seqs_in_prefill), step(decode, decode))
+    rows = max(1, job.groups_per_step // job.n_rollout_workers) * job.n_generations // data_axis_size
+    return step(rows, rows)
+
+
+# ------------------------------------------------------------------------------------------- the plan
+
+
+def train_row_length(job, prompt_tokens: int, response_tokens: int) -> int:
+    """The row length the trainer's batches take: the bucket that holds prompt + response."""
+    b = job.batching
+    return b.bucket_for(min(b.max_length, prompt_tokens + response_tokens))
+
+
+def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int) -> MemoryPlan:
+    from levanter.trainer_state import TrainerState
+
+    mesh = trainer_mesh(job, n_devices)
+    trainer_cfg = job.trainer_config()
+    mapping = trainer_cfg.parameter_axis_mapping
+    optimizer = job.optimizer.build(job.num_train_steps)
+    model = abstract_model(job.model.model, job.model.vocab_size, jnp.dtype(job.model.dtype))
+    state = eqx.filter_eval_shape(
+        lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=job.trainer.mp), model)
+    params = shard_bytes(state.model, mapping, mesh)
+    grads = shard_bytes(state.trainable_model, mapping, mesh)
+    rows = job.groups_per_step * job.n_generations
+    mbs = trainer_cfg.microbatch_size
+    accumulating = mbs is not None and mbs < rows
+    length = train_row_length(job, prompt_tokens, response_tokens)
+    per_host = job.ray.trainer.devices()
+    return MemoryPlan(
+        role="trainer", devices=n_devices, devices_per_process=min(per_host or n_devices, n_devices), mesh=mesh,
+        bytes_per_device={"parameters": params, "gradients": grads,
+                          "gradient_accumulator": grads if accumulating else 0.0,
+                          "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
+                          "activations": train_activation_bytes(job, mesh, length)},
+        estimated=("activations",))
+
+
+def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int) -> MemoryPlan:
+    model_axis = rollout_model_axis_size(job, n_devices)
+    mesh = {"data": n_devices // model_axis, "model": model_axis}
+    mapping = rollout_mapping(job, model_axis)
+    model = abstract_model(job.model.model, job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+    if job.inference.backend == "engine":
+        with hax.axis_mapping(mapping):
+            cache = shard_bytes(abstract_engine_state(model, engine_sizing(job)), mapping, mesh)
+    else:
+        kv, chunk, _ = scan_cache_bytes(job, prompt_tokens, response_tokens)
+        cache = kv / scan_cache_shards(job, mesh, chunk)
+    return MemoryPlan(
+        role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
+        bytes_per_device={"weights": shard_bytes(model, mapping, mesh), "cache": cache,
+                          "working_set": rollout_working_set_bytes(job, model_axis, mesh["data"])},
+        estimated=("working_set",))
+
+
+def scan_cache_bytes(job, prompt_tokens: int, response_tokens: int) -> tuple[float, int, int]:
+    """(KV cache bytes of one scan-sampler call, prompts per call, calls per rollout batch): a call whose
+    cache exceeds `inference.scan_max_cache_bytes` is split into equal calls, as `sampler.sample` does."""
+    from marinrl.inference.sampler import _floor_bucket, bucket
+
+    dims = ModelDims.of(job.model.model, job.model.vocab_size)
+    prompts = max(1, job.groups_per_step // job.n_rollout_workers)
+    p_len, t_len = bucket(prompt_tokens, 16), bucket(response_tokens, 16)
+    itemsize = np.dtype(job.rollout_dtype()).itemsize
+    per_prompt = job.n_generations * 2 * dims.layers * dims.kv_dim * (p_len + t_len) * itemsize
+    chunk = min(bucket(prompts), _floor_bucket(max(1, job.inference.scan_max_cache_bytes // per_prompt)))
+    return float(chunk * per_prompt), chunk, math.ceil(prompts / chunk)
+
+
+def scan_cache_shards(job, mesh: dict, chunk: int) -> int:
+    """Devices one scan-sampler call's cache (`chunk` prompts) is split over: rows over data, KV heads over
+    model."""
+    rows = chunk * job.n_generations
+    return (mesh["data"] if rows % mesh["data"] == 0 else 1) * \
+        (mesh["model"] if job.model.model.num_kv_heads % mesh["model"] == 0 else 1)
+
+
+def default_response_tokens(job) -> int:
+    return max(lesson.max_tokens for lesson in job.curriculum.lessons)
+
+
+def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt_tokens: int = 256,
+                     response_tokens: Optional[int] = None) -> MemoryPlan:
+    """`role`'s memory per device for `job` on `n_devices` devices (None: the trainer's placement, or the
+    rollout worker's; see the module doc for what is counted). Lowers nothing. `prompt_tokens` and
+    `response_tokens` (None: the curriculum's largest `max_tokens`) fix the trainer's row length and the
+    scan sampler's cache; the engine's cache is sized by `inference.engine` alone."""
+    if role not in ("trainer", "rollout"):
+        raise ValueError(f"predicted_memory: role must be 'trainer' or 'rollout', got {role!r}")
+    if n_devices is not None and n_devices < 1:
+        raise ValueError(f"predicted_memory: n_devices must be >= 1 or None, got {n_devices}")
+    response = response_tokens or default_response_tokens(job)
+    if role == "trainer":
+        return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response)
+    return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response)

@@ -1,0 +1,184 @@
+"""The dry run's numbers without lowering anything (seconds): each role's memory plan from shapes and
+shardings, and the FLOPs rule, checked against closed forms written out here and against the parameters
+of a real (abstract) Levanter model. The recipes' full dry runs are in tests/test_recipes.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import runpy
+
+import jax.numpy as jnp
+import pytest
+
+from marinrl.dry_run import flops, predicted_memory
+from marinrl.dry_run.memory import abstract_model, count
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _recipe(name: str = "grpo_math_qwen3_0p6b"):
+    from marinrl.recipe import parse_recipe
+
+    return parse_recipe(runpy.run_path(str(ROOT / "experiments" / f"{name}.py"), run_name="recipe")["RECIPE"], [])
+
+
+def _with_model(job, **changes):
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, model=dataclasses.replace(
+        job.model.model, **changes)))
+
+
+def _with(job, section: str, **changes):
+    return dataclasses.replace(job, **{section: dataclasses.replace(getattr(job, section), **changes)})
+
+
+TINY = dict(hidden_dim=64, intermediate_dim=160, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32)
+"""A Qwen3-shaped model small enough to count by hand (head_dim × heads = 128 ≠ hidden, as in Qwen3)."""
+
+
+@pytest.mark.parametrize("name", ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p"])
+def test_matmul_params_are_the_models_parameters_less_norms_and_lookup(name):
+    """ModelDims counts what a real Levanter model of that config holds: every parameter is a matmul
+    weight, a norm scale, or (untied) the embedding table."""
+    job = _recipe(name)
+    fields = {f.name for f in dataclasses.fields(job.model.model)}
+    tiny = dataclasses.replace(job.model.model, **{k: v for k, v in TINY.items() if k in fields})
+    dims = flops.ModelDims.of(tiny, 300)
+    model = abstract_model(tiny, 300, jnp.float32)
+    qk_norms = 2 * dims.head_dim if "Qwen" in type(model).__name__ else 0
+    norms = dims.layers * (2 * dims.hidden + qk_norms) + dims.hidden
+    lookup = 0 if dims.tied_embeddings else dims.vocab * dims.hidden
+    assert count(model) == dims.matmul_params + norms + lookup
+
+
+def test_generation_flops_are_every_prefill_and_every_decode_step():
+    dims = flops.ModelDims(hidden=64, intermediate=160, layers=3, heads=4, kv_heads=2, head_dim=32, vocab=300,
+                           tied_embeddings=True)
+    n = dims.layers * (64 * (128 + 2 * 64) + 128 * 64 + 3 * 64 * 160) + 64 * 300  # written out
+    assert dims.matmul_params == n
+    per_key = 4 * dims.layers * 128
+    prompts, samples, prompt = 3, 5, 7
+    for response in (1, 2, 9, 40):
+        g = flops.generation_flops(dims, prompts, samples, prompt, response)
+        # prefill: each position i (1-based) attends to i keys; decode: the token at position prompt + k - 1
+        # (k = 1 .. response - 1) attends to prompt + k keys
+        prefill = prompts * sum(2 * n + per_key * i for i in range(1, prompt + 1))
+        decode = prompts * samples * sum(2 * n + per_key * (prompt + k) for k in range(1, response))
+        assert g.prefill == prefill and g.decode == decode and g.total == prefill + decode
+        assert g.decode_tokens == prompts * samples * (response - 1)
+    # one more token per row costs one more decode step of every row, at the longer context
+    a, b = flops.generation_flops(dims, prompts, samples, prompt, 40), flops.generation_flops(dims, prompts, samples,
+                                                                                              prompt, 41)
+    assert b.total - a.total == prompts * samples * (2 * n + per_key * (prompt + 40))
+
+
+def test_executed_train_flops_add_exactly_the_recompute_of_checkpointed_layers():
+    job = _recipe()
+    dims = flops.ModelDims.of(job.model.model, job.model.vocab_size)
+    rows, length = 512, 1024
+    on, off = (flops.train_flops(dims, rows, length, flops.recomputed_forward_passes(policy))
+               for policy in (True, False))
+    layer_forward = 2 * dims.layers * dims.layer_matmul_params * rows * length + \
+        4 * dims.layers * dims.q_dim * rows * length * (length + 1) // 2
+    assert on.model == off.model == 3 * (2 * dims.matmul_params * rows * length +
+                                         4 * dims.layers * dims.q_dim * rows * length * (length + 1) // 2)
+    assert on.executed - on.model == on.recompute == layer_forward
+    assert off.executed == off.model and off.recompute == 0
+    assert flops.recomputed_forward_passes("nested") == 2 and flops.recomputed_forward_passes("offload") == 1
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        flops.recomputed_forward_passes("sometimes")
+
+
+def test_the_dry_run_counts_the_configs_checkpointing():
+    from marinrl.dry_run.report import DryRunShapes, step_flops
+
+    job = _recipe()
+    on = step_flops(job, DryRunShapes())[0]
+    off = step_flops(_with_model(job, gradient_checkpointing=False), DryRunShapes())[0]
+    assert on.model == off.model and off.executed == off.model and on.executed > on.model
+
+
+def test_trainer_plan_counts_gradients_as_float32_parameters():
+    job = _recipe()
+    plan = predicted_memory(job, "trainer", 8)
+    b = plan.bytes_per_device
+    n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
+    # FSDP over 8 devices: a float32 parameter's shard, up to leaves too small to split (norms)
+    assert 4 * n / 8 <= b["parameters"] <= 4 * n / 8 * 1.01
+    assert b["gradients"] == b["parameters"]
+    assert b["gradient_accumulator"] == b["parameters"]  # 512 rows in microbatches of 4 × 8
+    assert b["optimizer_state"] == pytest.approx(2 * b["parameters"], rel=1e-4)  # AdamW's two moments
+    assert plan.peak_bytes_per_device == pytest.approx(sum(b.values()))
+    assert list(b) == ["parameters", "gradients", "gradient_accumulator", "optimizer_state", "activations"]
+    assert plan.peak_bytes_per_process == plan.peak_bytes_per_device * 8
+    whole = predicted_memory(_with(job, "trainer", per_device_parallelism=-1), "trainer", 8).bytes_per_device
+    assert whole["gradient_accumulator"] == 0 and whole["gradients"] == b["gradients"]
+    # half the devices: every sharded leaf twice as large
+    assert predicted_memory(job, "trainer", 4).bytes_per_device["parameters"] == pytest.approx(
+        2 * b["parameters"], rel=0.01)
+
+
+def test_rollout_weights_and_cache_take_half_the_bytes_in_bfloat16():
+    job = _recipe()
+    assert job.rollout_dtype() == "bfloat16"  # the recipes' mp: p=f32,c=bfloat16
+    bf16 = predicted_memory(job, "rollout", 4)
+    f32 = predicted_memory(_with(job, "inference", dtype="float32"), "rollout", 4)
+    assert bf16.bytes_per_device["weights"] * 2 == f32.bytes_per_device["weights"]
+    n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
+    assert 2 * n / 4 <= bf16.bytes_per_device["weights"] <= 2 * n / 4 * 1.01  # tensor-parallel over 4
+    # the page cache: max_seqs × ceil(max_seq_len / 128) pages of 128 tokens, K and V of every layer, KV heads
+    # split over the model axis; the decode state beside it is small
+    e, cfg = job.inference.engine, job.model.model
+    pages = e.max_seqs * -(-e.max_seq_len // 128)
+    kv = pages * 128 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2 / 4
+    assert kv <= bf16.bytes_per_device["cache"] <= kv * 1.01
+    assert f32.bytes_per_device["cache"] == pytest.approx(2 * bf16.bytes_per_device["cache"], rel=0.01)
+    assert bf16.estimated == ("working_set",)
+
+
+def test_predicted_memory_refuses_bad_input_naming_it():
+    job = _recipe()
+    with pytest.raises(ValueError, match="role"):
+        predicted_memory(job, "sampler")
+    with pytest.raises(ValueError, match="n_devices"):
+        predicted_memory(job, "trainer", 0)
+    with pytest.raises(ValueError, match="inference.model_axis_size is 3"):
+        predicted_memory(_with(job, "inference", model_axis_size=3), "rollout", 6)
+    with pytest.raises(ValueError, match="trainer.model_axis_size"):
+        predicted_memory(_with(job, "trainer", model_axis_size=3), "trainer", 8)
+
+
+def _tiny_job(backend: str):
+    """The 0.6B recipe at a tiny width on this session's 4 fake devices: a 4-GPU trainer, 2-GPU rollouts."""
+    from marinrl.placement import PlacementConfig
+
+    job = _with_model(_recipe(), **TINY)
+    job = dataclasses.replace(job, groups_per_step=4, n_generations=2, n_rollout_workers=2,
+                              model=dataclasses.replace(job.model, vocab_size=512))
+    job = _with(job, "ray", trainer=PlacementConfig(num_gpus=4), rollout=PlacementConfig(num_gpus=2))
+    job = _with(job, "trainer", per_device_parallelism=1)
+    return _with(job, "inference", backend=backend, model_axis_size=2,
+                 engine=dataclasses.replace(job.inference.engine, max_seqs=8, max_seq_len=64, max_prefill_tokens=64))
+
+
+@pytest.mark.parametrize("backend", ["engine", "scan"])
+def test_dry_run_compiles_the_backend_the_job_runs(backend):
+    import json
+
+    from marinrl.dry_run import DryRunShapes, dry_run
+
+    report = dry_run(_tiny_job(backend), DryRunShapes(prompt_tokens=16, response_tokens=16, layers=1))
+    assert report.backend == backend
+    names = [p.name for p in report.programs]
+    rollout = ["engine prefill", "engine decode loop"] if backend == "engine" else ["scan sampler"]
+    assert names == ["train step", *rollout]
+    for p in report.programs[1:]:
+        assert p.compiled and p.devices == 2 and p.mesh == {"data": 1, "model": 2} and p.layers == 1
+        assert p.cpu_temp_bytes_per_device >= 0
+    assert report.trainer.devices == 4 and report.rollout.devices == 2
+    # the engine's cache is its pages; the scan sampler's one call's rows × (prompt + response) slots
+    assert report.rollout.bytes_per_device["cache"] > 0
+    text = "\n".join(report.lines())
+    assert f"rollout backend: {backend}" in text and "gradients" in text and "executed" in text
+    assert json.loads(json.dumps(report.as_dict()))["rollout"]["peak_bytes_per_device"] == \
+        report.rollout.peak_bytes_per_device
