@@ -108,9 +108,10 @@ class RolloutActor:
             log_to_file(log_dir, f"rollout-{index}")
 
         tokenizer = build_tokenizer(job.model)
-        inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
-        models = policy_models(job)
-        weights = [build_model(m.job.model) for m in models]
+        inference = with_endpoint_if_needed(dataclasses.replace(job.inference, dtype=job.rollout_dtype()),
+                                            [lesson.env for lesson in job.curriculum.lessons])
+        models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
+        weights = [build_model(dataclasses.replace(m.job.model, dtype=m.job.rollout_dtype())) for m in models]
         clock.mark("model")
         servers = {m.name: InferenceServer(inference if k == 0 else dataclasses.replace(inference, serve_http=False),
                                            w, tokenizer).start() for k, (m, w) in enumerate(zip(models, weights))}
