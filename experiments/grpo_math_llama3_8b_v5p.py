@@ -19,7 +19,8 @@ Inputs (nothing downloads at run time), copied to your bucket once:
   `\\boxed{}` content of MATH's solutions), train and test, under `gs://MY_BUCKET/data/math/`.
 
 The settings this scale needs: bf16 compute over f32 parameters and AdamW state (8B: 32 + 64 GB, 3 GB
-per chip over 32 chips of FSDP), gradient checkpointing, 1024 rows per step in microbatches of 2 rows
+per chip over 32 chips of FSDP), bf16 rollouts and weight versions (`inference.dtype`: 16 GB a version
+instead of 32 GB) with TIS correcting the sampler/trainer mismatch, gradient checkpointing, 1024 rows per step in microbatches of 2 rows
 per chip (16 accumulation steps), rollouts tensor-parallel over each v5p-8 host's 4 chips with the
 engine backend, no KL term (a reference would add 32 GB of f32 weights, 1 GB per chip), wandb + JSON logs.
 """
