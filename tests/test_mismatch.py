@@ -81,3 +81,9 @@ def test_k3_is_zero_only_at_zero_and_positive_elsewhere():
     tolerance = 4 * np.finfo(np.float32).eps * (np.exp(x) + np.abs(x) + 1)
     assert (np.abs(got - (np.exp(x) - x - 1)) <= tolerance).all(), got
     assert got[0, 2] == 0 and (np.delete(got, 2) > 0).all()
+
+
+def test_the_report_plots_every_mismatch_metric():
+    from marinrl.report import MISMATCH_METRICS
+
+    assert MISMATCH_METRICS == NAMES
