@@ -123,3 +123,28 @@ def test_bf16_deltas_of_small_f32_updates_round_trip_exactly(master, served, req
         server.close()
     assert client.metrics["deltas_applied"] == 3 and client.metrics["snapshots_loaded"] == 1
     assert max(sizes[1:]) < sizes[0], sizes
+
+
+def test_lora_versions_travel_in_the_rollout_dtype_and_merge_into_the_bf16_base():
+    """The trainer's f32 adapters, cast once and published; the rollout side's client (its base in bf16)
+    expects bf16 adapters, receives them as sent and merges them into W in bf16."""
+    from levanter.lora import is_lora_param
+
+    from marinrl.lora import AdapterMergingClient, LoraRLConfig, adapter_only, add_adapters, merge_adapters
+
+    lora = LoraRLConfig(rank=2, alpha=4.0)
+    base = _tiny_llama()
+    trained = add_adapters(base, lora)
+    shifted = jax.tree.map(lambda x: x + 0.01, adapter_only(trained))  # B ≠ 0: the merge changes W
+    trained = eqx.combine(shifted, trained, is_leaf=is_lora_param)
+    config = FilesystemTransferConfig(root=f"memory://weights-{uuid.uuid4().hex[:10]}")
+    server = config.build_server()
+    client = AdapterMergingClient(config, lora, as_dtype(base, BF16))
+    published = cast_for_publish(adapter_only(trained), "bfloat16")
+    assert floating_dtypes(published) == ["bfloat16"]
+    server.publish(published, 1)
+    merged, step = client.poll()
+    assert step == 1 and floating_dtypes(client.adapter) == ["bfloat16"] and floating_dtypes(merged) == ["bfloat16"]
+    assert_bits_equal(client.adapter, published)
+    want = merge_adapters(eqx.combine(published, as_dtype(trained, BF16), is_leaf=is_lora_param))
+    assert_bits_equal(merged, want)
