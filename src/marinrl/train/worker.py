@@ -120,6 +120,9 @@ class TrainWorkerConfig:
     def __post_init__(self):
         if self.lora is not None:
             self.lora.errors("lora")
+        if self.publish_dtype is not None and self.publish_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"TrainWorkerConfig.publish_dtype must be float32, bfloat16 or float16 (or None), "
+                             f"got {self.publish_dtype!r}")
         require_at_least(self, 1, "groups_per_step", "sync_interval", "checkpoint_keep")
         require_at_least(self, 0, "checkpoint_every", "checkpoint_keep_every")
         if self.sync_interval > 1 + self.replay.sampling.max_staleness:
