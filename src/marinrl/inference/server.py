@@ -84,7 +84,7 @@ class InferenceServerConfig:
     on the trainer's side). None: the trainer's compute dtype (`trainer.mp`), so bfloat16 rollouts under
     `mp: p=f32,c=bfloat16` and float32 on the CPU quickstart. Resolved by `RLJobConfig.rollout_dtype()`.
     A server given a model in another dtype casts it once; the engine's `compute_dtype`, when unset,
-    follows it. Logprobs are float32 whatever it is (docs/inference.md, "Dtypes")."""
+    follows it. Logprobs come back float32 whatever it is (docs/inference.md, "Dtypes")."""
     model_axis_size: Optional[int] = None
     """Tensor parallelism of the rollout model: how many of this host's local devices share each
     weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local
