@@ -28,6 +28,8 @@ Inputs (nothing downloads at run time: actors run with HF_HUB_OFFLINE=1), copied
   d['test'].to_json('test.jsonl')"`, then `gcloud storage cp *.jsonl gs://MY_BUCKET/data/gsm8k/`.
 
 The settings this scale needs: bf16 compute over f32 parameters and optimizer state (`trainer.mp`),
+bf16 rollouts and weight versions (`inference.dtype`: 1.2 GB a version instead of 2.4 GB) with TIS
+correcting the sampler/trainer mismatch (`loss.ratio_anchor: recomputed`, `loss.correction: tis`),
 FSDP over the host's 8 chips (Levanter's default mesh: `model_axis_size: 1`, the rest data/FSDP),
 gradient checkpointing, 512 rows per step in microbatches of 4 rows per chip (8 accumulation steps),
 rollouts tensor-parallel over each rollout host's 4 chips with the engine backend, wandb + JSON logs.

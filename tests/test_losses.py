@@ -190,7 +190,10 @@ def np_loss(cfg: LossConfig, lp, mu, adv, mask, old=None, ref=None):
         kl = float((coef * np.where(mask, k, 0.0)).sum())
         loss += cfg.kl_beta * kl
         grad += cfg.kl_beta * coef * np.where(mask, dk, 0.0)
-    x = (lp - mu)[mask]
+    trainer = anchor if cfg.ratio_anchor == "recomputed" else lp  # π_old, or π_θ at the start of the step
+    x = (trainer - mu)[mask]
+    log_w = x if cfg.correction_level == "token" else np.concatenate(
+        [np.full(mask[i].sum(), (trainer - mu)[i, mask[i]].sum()) for i in range(rows)])
     metrics = {
         "policy_loss": policy_loss,
         "kl": kl,
@@ -200,8 +203,11 @@ def np_loss(cfg: LossConfig, lp, mu, adv, mask, old=None, ref=None):
         "ratio_min": ratio[mask].min(),
         "ratio_mean": ratio[mask].mean(),
         "ratio_max": ratio[mask].max(),
-        "mismatch_abs_logprob_diff": np.abs(x).mean(),
-        "mismatch_kl": (np.exp(x) - 1.0 - x).mean(),
+        "mismatch/abs_logprob_mean": np.abs(x).mean(),
+        "mismatch/abs_logprob_max": np.abs(x).max(),
+        "mismatch/k3_kl": (np.exp(x) - 1.0 - x).mean(),
+        "mismatch/tis_clipped_frac": (np.exp(log_w) > cfg.tis_cap).mean(),
+        "mismatch/mis_masked_frac": ((np.exp(log_w) < cfg.mis_low) | (np.exp(log_w) > cfg.mis_high)).mean(),
         "is_weight_mean": weight[mask].mean(),
         "is_truncated_frac": affected[mask].mean() if cfg.correction == "tis" else 0.0,
         "is_masked_frac": affected[mask].mean() if cfg.correction == "mis" else 0.0,
@@ -454,7 +460,8 @@ def test_metric_names_reduce_correctly_across_microbatches():
     from levanter.metrics import ReductionType, auto_metric_from_name
 
     _, metrics, _ = jax_loss(preset("grpo"), policy_logprobs(1.0))
-    special = {"ratio_min": ReductionType.MIN, "ratio_max": ReductionType.MAX, "num_tokens": ReductionType.SUM}
+    special = {"ratio_min": ReductionType.MIN, "ratio_max": ReductionType.MAX, "num_tokens": ReductionType.SUM,
+               "mismatch/abs_logprob_max": ReductionType.MAX}
     for key in [*metrics, "entropy"]:
         assert auto_metric_from_name(key, 1.0).reduction == special.get(key, ReductionType.MEAN), key
 

@@ -1,6 +1,6 @@
 """On-policy means π_θ/μ = 1: real generation at the weights the trainer publishes, then the trainer's
 first update on those rollouts must see an importance ratio r = exp(log π_θ − log μ) of 1, to float32
-precision, on every response token.
+precision, on every response token (and its mismatch metrics only rounding); sampled in bfloat16, more.
 
 Everything is real: the TrainWorker (Levanter's Trainer on 4 fake CPU devices) publishes its initial
 weights w through the filesystem weight transfer; a sampler thread plays the rollout worker — it
@@ -44,6 +44,7 @@ from marinrl.storage import RolloutWriter
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.train.batching import BatchingConfig, make_training_batch
 from marinrl.train.losses import LossConfig, token_logprobs
+from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
@@ -239,4 +240,44 @@ def test_first_on_policy_update_has_ratio_one_on_every_token(tmp_path: pathlib.P
         low, high = train["train/ratio_min"], train["train/ratio_max"]
         problems.append(f"the first update's π_θ/μ is in [{low!r}, {high!r}]: |r-1| up to {worst:.2e} > bound "
                         f"{allowed[mask].max():.2e}")
+
+    # The same update's mismatch metrics (train/mismatch/*): trainer and sampler both float32 at the same
+    # weights, on-policy, so they measure rounding only: |d| within the per-token bound, k3 within
+    # e^b − b − 1 of the largest bound b, and no token that TIS would clip or MIS mask.
+    b = float(bound[mask].max())
+    got = {k[len("train/mismatch/"):]: v for k, v in train.items() if k.startswith("train/mismatch/")}
+    if not (got["abs_logprob_max"] <= b and got["abs_logprob_mean"] <= b and 0 <= got["k3_kl"] <= np.expm1(b) - b
+            and got["tis_clipped_frac"] == 0 and got["mis_masked_frac"] == 0):
+        problems.append(f"on-policy float32 mismatch beyond rounding (bound {b:.2e}): {got}")
     assert not problems, "\n".join(problems)
+
+
+@eqx.filter_jit
+def _mismatch_and_bound(model, batch):
+    metrics = mismatch_metrics(token_logprobs(model, batch), batch.sampler_logprobs, batch.loss_mask,
+                               tis_cap=2.0, mis_low=0.5, mis_high=2.0)
+    return metrics, logprob_error_bound(model, batch)
+
+
+def test_bf16_sampling_is_off_the_f32_trainer_by_more_than_rounding():
+    """The same weights served with `inference.dtype: bfloat16` (weights and KV cache in bf16): the mismatch
+    the trainer's float32 forward measures on those rollouts is larger than float32 rounding can make it
+    (the bound of the test above, at its largest over the batch), on average over the tokens."""
+    model = build_model(MODEL)
+    server = InferenceServer(InferenceServerConfig(dtype="bfloat16"), model, byte_tokenizer(VOCAB))
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(server.model, eqx.is_inexact_array))} == {jnp.dtype("bfloat16")}
+    rollouts = []
+    with server:
+        manager = RolloutManager(server, LESSONS)
+        for k, lesson in enumerate(LESSONS):
+            batch, metrics = manager.sample_batch(lesson, PROMPTS, GENERATIONS, "train", np.random.default_rng(k), 0,
+                                                  "sampler")
+            assert batch is not None, metrics
+            rollouts += [r for g in batch.groups for r in g.rollouts]
+    batch = make_training_batch(rollouts, [0.0] * len(rollouts), batch_size=len(rollouts),
+                                config=BatchingConfig(max_length=64, min_bucket=16))
+    metrics, bound = _mismatch_and_bound(model, batch)
+    metrics = {k: float(v) for k, v in metrics.items()}
+    b = float(np.asarray(bound)[np.asarray(batch.loss_mask.array) > 0].max())
+    assert metrics["mismatch/abs_logprob_mean"] > b, (metrics, b)
+    assert metrics["mismatch/abs_logprob_max"] >= metrics["mismatch/abs_logprob_mean"] and metrics["mismatch/k3_kl"] > 0

@@ -32,6 +32,10 @@ def test_recipe_config_parses_and_validates(name):
     assert jnp.dtype(config.trainer.mp.param_dtype) == jnp.float32
     assert config.inference.backend == "engine"
     assert config.model.model.gradient_checkpointing is True
+    # bf16 rollouts over the f32 master, the mismatch corrected by TIS (docs/models.md, "Dtypes")
+    assert config.model.dtype == "float32" and config.rollout_dtype() == "bfloat16"
+    assert config.train_worker_config().publish_dtype == "bfloat16"
+    assert (config.loss.ratio_anchor, config.loss.correction) == ("recomputed", "tis")
     assert any(type(t).__name__ == "WandbConfig" for t in config.trainer.tracker)
     config.validate()  # every range, the multi-host v5p-64 trainer included
 

@@ -36,7 +36,7 @@ def test_report_of_a_real_run(tmp_path, ray_session, capsys):
     assert cli_main(["report", str(run_dir)]) == 0
     out_dir = run_dir / "report"
     assert str(out_dir / "index.html") in capsys.readouterr().out
-    for png in ("reward_per_lesson.png", "response_length.png", "staleness.png", "step_time.png"):
+    for png in ("reward_per_lesson.png", "response_length.png", "staleness.png", "step_time.png", "mismatch.png"):
         assert (out_dir / png).stat().st_size > 5000, png  # a drawn figure, not an empty file
     page = (out_dir / "index.html").read_text()
     for name in re.findall(r'src="([^"]+\.png)"', page):

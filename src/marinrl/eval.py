@@ -84,7 +84,9 @@ class EvalConfig:
     the byte-level tokenizer sized to the model's vocabulary."""
     inference: InferenceServerConfig = dataclasses.field(
         default_factory=InferenceServerConfig)
-    """How the policy is served (`backend: engine` for models the scan sampler does not run)."""
+    """How the policy is served (`backend: engine` for models the scan sampler does not run); `dtype`
+    loads and samples the checkpoint in that dtype (`bfloat16`, as a job's rollout workers at scale),
+    over `model.dtype`."""
     progress: bool = True
     """Show a progress bar (on stderr)."""
 
@@ -245,6 +247,8 @@ def load_policy(checkpoint: Checkpoint, config: EvalConfig):
     from marinrl.models import build_tokenizer
 
     base = config.model or ModelConfig()
+    if config.inference.dtype is not None:  # loaded in the dtype it is served in, as a rollout worker does
+        base = dataclasses.replace(base, dtype=config.inference.dtype)
     tokenizer = config.tokenizer or base.tokenizer
     if checkpoint.kind == "hf":
         model_config = dataclasses.replace(base, hf_checkpoint=checkpoint.path, levanter_checkpoint=None,

@@ -118,10 +118,11 @@ class RolloutActor:
             log_to_file(log_dir, f"rollout-{index}")
 
         tokenizer = build_tokenizer(job.model)
-        inference = with_endpoint_if_needed(job.inference, [lesson.env for lesson in job.curriculum.lessons])
-        models = policy_models(job)
+        inference = with_endpoint_if_needed(dataclasses.replace(job.inference, dtype=job.rollout_dtype()),
+                                            [lesson.env for lesson in job.curriculum.lessons])
+        models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
         rss_before_model = psutil.Process().memory_info().rss
-        weights = [load_served_model(m.job.model, inference) for m in models]
+        weights = [load_served_model(m.job.model, inference, dtype=m.job.rollout_dtype()) for m in models]
         clock.mark("model")
         servers = {m.name: InferenceServer(inference if k == 0 else dataclasses.replace(inference, serve_http=False),
                                            w, tokenizer).start() for k, (m, w) in enumerate(zip(models, weights))}

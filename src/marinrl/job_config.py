@@ -256,7 +256,8 @@ class RLJobConfig:
             replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
             batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
             checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
-            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self))
+            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self),
+            publish_dtype=self.rollout_dtype())
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         models = policy_models(self)

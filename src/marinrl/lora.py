@@ -32,7 +32,7 @@ from levanter.lora import lora_trainable_params_filter
 from levanter.utils.jax_utils import leaf_key_paths
 
 from marinrl.preflight import ConfigError
-from marinrl.transfer.base import WeightTransferConfig, WeightUpdate
+from marinrl.transfer.base import WeightTransferConfig, WeightUpdate, cast_for_publish, floating_dtypes
 
 __all__ = ["LoraRLConfig", "AdapterMergingClient", "add_adapters", "adapter_only", "without_adapters",
            "merge_adapters", "trainable_filter", "adapted_modules", "check_targets", "parameter_counts", "describe"]
@@ -180,6 +180,9 @@ class AdapterMergingClient:
 
     def __init__(self, weights: WeightTransferConfig, config: LoraRLConfig, base):
         self._adapted = add_adapters(base, config)
+        dtypes = floating_dtypes(base)
+        if len(dtypes) == 1:  # versions carry the adapters in the base's (rollout) dtype: docs/weight_transfer.md
+            self._adapted = cast_for_publish(self._adapted, dtypes[0])
         self._inner = weights.build_client(adapter_only(self._adapted))
         self.location = self._inner.location
         self.model = None

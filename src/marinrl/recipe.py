@@ -28,23 +28,26 @@ _CHILD_ENV = "MARINRL_DRY_RUN_DEVICES"
 
 GRPO_AT_SCALE = """
 model:
-  dtype: float32                  # the trainer's parameters (trainer.mp: p=f32); the rollout model is the same
+  dtype: float32                  # the trainer's master weights and AdamW state (trainer.mp: p=f32)
   model: {gradient_checkpointing: true}
 max_staleness: 1
 optimizer: {learning_rate: 1.0e-6, lr_schedule: constant, warmup: 10, weight_decay: 0.0, max_grad_norm: 1.0}
-loss: {kl_beta: 0.0}
+# bf16 rollouts: the ratio against the trainer's own pi_old, times TIS min(pi_old/mu, 2) for the mismatch
+loss: {kl_beta: 0.0, ratio_anchor: recomputed, correction: tis, tis_cap: 2.0}
 batching: {min_bucket: 256}
 trainer:
   mp: p=f32,c=bfloat16
   model_axis_size: 1              # FSDP over all of the trainer's chips (Levanter's default mesh)
 inference:
   backend: engine
+  dtype: bfloat16                 # rollout weights, KV cache and every published version (half the f32 bytes)
 ray:
   address: auto
 """
 """What the GRPO recipes under experiments/ share: bf16 compute over f32 parameters and AdamW state,
-gradient checkpointing, FSDP, no KL term, the engine backend, an existing Ray cluster. A recipe writes
-the rest (`recipe_yaml(GRPO_AT_SCALE, ...)`)."""
+bf16 rollouts (and weight versions) with the sampler/trainer mismatch corrected by TIS, gradient
+checkpointing, FSDP, no KL term, the engine backend, an existing Ray cluster. A recipe writes the rest
+(`recipe_yaml(GRPO_AT_SCALE, ...)`); docs/models.md, "Dtypes"."""
 
 
 def recipe_yaml(base: str, recipe: str) -> str:

@@ -1,185 +1,38 @@
 """`marinrl report RUN_DIR`: PNG plots and a small HTML page from a run's tracker logs and rollout files.
 
-Sources, all under the run directory that RLJob writes (`<run_root>/<run_id>/`):
-
-- `rollouts/`: the Parquet rollout files (read with `marinrl.storage`): reward and response length per
-  lesson and weight step.
-- `tensorboard/trainer` and `tensorboard/rollout-N`: the tensorboardX event files of the trainer and of
-  each rollout worker: staleness, the trainer's step-time split, generation time, eval rewards and
-  anything logged under `curriculum/`. They are read with a small TFRecord reader over tensorboardX's
-  protobufs (no TensorFlow or TensorBoard needed).
-- `logs/*.log`: Levanter's JSON logger lines (`levanter.json_logger ... {json}`), used for the trainer's
-  metrics when no event file holds them. Only the trainer's JSON lines land there; the rollout workers'
-  JSON loggers write to their own (Ray worker) logs, so the rollout workers' numbers come from
-  TensorBoard.
-
-Steps: the trainer logs Levanter's 0-based step of the update just taken; the report numbers trainer
-steps from 1 (step s publishes weight version s), as `TrainWorker.history` does. Rollout workers log at
-the weight step they hold.
+Its inputs (rollout files, the trainer's and rollout workers' TensorBoard event files, Levanter's JSON
+logs) are read by `report_sources.py`; trainer steps are numbered from 1 (step s publishes weight
+version s), rollout workers' metrics by the weight step they hold.
 
 The output is `RUN_DIR/report/index.html` plus one PNG per figure next to it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import html
-import json
 import math
 import pathlib
 import re
 import statistics
-import struct
 from collections import defaultdict
 from typing import Iterable, Optional
 
 import numpy as np
 
-Series = dict[int, float]
-"""step -> value (the last value logged at that step wins, e.g. after a restart)."""
+from marinrl.report_sources import (  # noqa: F401  (read_*: part of this module's API)
+    LessonStats,
+    RunData,
+    Series,
+    load_run,
+    read_event_scalars,
+    read_event_wall_times,
+    read_json_logs,
+    read_rollouts,
+)
 
 
-# ---------------------------------------------------------------------- tracker readers
-
-
-def _records(data: bytes) -> Iterable[bytes]:
-    """The records of one TFRecord file: u64 length, u32 crc, data, u32 crc. A truncated tail is skipped."""
-    i = 0
-    while i + 12 <= len(data):
-        (n,) = struct.unpack_from("<Q", data, i)
-        if i + 12 + n + 4 > len(data):
-            return  # a writer still appending
-        yield data[i + 12:i + 12 + n]
-        i += 12 + n + 4
-
-
-def read_event_scalars(logdir: pathlib.Path) -> dict[str, Series]:
-    """Every scalar in the event files under `logdir` (recursively), by tag."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    out: dict[str, list[tuple[float, int, float]]] = defaultdict(list)
-    for path in sorted(logdir.rglob("events.out.tfevents.*")):
-        for record in _records(path.read_bytes()):
-            event = Event()
-            try:
-                event.ParseFromString(record)
-            except Exception:  # a corrupt record: skip it, keep the rest
-                continue
-            for value in event.summary.value:
-                if value.WhichOneof("value") == "simple_value":
-                    out[value.tag].append((event.wall_time, event.step, float(value.simple_value)))
-    series: dict[str, Series] = {}
-    for tag, points in out.items():
-        points.sort()
-        series[tag] = {step: v for _, step, v in points}
-    return series
-
-
-def read_event_wall_times(logdir: pathlib.Path, tag: str) -> dict[int, float]:
-    """step -> wall time (seconds since the epoch) at which `tag` was first logged at that step."""
-    from tensorboardX.proto.event_pb2 import Event
-
-    out: dict[int, float] = {}
-    for path in sorted(logdir.rglob("events.out.tfevents.*")):
-        for record in _records(path.read_bytes()):
-            event = Event()
-            try:
-                event.ParseFromString(record)
-            except Exception:
-                continue
-            if any(v.tag == tag for v in event.summary.value):
-                out[event.step] = min(out.get(event.step, math.inf), event.wall_time)
-    return out
-
-
-_JSON_LINE = re.compile(r"levanter\.json_logger.*? :: (\{.*\})\s*$")
-
-
-def read_json_logs(log_dir: pathlib.Path) -> dict[str, Series]:
-    """Scalars from Levanter JSON logger lines (`"event": "log"`) in `log_dir/*.log`, by metric name."""
-    series: dict[str, Series] = defaultdict(dict)
-    for path in sorted(log_dir.glob("*.log")):
-        for line in path.read_text(errors="replace").splitlines():
-            m = _JSON_LINE.search(line)
-            if not m:
-                continue
-            try:
-                record = json.loads(m.group(1))
-            except ValueError:
-                continue
-            if record.get("event") != "log" or "step" not in record:
-                continue
-            for key, value in record.get("metrics", {}).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    series[key][int(record["step"])] = float(value)
-    return dict(series)
-
-
-# ---------------------------------------------------------------------- rollout files
-
-
-@dataclasses.dataclass
-class LessonStats:
-    rewards: dict[int, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-    lengths: dict[int, list[int]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-
-    @property
-    def n(self) -> int:
-        return sum(len(v) for v in self.rewards.values())
-
-
-def read_rollouts(root: str) -> tuple[dict[str, LessonStats], list[str]]:
-    """Per lesson: rewards and response lengths by weight step; plus the files that could not be read."""
-    from marinrl.rollout_format import RolloutFormatError
-    from marinrl.storage import iter_batches
-
-    lessons: dict[str, LessonStats] = defaultdict(LessonStats)
-    unreadable = []
-    for step, path, batch in iter_batches(root):
-        if isinstance(batch, RolloutFormatError):
-            unreadable.append(str(batch))
-            continue
-        for r in batch.rollouts:
-            lesson = lessons[r.lesson_id]
-            lesson.rewards[step].append(r.episode_reward)
-            lesson.lengths[step].append(int(r.response_tokens.size))
-    return dict(sorted(lessons.items())), unreadable
-
-
-# ---------------------------------------------------------------------- the report
-
-
-@dataclasses.dataclass
-class RunData:
-    run_dir: pathlib.Path
-    trainer: dict[str, Series]
-    """Trainer metrics keyed by 1-based trainer step."""
-    trainer_source: str
-    workers: dict[str, dict[str, Series]]
-    """Per rollout worker (`rollout-0`, ...): metrics keyed by weight step."""
-    lessons: dict[str, LessonStats]
-    unreadable: list[str]
-
-
-def load_run(run_dir: str | pathlib.Path) -> RunData:
-    run = pathlib.Path(run_dir)
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run} is not a directory")
-    tb = run / "tensorboard"
-    trainer, source = {}, "none"
-    if (tb / "trainer").is_dir():
-        trainer, source = read_event_scalars(tb / "trainer"), "TensorBoard event files (tensorboard/trainer)"
-    if not trainer.get("train/step_s") and (run / "logs").is_dir():
-        trainer, source = read_json_logs(run / "logs"), "Levanter JSON logs (logs/*.log)"
-    trainer = {tag: {step + 1: v for step, v in s.items()} for tag, s in trainer.items()}  # 1-based steps
-    workers = {}
-    if tb.is_dir():
-        for d in sorted(tb.glob("rollout-*")):
-            if d.is_dir():
-                workers[d.name] = read_event_scalars(d)
-    rollout_root = run / "rollouts"
-    lessons, unreadable = read_rollouts(str(rollout_root)) if rollout_root.is_dir() else ({}, [])
-    return RunData(run, trainer, source, workers, lessons, unreadable)
+MISMATCH_METRICS = ("abs_logprob_mean", "abs_logprob_max", "k3_kl", "tis_clipped_frac", "mis_masked_frac")
+"""The loss's `mismatch/*` metrics (marinrl/train/mismatch.py), logged as `train/mismatch/<name>`."""
 
 
 def _median(values: Iterable[float]) -> Optional[float]:
@@ -303,6 +156,24 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
                "(<code>batch/staleness_mean</code>, <code>batch/staleness_max</code>).")
     else:
         note("Staleness", "No staleness metrics in the trainer's logs.")
+
+    # -- sampler/trainer mismatch (trainer)
+    mismatch = {name: data.trainer.get(f"train/mismatch/{name}", {}) for name in MISMATCH_METRICS}
+    if any(mismatch.values()):
+        def draw_mismatch(ax):
+            for name, series in mismatch.items():
+                if series:
+                    ax.plot(*_xy(series), "--" if name.endswith("_frac") else "-", label=name)
+            ax.set_yscale("symlog", linthresh=1e-4)  # from rounding (~1e-6) to whole nats, and fractions
+            ax.set_xlabel("trainer step")
+            ax.set_ylabel("nats | fraction of tokens")
+        figure("mismatch.png", "Sampler/trainer mismatch", draw_mismatch,
+               "The sampler's stored logprobs μ against the trainer's own at the start of each step, on the trained "
+               "tokens (<code>train/mismatch/*</code>): mean and max |log π − log μ|, the k3 KL estimate, and the "
+               "fractions of tokens TIS would clip and MIS would mask at the configured bounds. With staleness "
+               "&gt; 0 they include the policy's change since the rollouts' weights (docs/training.md).")
+    else:
+        note("Sampler/trainer mismatch", "No <code>train/mismatch/*</code> metrics in the trainer's logs.")
 
     # -- step time split
     step_s, wait_s, update_s = (data.trainer.get(k, {}) for k in ("train/step_s", "train/wait_s", "train/update_s"))

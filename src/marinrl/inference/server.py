@@ -82,7 +82,9 @@ class InferenceServerConfig:
     dtype: Optional[str] = None
     """The rollout model's dtype: its weights, KV cache and the weights the trainer publishes (cast once
     on the trainer's side). None: the trainer's compute dtype (`trainer.mp`), so bfloat16 rollouts under
-    `mp: p=f32,c=bfloat16` and float32 on the CPU quickstart. Resolved by `RLJobConfig.rollout_dtype()`."""
+    `mp: p=f32,c=bfloat16` and float32 on the CPU quickstart. Resolved by `RLJobConfig.rollout_dtype()`.
+    A server given a model in another dtype casts it once; the engine's `compute_dtype`, when unset,
+    follows it. Logprobs come back float32 whatever it is (docs/inference.md, "Dtypes")."""
     model_axis_size: Optional[int] = None
     """Tensor parallelism of the rollout model: how many of this host's local devices share each
     weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local
@@ -136,6 +138,8 @@ class InferenceServer:
             scan_sampler.check_supported(model)
         self.config = config
         self._tokenizer = tokenizer
+        if config.dtype is not None:  # a no-op for a model built in it (the rollout worker's)
+            model = _cast_floating(model, config.dtype)
         self._mesh = sharding.rollout_mesh(model, config.model_axis_size)
         self._model = sharding.place(model, self._mesh)
         self._weight_step = int(weight_step)
@@ -154,7 +158,7 @@ class InferenceServer:
         cls, config: InferenceServerConfig, model_config: ModelConfig, *, weight_step: int = 0
     ) -> "InferenceServer":
         """A server for the model and tokenizer `model_config` describes (not started)."""
-        return cls(config, load_served_model(model_config, config), build_tokenizer(model_config),
+        return cls(config, load_served_model(model_config, config, dtype=config.dtype), build_tokenizer(model_config),
                    weight_step=weight_step)
 
     # ------------------------------------------------------------------ lifecycle
@@ -165,8 +169,11 @@ class InferenceServer:
             return self
         http = self.config.serve_http
         if self.config.backend == "engine" or (http and self._http_backend == "engine"):
+            engine = self.config.engine
+            if engine.compute_dtype is None and self.config.dtype is not None:  # its KV cache in the serving dtype
+                engine = dataclasses.replace(engine, compute_dtype=self.config.dtype)
             with sharding.using(self._mesh):
-                self._engine = LevanterEngine(self._model, self._tokenizer, self.config.engine)
+                self._engine = LevanterEngine(self._model, self._tokenizer, engine)
         if http:
             backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
@@ -439,6 +446,18 @@ class InferenceServer:
     def text(self, generation: Generation) -> str:
         """The text of a generation, special tokens left out."""
         return response_text(self._tokenizer, generation)
+
+
+def _cast_floating(model, dtype: str):
+    """`model` with every floating weight in `dtype` (itself when all already are)."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+    if all(x.dtype == dtype for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))):
+        return model
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
 
 
 def _check_same_structure(old, new) -> None:

@@ -51,6 +51,7 @@ from marinrl.train.loss_config import (  # noqa: F401  (re-exported)
     RatioLevel,
     describe,
 )
+from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.policy_forward import policy_forward, token_logprobs  # noqa: F401  (re-exported)
 
 BATCH = "batch"
@@ -275,7 +276,9 @@ def loss_from_logprobs(
     Pass `old_logprobs` when the same batch is used for several updates.
 
     Returns (loss, metrics); every metric is a scalar and the set of keys does not depend on the config.
-    Token fractions and means are over trained tokens (loss_mask = 1).
+    Token fractions and means are over trained tokens (loss_mask = 1). `mismatch/*` (mismatch.py) compares
+    μ with the trainer's logprobs at the start of the step (π_θ under the sampler anchor, π_old under the
+    recomputed one) at the configured TIS/MIS bounds, whichever correction the loss applies.
     """
     m = loss_mask.astype(bool)
     lp = hax.where(m, logprobs, 0.0)
@@ -331,7 +334,10 @@ def loss_from_logprobs(
     num_tokens = hax.sum(m.astype(jnp.float32)).array
     r = _stop(ratio)
     has_tokens = num_tokens > 0
-    log_mismatch = _stop(lp - mu)  # log π_θ − log μ on trained tokens
+    trainer_lp = anchor if config.ratio_anchor == "recomputed" else lp  # π_old, or π_θ at the step's start
+    seq_log_w = None
+    if config.correction_level == "sequence":
+        seq_log_w = sequence_sum(hax.where(m, _stop(trainer_lp) - mu, 0.0), m, sequence_ids)
     affected_frac = masked_mean(affected.astype(jnp.float32), m)
     metrics = {
         "policy_loss": policy_loss,
@@ -342,9 +348,8 @@ def loss_from_logprobs(
         "ratio_mean": masked_mean(r, m),
         "ratio_min": jnp.where(has_tokens, hax.min(hax.where(m, r, jnp.inf)).array, 1.0),
         "ratio_max": jnp.where(has_tokens, hax.max(hax.where(m, r, -jnp.inf)).array, 1.0),
-        "mismatch_abs_logprob_diff": masked_mean(hax.abs(log_mismatch), m),
-        # k3 estimate of KL(μ ‖ π_θ) on tokens sampled from μ: E_μ[π_θ/μ − 1 − log(π_θ/μ)].
-        "mismatch_kl": masked_mean(hax.exp(log_mismatch) - 1.0 - log_mismatch, m),
+        **mismatch_metrics(trainer_lp, mu, m, tis_cap=config.tis_cap, mis_low=config.mis_low,
+                           mis_high=config.mis_high, log_weight=seq_log_w),
         "is_weight_mean": masked_mean(weight, m),
         "is_truncated_frac": affected_frac if config.correction == "tis" else jnp.zeros((), jnp.float32),
         "is_masked_frac": affected_frac if config.correction == "mis" else jnp.zeros((), jnp.float32),

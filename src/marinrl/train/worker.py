@@ -45,7 +45,7 @@ from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
-from marinrl.transfer.base import WeightTransferConfig
+from marinrl.transfer.base import WeightTransferConfig, cast_for_publish
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import DEFAULT_POLICY
 
@@ -115,10 +115,17 @@ class TrainWorkerConfig:
     lora: Optional[lora_rl.LoraRLConfig] = None
     """Train LoRA adapters on the frozen `model` instead of every weight (`marinrl/lora.py`): only the
     adapters get gradients, optimizer state, checkpoints and weight versions. None: full fine-tuning."""
+    publish_dtype: Optional[str] = None
+    """The dtype weight versions carry: the rollout workers' (`RLJobConfig.rollout_dtype()`). Floating
+    weights are cast to it once per publish on the trainer's devices (`transfer.base.cast_for_publish`);
+    the master weights and optimizer state stay as trained. None: publish the weights as they are."""
 
     def __post_init__(self):
         if self.lora is not None:
             self.lora.errors("lora")
+        if self.publish_dtype is not None and self.publish_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"TrainWorkerConfig.publish_dtype must be float32, bfloat16 or float16 (or None), "
+                             f"got {self.publish_dtype!r}")
         require_at_least(self, 1, "groups_per_step", "sync_interval", "checkpoint_keep")
         require_at_least(self, 0, "checkpoint_every", "checkpoint_keep_every")
         if self.sync_interval > 1 + self.replay.sampling.max_staleness:
@@ -354,8 +361,12 @@ class TrainWorker:
         return max(sizes)
 
     def _published(self, model):
-        """What a weight version carries: the adapters alone with LoRA, else the whole model."""
-        return lora_rl.adapter_only(model) if self.config.lora is not None else model
+        """What a weight version carries: the adapters alone with LoRA, else the whole model; in
+        `publish_dtype` (one jitted cast, each array sharded as the parameter it comes from)."""
+        published = lora_rl.adapter_only(model) if self.config.lora is not None else model
+        if self.config.publish_dtype is None:
+            return published
+        return cast_for_publish(published, self.config.publish_dtype)
 
     def _reference_of(self, state, reference):
         """The KL reference: with LoRA the policy's own frozen base (its adapters taken off; taken from

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple, Sequence
 import draccus
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 from haliax.util import is_named_array
 from levanter.utils.jax_utils import leaf_key_paths
@@ -119,6 +121,40 @@ def host_leaves(model) -> tuple[list[str], list[np.ndarray]]:
                 "a model sharded over several hosts needs the filesystem mode with format='tensorstore'"
             )
     return names, [np.asarray(leaf) for leaf in jax.device_get(leaves)]
+
+
+def floating_dtypes(model) -> list[str]:
+    """The distinct dtypes of the model's floating array leaves, by name (for logs: "bfloat16")."""
+    arrays, _ = _array_tree(model)
+    names = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(arrays) if jnp.issubdtype(x.dtype, jnp.floating)}
+    return sorted(names)
+
+
+def cast_for_publish(model, dtype):
+    """`model` with every floating array leaf in `dtype`: what a weight version carries when rollouts sample
+    in another dtype than the trainer's parameters (docs/weight_transfer.md, "Dtype"). One jitted cast of
+    all leaves, each output laid out exactly as its input (a sharded parameter stays sharded: no gather,
+    and on several hosts every process casts its own shards). `model` itself when nothing needs a cast
+    (float32 rollouts of float32 parameters cost nothing). Integer leaves are never touched."""
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"the publish dtype must be a float dtype, got {dtype.name}")
+    arrays, static = eqx.partition(model, lambda x: eqx.is_inexact_array(x) and jnp.dtype(x.dtype) != dtype)
+    leaves, treedef = jax.tree.flatten(arrays)
+    if not leaves:
+        return model
+    if all(isinstance(x, jax.Array) for x in leaves):
+        cast = _caster(dtype.name, tuple(x.sharding for x in leaves))(leaves)
+    else:  # host (NumPy) leaves: nothing to keep in place
+        cast = [np.asarray(x).astype(dtype) for x in leaves]
+    return eqx.combine(jax.tree.unflatten(treedef, cast), static)
+
+
+@functools.lru_cache(maxsize=8)
+def _caster(dtype_name: str, shardings: tuple):
+    """The jitted cast for one model's leaf layouts (compiled once per run, not per publish)."""
+    dtype = jnp.dtype(dtype_name)
+    return jax.jit(lambda xs: [x.astype(dtype) for x in xs], out_shardings=list(shardings))
 
 
 def is_fully_addressable(model) -> bool:
@@ -225,7 +261,8 @@ class WeightTransferServer(abc.ABC):
         self.last_published = version
         self.versions_published += 1
         self.last_bytes, self.last_publish_s = nbytes, seconds
-        logger.info("published %s to %s: %.1f MB in %.3f s", version, where, nbytes / 1e6, seconds)
+        logger.info("published %s to %s: %.1f MB of %s weights in %.3f s", version, where, nbytes / 1e6,
+                    "/".join(floating_dtypes(model)) or "no floating", seconds)
         return PublishedVersion(version, where, nbytes, seconds)
 
     @abc.abstractmethod
@@ -308,7 +345,8 @@ class WeightTransferClient(abc.ABC):
         self.model, self.version = model, version
         self.versions_received += 1
         self.last_transfer_s, self.last_bytes = seconds, nbytes
-        logger.info("received %s from %s: %.1f MB in %.3f s", version, self.location, nbytes / 1e6, seconds)
+        logger.info("received %s from %s: %.1f MB (%s weights) in %.3f s", version, self.location, nbytes / 1e6,
+                    "/".join(floating_dtypes(model)) or "no floating", seconds)
         return WeightUpdate(model, version.weight_step)
 
     def wait_for(self, min_step: int, timeout_s: float) -> WeightUpdate:
