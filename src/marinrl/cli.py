@@ -105,7 +105,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise InputError(f"{where}: {e}") from e
     except ValueError as e:  # a config class's own check, raised outside draccus
         raise InputError(f"{args.config}: {e}") from e
-    result = job.run()
+    from marinrl.run_lock import RunLockHeld
+
+    try:
+        result = job.run()
+    except RunLockHeld as e:  # another job holds this run: one line naming it, exit status 2
+        raise InputError(str(e)) from e
     train = result.train
     print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
           f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; rollout worker restarts {result.rollout_restarts}")
