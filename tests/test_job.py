@@ -17,6 +17,7 @@ from marinrl.envs.base import EnvConfig
 from marinrl.inference.inflight import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
+from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
@@ -63,6 +64,7 @@ def _run(tmp_path, ray_session, **overrides):
     cfg = job_config(tmp_path, **overrides)
     result = RLJob(cfg).run()
     assert ray_session.is_initialized()  # a job on an existing Ray leaves it running
+    assert read_lease(cfg.run_dir) is None  # the run's lease is released (marinrl/run_lock.py)
     return cfg, result
 
 

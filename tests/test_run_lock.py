@@ -191,23 +191,47 @@ def test_bad_lock_settings_are_refused():
         RunLockConfig(stale_after_renewals=1)
 
 
-def test_the_cli_refuses_a_second_train_on_a_held_run_with_exit_2(tmp_path, capsys):
+def test_the_cli_refuses_a_second_train_on_a_held_run_with_exit_2_before_its_imports(tmp_path):
     """A live job (another process holding the lease) makes `marinrl train` exit 2 with one line naming
-    it; nothing of the job starts."""
-    from test_cli_errors import _config, _fails
+    it, before the config's imports (JAX, Levanter: seconds) and before anything of the job starts."""
+    from test_cli_errors import _config
 
     config = _config(tmp_path)
     run_dir = tmp_path / "runs" / "quickstart"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from marinrl.run_lock import RunLock; "
          f"RunLock({str(run_dir)!r}, 'quickstart').acquire(); print('held', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert holder.stdout.readline().strip() == "held"
-        err = _fails(["train", config], capsys)
+        second = subprocess.run(
+            [sys.executable, "-c", "import sys; from marinrl.cli import main\n"
+             f"try:\n    main(['train', {config!r}])\nexcept SystemExit as e:\n"
+             "    print('exit', e.code, 'job_config imported:', 'marinrl.job_config' in sys.modules)"],
+            capture_output=True, text=True, env=env, timeout=120)
+        assert second.stdout.strip() == "exit 2 job_config imported: False", second
+        err = second.stderr.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
         assert f"pid {holder.pid}, since " in err and f"host {socket.gethostname()}" in err, err
         assert json.loads((run_dir / "run.lock").read_text())["pid"] == holder.pid
         assert not (run_dir / "logs").exists() and not (run_dir / "checkpoints").exists()
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
+    """RLJob.run() itself (the API, without the CLI's early check) takes the lease before Ray."""
+    import ray
+
+    from marinrl.job import RLJob
+    from test_job import job_config
+
+    cfg = job_config(tmp_path, run_id="held")
+    _foreign_lease(cfg.run_dir, run_id="held")
+    was_running = ray.is_initialized()
+    with pytest.raises(RunLockHeld, match="host elsewhere.example, pid 4242"):
+        RLJob(cfg).run()
+    assert ray.is_initialized() == was_running  # no Ray started (nor shut down) for a refused job
+    assert read_lease(cfg.run_dir).job_id == "other-job"

@@ -358,10 +358,7 @@ class RunLock:
                         break
                     reason = stale_reason(holder, time.time(), self._host)
                     if reason is None:
-                        raise RunLockHeld(
-                            f"run {self.run_id!r} is held by another job: {holder.describe(time.time())}; lease "
-                            f"{self.location}. Wait for that job to end or stop it (a lease not renewed for "
-                            f"{holder.stale_after_s:.0f} s is taken over)")
+                        raise RunLockHeld(_held_message(self.run_id, holder, self.location))
                     logger.warning("taking over run %r from a stale lease (%s; %s): %s", self.run_id,
                                    holder.describe(time.time()), reason, self.location)
                     self._token = self._store.replace(self._lease.to_json(), token)
@@ -431,6 +428,26 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _held_message(run_id: str, holder: Lease, location: str) -> str:
+    return (f"run {run_id!r} is held by another job: {holder.describe(time.time())}; lease {location}. Wait for "
+            f"that job to end or stop it (a lease not renewed for {holder.stale_after_s:.0f} s is taken over)")
+
+
+def refuse_if_held(run_dir: str, run_id: str, storage_options: Optional[dict] = None) -> None:
+    """RunLockHeld if a live job holds `run_dir`; takes nothing. The CLI calls it before the config's
+    heavy imports so that a second job is refused in about a second; `RunLock.acquire` decides."""
+    store, location = _store(run_dir, storage_options)
+    current = store.read()
+    if current is None:
+        return
+    try:
+        holder = Lease.from_json(current[0], location)
+    except ValueError:
+        return
+    if stale_reason(holder, time.time()) is None:
+        raise RunLockHeld(_held_message(run_id, holder, location))
 
 
 def read_lease(run_dir: str, storage_options: Optional[dict] = None) -> Optional[Lease]:
