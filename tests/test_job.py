@@ -22,6 +22,8 @@ from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 ECHO = LessonConfig(lesson_id="echo", env=EnvConfig("echo", {"alphabet_size": 10, "length": 1}), max_tokens=1,
                     graduate_at=None)
 

@@ -31,6 +31,8 @@ import faulty_envs
 from test_job import job_config
 from test_policy_models import ROLES
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 DEADLINE_S = 150.0
 
 
