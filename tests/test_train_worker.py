@@ -243,7 +243,15 @@ def _read_log(path: pathlib.Path) -> list[dict]:
 
 class FileReplayer(WeightFollower):
     """Plays back recorded rollout files: those of weight step `w` appear under `dest` when the trainer
-    publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet)."""
+    publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet), stamped
+    as made now, as a rollout worker of this run would write them.
+
+    Why the stamp: the trainer publishes `w` before its next `sample()` moves the buffer to step `w`, so
+    the ingestion thread may read a file of `w` while the buffer is still at `w - 1` (under load it
+    often does). The buffer holds such a file for later if it was made during this run, and drops it
+    as "future" if it was made before the run started: a previous run's weights `w`, not this run's
+    (train/staleness.py, `from_previous_run`). A recorded file keeps its recording time, so unstamped
+    it was dropped and the run timed out (`ReplayTimeoutError ... future=2`)."""
 
     def __init__(self, weights: FilesystemTransferConfig, files: dict[int, list[pathlib.Path]], dest: pathlib.Path):
         super().__init__(weights)
@@ -255,8 +263,36 @@ class FileReplayer(WeightFollower):
             # atomically, as RolloutWriter does: a reader listing the folder mid-write would see an empty
             # .parquet and quarantine it (seen: "Parquet file size is 0 bytes", then a replay timeout)
             tmp = self.dest / path.parent.name / f".{path.name}.tmp"
-            tmp.write_bytes(path.read_bytes())
+            tmp.write_bytes(restamped(path.read_bytes(), time.time()))
             tmp.rename(self.dest / path.parent.name / path.name)
+
+
+def restamped(data: bytes, created_at: float) -> bytes:
+    """A rollout file's bytes with every `created_at` set to `created_at` (the rest unchanged)."""
+    from marinrl.rollout_format import decode_batch, encode_batch
+
+    batch = decode_batch(data)
+    meta = dataclasses.replace(batch.metadata, created_at=created_at)
+    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, metadata=dataclasses.replace(r.metadata, created_at=created_at))
+                                      for r in g.rollouts)) for g in batch.groups)
+    return encode_batch(RolloutBatch(groups, meta))
+
+
+def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previous_runs():
+    """The SIGKILL test's reference-run race, without the timing: a recorded file of weights 1 read
+    while the buffer is still at step 0 is dropped as a previous run's future as recorded, and held
+    for step 1 once the replayer stamps it as made now."""
+    from marinrl.rollout_format import decode_batch, encode_batch
+    from marinrl.train.replay_config import ReplayConfig
+    from test_replay import batch_of, drops
+
+    recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
+    as_recorded = ReplayConfig().build(start_step=0)
+    as_recorded.ingest([decode_batch(recorded)])
+    assert drops(as_recorded) == {"future": 1}
+    replayed = ReplayConfig().build(start_step=0)
+    replayed.ingest([decode_batch(restamped(recorded, time.time()))])
+    assert drops(replayed) == {} and [g.group.group_id for g in replayed.sample(1, 1, timeout_s=0).groups] == ["g"]
 
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
