@@ -19,7 +19,7 @@ from marinrl.storage import RolloutWriter
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
@@ -376,6 +376,32 @@ def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
     assert [set(g) for g in result.trained_groups] == [{g for g, _ in lineage[s]} for s in range(1, 9)]
     assert_same_state(checkpoint_arrays(str(tmp_path / "ckpt" / "killed" / "step-7")),
                       checkpoint_arrays(result.checkpoint), "resumed run vs uninterrupted run")
+
+
+def test_off_policy_resume_continues_the_buffer_exactly(tmp_path):
+    """Off-policy (oldest first, each group once, 8 versions of staleness): every rollout file is there
+    from the start, so only the checkpoint's replay state (the reader's cursor, what was used) keeps the
+    resumed run from training the first run's groups again. 2 + 2 steps train what 4 uninterrupted steps
+    train, step by step, and end in the same state."""
+    import shutil
+
+    sampling = OffPolicyConfig(staleness=8)
+    rng = np.random.default_rng(5)
+    writer = RolloutWriter(str(tmp_path / "rollouts"))
+    for _ in range(5):  # one batch per step and one left over, all of the initial weights
+        writer.write(make_rollout_batch(0, rng))
+    shutil.copytree(tmp_path / "rollouts", tmp_path / "whole" / "rollouts")
+
+    first = TrainWorker(worker_config(tmp_path, steps=2, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
+    resumed = TrainWorker(worker_config(tmp_path, steps=4, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
+    whole = TrainWorker(worker_config(tmp_path / "whole", steps=4, sampling=sampling, run_id="whole")).run()
+    assert (resumed.first_step, resumed.final_step) == (2, 4)
+    lineage = first.trained_groups + resumed.trained_groups
+    flat = [g for step in lineage for g in step]
+    assert len(flat) == len(set(flat)) == 4 * GROUPS  # nothing trained twice across the resume
+    assert [set(g) for g in lineage] == [set(g) for g in whole.trained_groups]
+    assert_same_state(checkpoint_arrays(resumed.checkpoint), checkpoint_arrays(whole.checkpoint),
+                      "off-policy resumed run vs uninterrupted run")
 
 
 def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):
