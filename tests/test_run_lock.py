@@ -235,3 +235,19 @@ def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
         RLJob(cfg).run()
     assert ray.is_initialized() == was_running  # no Ray started (nor shut down) for a refused job
     assert read_lease(cfg.run_dir).job_id == "other-job"
+
+
+def test_a_superseded_trainer_is_not_told_to_rerun_its_config(tmp_path):
+    """The weight publisher's "superseded" means another trainer publishes into this run now: rerunning
+    would fight it, so the job's message says not to (marinrl/job.py, `_trainer_death_message`)."""
+    import ray
+
+    from marinrl.job import _trainer_death_message
+    from marinrl.transfer import WeightPublishError
+
+    cause = WeightPublishError("w/LATEST points to weight step 6 of a newer server (epoch 2 > this server's 1): "
+                               "this trainer was superseded")
+    error = ray.exceptions.RayTaskError("TrainerActor.run", "Traceback (most recent call last): ...", cause)
+    message = _trainer_death_message(error, str(tmp_path / "checkpoints"))
+    assert message.startswith("the trainer died: WeightPublishError: ") and "superseded" in message
+    assert "do not run this config again while it runs" in message and "run the same config again" not in message
