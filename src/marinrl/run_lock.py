@@ -7,16 +7,10 @@ trainers never write checkpoints and weights into one folder. A lease is stale, 
 warning, when its holder is a dead process on this host, or when it was not renewed for
 `stale_after_renewals` renewal periods (a holder on another host that died, or a frozen one).
 
-Every write is atomic against a concurrent job:
-- local disk: the lease is created by `os.link` of a written temporary file (an exclusive create,
-  EEXIST if a lease exists, never seen half-written); a renewal writes a temporary file and
-  `os.replace`s the lease; a takeover holds a second O_EXCL guard file while it re-reads and replaces.
-- gs://: GCS generation preconditions. Creating sends `ifGenerationMatch=0` (refused with 412 if the
-  object exists); a renewal or takeover overwrites only the generation it read; a release deletes only
-  that generation. `check_preconditions(url)` (`python -m marinrl.run_lock check gs://bucket/tmp`)
-  shows whether a store honours them: real GCS does, the in-process test emulator does not
-  (docs/storage.md, "One job per run").
-- other fsspec filesystems (memory://): read, then write; not atomic against a concurrent process.
+Every write is conditional (marinrl/conditional_store.py): an exclusive create on local disk,
+generation preconditions on gs://, so two jobs racing for a run get one lease. `python -m
+marinrl.run_lock check gs://bucket/tmp` shows whether a store honours them: real GCS does, the
+in-process test emulator does not (docs/storage.md, "One job per run").
 
 This module imports no JAX, Ray or torch: a refused job answers in well under a second.
 """
@@ -34,7 +28,7 @@ import time
 import uuid
 from typing import Optional
 
-import fsspec
+from marinrl.conditional_store import Store, check_preconditions, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -123,186 +117,6 @@ def _process_alive(pid: int, started_at: float) -> bool:
         return False
     except psutil.Error:  # exists but not ours to inspect: assume alive
         return True
-
-
-# ---------------------------------------------------------------------------- storage backends
-
-
-class _Store:
-    """Reads and conditionally writes one small object; `token` identifies the version read."""
-
-    def read(self) -> Optional[tuple[bytes, object]]:
-        raise NotImplementedError
-
-    def create(self, data: bytes) -> Optional[object]:
-        """Writes `data` if no lease exists: its token, or None if one does."""
-        raise NotImplementedError
-
-    def replace(self, data: bytes, token: object) -> Optional[object]:
-        """Overwrites the version `token` names: the new token, or None if it changed meanwhile."""
-        raise NotImplementedError
-
-    def delete(self, token: object) -> None:
-        raise NotImplementedError
-
-
-class _LocalStore(_Store):
-    def __init__(self, path: str):
-        self.path = path
-        self._guard = path + ".takeover"
-
-    def read(self):
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        return data, data
-
-    def create(self, data):
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        tmp = self._write_temporary(data)
-        try:  # link: an exclusive create (EEXIST if a lease exists) that no reader sees half-written
-            os.link(tmp, self.path)
-        except FileExistsError:
-            return None
-        finally:
-            _remove(tmp)
-        return data
-
-    def _write_temporary(self, data: bytes) -> str:
-        tmp = f"{self.path}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return tmp
-
-    def replace(self, data, token):
-        # The guard serializes replacements (renewal, takeover): the compare below and the rename are
-        # one step for every process that follows this protocol.
-        try:
-            guard = os.open(self._guard, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            if time.time() - _mtime(self._guard) > 60:  # left by a process killed between the two calls
-                _remove(self._guard)
-            return None
-        try:
-            os.close(guard)
-            current = self.read()
-            if current is None or current[1] != token:
-                return None
-            os.replace(self._write_temporary(data), self.path)
-            return data
-        finally:
-            _remove(self._guard)
-
-    def delete(self, token):
-        current = self.read()
-        if current is not None and current[1] == token:
-            _remove(self.path)
-
-
-def _mtime(path: str) -> float:
-    try:
-        return os.path.getmtime(path)
-    except FileNotFoundError:
-        return time.time()
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-class _GCSStore(_Store):
-    """Generation preconditions through gcsfs's JSON API calls (`pipe_file(mode="create")` exposes only
-    `ifGenerationMatch=0`; a conditional overwrite and delete need the generation read)."""
-
-    def __init__(self, fs, path: str):
-        self.fs = fs
-        self.bucket, self.key, _ = fs.split_path(path)
-
-    def read(self):
-        try:
-            meta = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, json_out=True)
-            _, data = self.fs.call("GET", "b/{}/o/{}", self.bucket, self.key, alt="media",
-                                   generation=meta["generation"])
-        except FileNotFoundError:  # absent, or replaced between the two calls: the caller reads again
-            return None
-        return data, meta["generation"]
-
-    def _upload(self, data: bytes, generation: str):
-        body = (b"--==0==\nContent-Type: application/json; charset=UTF-8\n\n" + json.dumps({"name": self.key}).encode()
-                + b"\n--==0==\nContent-Type: application/json\n\n" + data + b"\n--==0==--")
-        try:
-            out = self.fs.call("POST", f"{self.fs._location}/upload/storage/v1/b/{self.bucket}/o",
-                               uploadType="multipart", ifGenerationMatch=generation, data=body, json_out=True,
-                               headers={"Content-Type": 'multipart/related; boundary="==0=="'})
-        except FileExistsError:  # gcsfs's name for 412 Precondition Failed
-            return None
-        finally:
-            self.fs.invalidate_cache()
-        return out["generation"]
-
-    def create(self, data):
-        return self._upload(data, "0")
-
-    def replace(self, data, token):
-        return self._upload(data, str(token))
-
-    def delete(self, token):
-        try:
-            self.fs.call("DELETE", "b/{}/o/{}", self.bucket, self.key, ifGenerationMatch=str(token))
-        except (FileNotFoundError, FileExistsError):  # gone, or another job's now
-            pass
-        self.fs.invalidate_cache()
-
-
-class _FsspecStore(_Store):
-    """Any other fsspec filesystem: compare, then write (not atomic against another process)."""
-
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-
-    def read(self):
-        try:
-            data = self.fs.cat_file(self.path)
-        except FileNotFoundError:
-            return None
-        return data, data
-
-    def create(self, data):
-        if self.fs.exists(self.path):
-            return None
-        self.fs.pipe_file(self.path, data)
-        return data
-
-    def replace(self, data, token):
-        current = self.read()
-        if current is None or current[1] != token:
-            return None
-        self.fs.pipe_file(self.path, data)
-        return data
-
-    def delete(self, token):
-        current = self.read()
-        if current is not None and current[1] == token:
-            self.fs.rm_file(self.path)
-
-
-def _store(run_dir: str, storage_options: Optional[dict]) -> tuple[_Store, str]:
-    fs, path = fsspec.core.url_to_fs(run_dir, **(storage_options or {}))
-    path = f"{path.rstrip('/')}/{LEASE_NAME}"
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "file" in protocols or "local" in protocols:
-        return _LocalStore(path), path
-    if "gs" in protocols or "gcs" in protocols:
-        return _GCSStore(fs, path), f"gs://{path}"
-    return _FsspecStore(fs, path), fs.unstrip_protocol(path)
 
 
 # ---------------------------------------------------------------------------- the lock
@@ -450,35 +264,15 @@ def refuse_if_held(run_dir: str, run_id: str, storage_options: Optional[dict] = 
         raise RunLockHeld(_held_message(run_id, holder, location))
 
 
+def _store(run_dir: str, storage_options: Optional[dict]) -> tuple[Store, str]:
+    return open_store(f"{run_dir.rstrip('/')}/{LEASE_NAME}", storage_options)
+
+
 def read_lease(run_dir: str, storage_options: Optional[dict] = None) -> Optional[Lease]:
     """The lease in `run_dir`, or None."""
     store, location = _store(run_dir, storage_options)
     current = store.read()
     return None if current is None else Lease.from_json(current[0], location)
-
-
-def check_preconditions(url: str, storage_options: Optional[dict] = None) -> list[str]:
-    """What a store does NOT honour of the conditional writes the lock relies on (empty: all), tried
-    on a scratch object under `url`. Real GCS honours all; the test emulator none."""
-    store, _ = _store(f"{url.rstrip('/')}/precondition-check-{uuid.uuid4().hex[:8]}", storage_options)
-    ignored = []
-    store.create(b'{"n": 1}')
-    if store.create(b'{"n": 2}') is not None:
-        ignored.append("create over an existing object")
-    if store.replace(b'{"n": 3}', _stale_token(store, store.read()[1])) is not None:
-        ignored.append("overwrite of a changed version")
-    store.delete(_stale_token(store, store.read()[1]))
-    if store.read() is None:
-        ignored.append("delete of a changed version")
-    final = store.read()
-    if final is not None:
-        store.delete(final[1])
-    return ignored
-
-
-def _stale_token(store: _Store, token: object) -> object:
-    """A token that does not name the current version."""
-    return str(int(token) + 1) if isinstance(store, _GCSStore) else b"not the current content"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
