@@ -32,6 +32,60 @@ import pytest  # noqa: E402
 GCS_BUCKET = "marinrl-test"
 
 
+SLOW_TIMEOUT_S = 2400
+"""Per-test timeout of a `slow` learning job (at least): the suite's default is 600 s (pyproject.toml),
+files of whole jobs mark 1200 s."""
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if item.get_closest_marker("slow") and (mark is None or (mark.args and mark.args[0] < SLOW_TIMEOUT_S)):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's thread method (its output: the test's captured output, every thread's stack,
+    then `os._exit(1)`), with the hung test's id as the first and the last line: the plugin's own
+    report names it only inside the main thread's stack. Returning True replaces the plugin's timer."""
+    if settings.method != "thread" or settings.timeout <= 0:
+        return None
+    import threading
+
+    import pytest_timeout
+
+    def fire():
+        line = f"[pytest-timeout] {item.nodeid} ran past its {settings.timeout:.0f} s timeout"
+        try:
+            capman = item.config.pluginmanager.getplugin("capturemanager")
+            if capman:
+                capman.suspend_global_capture(item)
+                out, err = capman.read_global_capture()
+                sys.stdout.write(f"{out[-20000:]}{err[-20000:]}")
+            terminal = item.config.get_terminal_writer()
+            terminal.sep("+", title=line)
+            pytest_timeout.dump_stacks(terminal)
+            terminal.sep("+", title=f"{line}: the run stops here")
+            terminal.flush()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    timer = threading.Timer(settings.timeout, fire)
+    timer.name = f"pytest_timeout {item.nodeid}"
+    timer.daemon = True
+
+    def cancel():
+        timer.cancel()
+        timer.join()
+
+    item.cancel_timeout = cancel
+    timer.start()
+    return True
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's in-memory compiled programs after each test file.

@@ -17,9 +17,12 @@ from marinrl.envs.base import EnvConfig
 from marinrl.inference.inflight import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
+from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
+
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
 ECHO = LessonConfig(lesson_id="echo", env=EnvConfig("echo", {"alphabet_size": 10, "length": 1}), max_tokens=1,
                     graduate_at=None)
@@ -63,6 +66,7 @@ def _run(tmp_path, ray_session, **overrides):
     cfg = job_config(tmp_path, **overrides)
     result = RLJob(cfg).run()
     assert ray_session.is_initialized()  # a job on an existing Ray leaves it running
+    assert read_lease(cfg.run_dir) is None  # the run's lease is released (marinrl/run_lock.py)
     return cfg, result
 
 
@@ -101,11 +105,21 @@ def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_pa
 
 
 def test_async_job_overlaps_generation_with_training(tmp_path, ray_session):
-    _, result = _run(tmp_path, ray_session, max_staleness=1)
+    """The worker runs a version ahead: while the trainer applies update s it generates, with weights
+    s - 1, the batch update s + 1 trains on (staleness 1). Checked from the rollout files, not only the
+    trainer's metric: which weights made each trained group, at every step."""
+    cfg, result = _run(tmp_path, ray_session, max_staleness=1)
     history = result.train["history"]
     assert result.train["final_step"] == 5 and result.curriculum_step == 5
-    assert all(h["batch/staleness_max"] <= 1 for h in history)
-    assert any(h["batch/staleness_max"] == 1 for h in history)  # the worker ran a version ahead
+    made_with = {g.group_id: b.weight_step for b in RolloutReader(f"{cfg.run_dir}/rollouts").read_new() for g in b.groups}
+    staleness = [{h["step"] - 1 - made_with[g] for g in groups}
+                 for h, groups in zip(history, result.train["trained_groups"])]
+    assert all(s <= {0, 1} for s in staleness), staleness  # the window, from the files
+    assert [max(s) for s in staleness] == [h["batch/staleness_max"] for h in history]  # the metric tells the truth
+    ahead = [step for step, s in enumerate(staleness, start=1) if 1 in s]
+    # The first update's compile alone lets the worker make the second batch from weights 0; overlap on a
+    # later step too shows generation kept running beside training, not once by chance.
+    assert len(ahead) >= 2, (staleness, history)
 
 
 def test_replay_job_reuses_rollouts_and_reward_rises(tmp_path, ray_session):
@@ -170,11 +184,21 @@ def test_a_multi_agent_job_trains_every_agents_turns_under_its_policy(tmp_path, 
                        eval_every=3, policies=shared)
     assert result.train["final_step"] == 3 and all(np.isfinite(h["loss"]) for h in result.train["history"])
     tags = collections.Counter()
+    tag_of, versions = {}, collections.defaultdict(set)
     for batch in RolloutReader(f"{cfg.run_dir}/rollouts").read_new():
         for group in batch.groups:
             names = {(r.agent_name, r.policy_name) for r in group.rollouts}
             assert len(names) == 1  # a group compares one agent's turns with each other
-            tags[names.pop()] += 1
+            tag_of[group.group_id] = tag = names.pop()
+            tags[tag] += 1
+            versions[tag].add(batch.weight_step)
     assert set(tags) == {("solver", "policy"), ("checker", "critic")} and tags[("solver", "policy")] == tags[("checker", "critic")]
+    # What the trainer took: groups of both agents, each under its own policy, each once, from the files
+    trained = [g for step in result.train["trained_groups"] for g in step]
+    assert len(trained) == 3 * cfg.groups_per_step and len(set(trained)) == len(trained)
+    assert {tag_of[g] for g in trained} == {("solver", "policy"), ("checker", "critic")}
+    assert all(f":{tag_of[g][0]}:" in g for g in trained)  # the agent the environment named the group for
+    # Both policies' turns were sampled with weights the trainer published after its first update
+    assert all(max(v) >= 1 for v in versions.values()), dict(versions)
     evals = [e for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
     assert {"eval/duo/solver/success_frac", "eval/duo/checker/success_frac"} <= set(evals[-1]["metrics"])

@@ -24,11 +24,14 @@ import ray
 from marinrl.curriculum_config import CurriculumConfig
 from marinrl.job import RLJob
 from marinrl.policies import PolicyConfig
+from marinrl.run_lock import read_lease
 from marinrl.train.worker import SIDECAR
 
 import faulty_envs
 from test_job import job_config
 from test_policy_models import ROLES
+
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
 DEADLINE_S = 150.0
 
@@ -155,6 +158,7 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     assert "the trainer died" in message and ckpt_root in message
     assert max(before) < cfg.num_train_steps, "the trainer was killed after it had finished"
     assert not _actors_of(job, "RolloutActor") and not _actors_of(job, "TrainerActor")
+    assert read_lease(cfg.run_dir) is None  # released on the error: the rerun below is not refused
 
     survivor = _committed_checkpoint_step(f"{cfg.run_dir}/policies/policy/checkpoints") if policy_models else None
     result = RLJob(cfg).run()
@@ -346,6 +350,7 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
     out = log.read_text()
     assert proc.returncode == 130, out[-3000:]
     assert "stopped at step" in out and "run the same config again to resume" in out, out[-3000:]
+    assert not (tmp_path / "job" / "run.lock").exists()  # Ctrl-C released the run's lease
     (ckpt,) = (tmp_path / "job" / "checkpoints").glob("step-*")
     sidecar = json.loads((ckpt / SIDECAR).read_text())
     assert sidecar["step"] >= 1 and (ckpt / "metadata.json").exists()

@@ -29,6 +29,8 @@ from test_job import job_config
 from test_train_worker import (EPS32, TINY, FileReplayer, Producer, assert_same_state, checkpoint_arrays,
                                lineage_files, worker_config)
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 LORA = LoraRLConfig(rank=4, alpha=8.0)
 
 

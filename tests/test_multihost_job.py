@@ -19,6 +19,8 @@ from marinrl.train.trainer_group import TrainerGroupConfig
 from test_job import job_config
 from test_job_faults import _committed_checkpoint_step, _poll, _Saboteur
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 
 def two_host_config(tmp_path, **overrides):
     """2 hosts x 2 CPU devices. JAX's heartbeat is long (300 s): a dead process is noticed by the peer

@@ -100,6 +100,48 @@ def test_logprobs_equal_the_padded_layout(llama, multi_turn):
             np.testing.assert_allclose(g, want, rtol=0, atol=bound(scale, 64), err_msg=f"{layout} rollout {i}")
 
 
+REFERENCE_LENGTH = 48
+
+
+@eqx.filter_jit
+def _sequence_logprobs(model, tokens, temperature):
+    """log softmax(logits / T) of one sequence under the model's own causal forward (positions 0..n-1)."""
+    from levanter.layers.attention import AttentionMask
+
+    Pos = hax.Axis("position", REFERENCE_LENGTH)
+    logits = model(hax.named(tokens, Pos), attn_mask=AttentionMask.causal())
+    return hax.nn.log_softmax(logits / temperature, axis="vocab").array
+
+
+def reference_logprobs(model, rollout: Rollout) -> np.ndarray:
+    """The trained tokens' logprobs of one rollout computed without `pack_rollouts`: its prompt and
+    response as one causal sequence from position 0 (right padding cannot reach earlier positions),
+    response token i predicted at the position before it."""
+    p, n = len(rollout.prompt_tokens), len(rollout.response_tokens)
+    tokens = np.zeros(REFERENCE_LENGTH, np.int32)
+    tokens[:p + n] = np.concatenate([rollout.prompt_tokens, rollout.response_tokens])
+    logp = np.asarray(_sequence_logprobs(model, tokens, np.float32(rollout.temperature)))
+    predicted = logp[np.arange(p - 1, p + n - 1), rollout.response_tokens]
+    return predicted[np.asarray(rollout.loss_mask, bool)]
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_every_layout_equals_an_independent_per_sequence_forward(llama, multi_turn):
+    """The padded layout is the other tests' reference; this checks it (and the packed layouts) against
+    logprobs built without `pack_rollouts`, so a fault every layout shares (a shifted position or target)
+    cannot hide."""
+    rollouts = make_rollouts(0, multi_turn=multi_turn)
+    want = [reference_logprobs(llama, r) for r in rollouts]
+    scale = max(np.abs(x).max() for x in want)
+    assert scale > 1.0 and np.std(np.concatenate(want)) > 0.3
+    for layout in LAYOUTS:
+        arrays = arrays_for(rollouts, layout)
+        got = per_rollout(arrays, logprobs_of(llama, arrays))
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.shape == w.shape, (layout, i)
+            np.testing.assert_allclose(g, w, rtol=0, atol=bound(scale, 64), err_msg=f"{layout} rollout {i}")
+
+
 @functools.partial(eqx.filter_jit)
 def _loss_and_grad(model, batch, reference, config):
     fn = functools.partial(rl_loss, config=config, reference_logprobs=reference)

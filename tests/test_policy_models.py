@@ -26,6 +26,8 @@ from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
 from test_job import job_config
 from test_train_worker import make_rollout_batch
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 ROLES = LessonConfig(lesson_id="roles", env=EnvConfig("two_roles", {"policies": {"second": "other"}}),
                      max_tokens=1, graduate_at=None)
 

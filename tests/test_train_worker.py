@@ -19,7 +19,7 @@ from marinrl.storage import RolloutWriter
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.checkpoint import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
@@ -243,7 +243,15 @@ def _read_log(path: pathlib.Path) -> list[dict]:
 
 class FileReplayer(WeightFollower):
     """Plays back recorded rollout files: those of weight step `w` appear under `dest` when the trainer
-    publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet)."""
+    publishes weights `w` (an on-policy buffer drops rollouts of weights it does not hold yet), stamped
+    as made now, as a rollout worker of this run would write them.
+
+    Why the stamp: the trainer publishes `w` before its next `sample()` moves the buffer to step `w`, so
+    the ingestion thread may read a file of `w` while the buffer is still at `w - 1` (under load it
+    often does). The buffer holds such a file for later if it was made during this run, and drops it
+    as "future" if it was made before the run started: a previous run's weights `w`, not this run's
+    (train/staleness.py, `from_previous_run`). A recorded file keeps its recording time, so unstamped
+    it was dropped and the run timed out (`ReplayTimeoutError ... future=2`)."""
 
     def __init__(self, weights: FilesystemTransferConfig, files: dict[int, list[pathlib.Path]], dest: pathlib.Path):
         super().__init__(weights)
@@ -255,8 +263,36 @@ class FileReplayer(WeightFollower):
             # atomically, as RolloutWriter does: a reader listing the folder mid-write would see an empty
             # .parquet and quarantine it (seen: "Parquet file size is 0 bytes", then a replay timeout)
             tmp = self.dest / path.parent.name / f".{path.name}.tmp"
-            tmp.write_bytes(path.read_bytes())
+            tmp.write_bytes(restamped(path.read_bytes(), time.time()))
             tmp.rename(self.dest / path.parent.name / path.name)
+
+
+def restamped(data: bytes, created_at: float) -> bytes:
+    """A rollout file's bytes with every `created_at` set to `created_at` (the rest unchanged)."""
+    from marinrl.rollout_format import decode_batch, encode_batch
+
+    batch = decode_batch(data)
+    meta = dataclasses.replace(batch.metadata, created_at=created_at)
+    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, metadata=dataclasses.replace(r.metadata, created_at=created_at))
+                                      for r in g.rollouts)) for g in batch.groups)
+    return encode_batch(RolloutBatch(groups, meta))
+
+
+def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previous_runs():
+    """The SIGKILL test's reference-run race, without the timing: a recorded file of weights 1 read
+    while the buffer is still at step 0 is dropped as a previous run's future as recorded, and held
+    for step 1 once the replayer stamps it as made now."""
+    from marinrl.rollout_format import decode_batch, encode_batch
+    from marinrl.train.replay_config import ReplayConfig
+    from test_replay import batch_of, drops
+
+    recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
+    as_recorded = ReplayConfig().build(start_step=0)
+    as_recorded.ingest([decode_batch(recorded)])
+    assert drops(as_recorded) == {"future": 1}
+    replayed = ReplayConfig().build(start_step=0)
+    replayed.ingest([decode_batch(restamped(recorded, time.time()))])
+    assert drops(replayed) == {} and [g.group.group_id for g in replayed.sample(1, 1, timeout_s=0).groups] == ["g"]
 
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
@@ -340,6 +376,32 @@ def test_resume_after_sigkill_trains_every_rollout_exactly_once(tmp_path):
     assert [set(g) for g in result.trained_groups] == [{g for g, _ in lineage[s]} for s in range(1, 9)]
     assert_same_state(checkpoint_arrays(str(tmp_path / "ckpt" / "killed" / "step-7")),
                       checkpoint_arrays(result.checkpoint), "resumed run vs uninterrupted run")
+
+
+def test_off_policy_resume_continues_the_buffer_exactly(tmp_path):
+    """Off-policy (oldest first, each group once, 8 versions of staleness): every rollout file is there
+    from the start, so only the checkpoint's replay state (the reader's cursor, what was used) keeps the
+    resumed run from training the first run's groups again. 2 + 2 steps train what 4 uninterrupted steps
+    train, step by step, and end in the same state."""
+    import shutil
+
+    sampling = OffPolicyConfig(staleness=8)
+    rng = np.random.default_rng(5)
+    writer = RolloutWriter(str(tmp_path / "rollouts"))
+    for _ in range(5):  # one batch per step and one left over, all of the initial weights
+        writer.write(make_rollout_batch(0, rng))
+    shutil.copytree(tmp_path / "rollouts", tmp_path / "whole" / "rollouts")
+
+    first = TrainWorker(worker_config(tmp_path, steps=2, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
+    resumed = TrainWorker(worker_config(tmp_path, steps=4, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
+    whole = TrainWorker(worker_config(tmp_path / "whole", steps=4, sampling=sampling, run_id="whole")).run()
+    assert (resumed.first_step, resumed.final_step) == (2, 4)
+    lineage = first.trained_groups + resumed.trained_groups
+    flat = [g for step in lineage for g in step]
+    assert len(flat) == len(set(flat)) == 4 * GROUPS  # nothing trained twice across the resume
+    assert [set(g) for g in lineage] == [set(g) for g in whole.trained_groups]
+    assert_same_state(checkpoint_arrays(resumed.checkpoint), checkpoint_arrays(whole.checkpoint),
+                      "off-policy resumed run vs uninterrupted run")
 
 
 def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):

@@ -592,3 +592,59 @@ def test_a_ray_reader_of_delta_payload_format_2_refuses_format_3(servers, model,
     monkeypatch.setattr(ray_transfer, "DELTA_PAYLOAD_FORMAT_VERSION", 2)  # the client's code is older
     assert client.poll() is None and client.model is None
     assert client.metrics["failures"] == 1 and "payload format 3" in caplog.text
+
+
+def _flip_one_bit(arrays: list) -> list[np.ndarray]:
+    """Copies of `arrays` with the lowest bit of the first element of the first one flipped."""
+    out = [np.array(a) for a in arrays]
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[out[0].dtype.itemsize]
+    out[0].reshape(-1).view(width)[0] ^= 1
+    return out
+
+
+@pytest.mark.parametrize("kind", ["file", "ray"])
+def test_a_tampered_snapshot_never_gives_wrong_weights(kind, servers, model, tmp_path, request):
+    """A snapshot whose values changed after publishing (one bit of one value; on files its file CRC
+    and size rewritten to match) is refused: only the per-array checksum DeltaReceiver checks on a
+    snapshot can tell, and the Ray transport has no other check. The client keeps what it has, a new
+    client gets nothing, and the next scheduled snapshot (`full_every=2`) is exact."""
+    config = _config(request, tmp_path, kind, full_every=2)
+    server = servers(config)
+    client = config.build_client(model)
+    v1 = sparse_step(model, 1)
+    server.publish(model, 0)
+    assert client.poll().weight_step == 0
+    server.publish(v1, 1)  # a delta on the snapshot
+    if kind == "file":  # the snapshot under the chain, rewritten whole with its pointer entry
+        root, pointer = _pointer(config)
+        record = pointer["chain"][0]
+        path = f"{root.path}/{record['version']}/{record['file']}"
+        meta, names, arrays = read_packed_meta(root.fs.cat_file(path), path)
+        assert meta["kind"] == "snapshot"
+        buf = io.BytesIO()
+        nbytes, crc = write_packed(buf, names, _flip_one_bit(arrays), meta)
+        root.fs.pipe_file(path, buf.getvalue())
+        record["bytes"], record["crc32"] = nbytes, crc
+        root.fs.pipe_file(root.pointer_path, json.dumps(pointer).encode())
+    else:  # the published snapshot's payload with one bit off, registered as the newest version
+        ray = request.getfixturevalue("ray_session")
+        actor = ray.get_actor(config.name)
+        *_, chain = ray.get(actor.latest.remote())
+        snapshot = ray.get(chain[0][3])
+        assert snapshot["kind"] == "snapshot"
+        bad = ray.put({**snapshot, "arrays": _flip_one_bit(snapshot["arrays"])})
+        taken, _ = ray.get(actor.publish.remote(server.epoch, 2, [bad], 0, [(server.epoch, 2, "snapshot", bad)]))
+        assert taken
+
+    late = config.build_client(model)  # holds nothing: its only way in is the tampered snapshot
+    assert late.poll() is None and late.weight_step is None
+    client.poll()  # on files it applies nothing new either (the delta stands on the tampered snapshot)
+    assert client.weight_step in (0, 1)
+    assert_bits_equal(client.model, v1 if client.weight_step == 1 else model)
+
+    v3 = sparse_step(v1, 3)
+    assert server.publish(v3, 3).bytes >= ModelSkeleton(model).nbytes  # the next snapshot
+    for c in (client, late):
+        got, step = c.poll()
+        assert step == 3
+        assert_bits_equal(got, v3)

@@ -90,7 +90,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_if_run_held(config: str, overrides: Sequence[str]) -> None:
+    """A run another live job holds is refused before the config's imports (JAX, Levanter: seconds);
+    only when the file or the flags name `run_root` and `run_id` (else RLJob.run's lease refuses it)."""
+    from marinrl.config_errors import ConfigInputError, compose_yaml, merged_raw
+    from marinrl.run_lock import RunLockHeld, refuse_if_held
+
+    try:
+        compose_yaml(config)
+        raw = merged_raw(config, overrides)
+    except (ConfigInputError, OSError):  # load_job_config says what is wrong
+        return
+    if not isinstance(raw, dict) or not isinstance(raw.get("run_root"), str) or not isinstance(raw.get("run_id"), str):
+        return
+    try:
+        refuse_if_held(f"{raw['run_root'].rstrip('/')}/{raw['run_id']}", raw["run_id"])
+    except RunLockHeld as e:
+        raise InputError(str(e)) from e
+    except Exception:  # noqa: BLE001 - storage not reachable yet: the job's own lease decides
+        return
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    _refuse_if_run_held(args.config, args.overrides)  # first: the imports below take seconds
     from marinrl.config_errors import ConfigInputError, compose_yaml, load_job_config, locate
     from marinrl.job import RLJob, RLJobConfig
     from marinrl.preflight import ConfigError
@@ -105,7 +127,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise InputError(f"{where}: {e}") from e
     except ValueError as e:  # a config class's own check, raised outside draccus
         raise InputError(f"{args.config}: {e}") from e
-    result = job.run()
+    from marinrl.run_lock import RunLockHeld
+
+    try:
+        result = job.run()
+    except RunLockHeld as e:  # another job holds this run: one line naming it, exit status 2
+        raise InputError(str(e)) from e
     train = result.train
     print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
           f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; rollout worker restarts {result.rollout_restarts}")

@@ -297,6 +297,9 @@ def _merged_raw(path: str, overrides: Sequence[str]) -> Any:
     return raw
 
 
+merged_raw = _merged_raw  # public: the CLI reads run_root/run_id from it before the config's imports
+
+
 def _raw_at(raw: Any, key_path: Sequence[str]) -> Any:
     for part in key_path:
         if isinstance(raw, dict):

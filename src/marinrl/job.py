@@ -31,6 +31,7 @@ from marinrl.placement import check_cluster
 from marinrl.policies import policy_models, resolve_policies
 from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
 from marinrl.rollout.worker import EnvironmentFailedError
+from marinrl.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
@@ -198,6 +199,7 @@ class RLJob:
         self._started_ray = False
         self._actors: list[Any] = []
         self._group: Optional[TrainerGroup] = None
+        self._lock: Optional[RunLock] = None
 
     def _init_ray(self) -> Optional[str]:
         cfg = self.config.ray
@@ -218,6 +220,15 @@ class RLJob:
         return ray.get_runtime_context().namespace
 
     def run(self) -> JobResult:
+        """Holds the run's lease (marinrl/run_lock.py) from before Ray starts until the job ends."""
+        self._lock = RunLock(self.config.run_dir, self.config.run_id)
+        self._lock.acquire()  # RunLockHeld (one line naming the holder) if another live job has this run
+        try:
+            return self._run()
+        finally:
+            self._lock.release()
+
+    def _run(self) -> JobResult:
         cfg = self.config
         started = self._started = time.time()  # the origin of the actors' `startup:` log lines
         self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
@@ -267,6 +278,8 @@ class RLJob:
                     live = [r for r in train_refs if waited.get(r) not in results]
                     ready, _ = ray.wait([*live, *pending], num_returns=1, timeout=1.0)
                     bar.update(trainer)
+                    if self._lock.lost:  # another job took this run over (this one looked dead): it owns it now
+                        raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs")
                     if self._group is not None:
                         if any(ref in ready for ref in train_refs):
                             results[0] = self._train_result(train_refs[0])
@@ -353,6 +366,8 @@ class RLJob:
         try:
             return self._group.result() if self._group is not None else ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
+            if self._lock.lost:  # superseded: the other job's trainer publishes now
+                raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs") from e
             checkpoints = f"{run_dir or self.config.run_dir}/checkpoints"
             raise RuntimeError(_trainer_death_message(e, checkpoints)) from e
 
@@ -385,7 +400,10 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
         what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
     latest = _latest_checkpoint(checkpoints)
-    if isinstance(cause, _INPUT_ERRORS):
+    if "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
+        advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
+                  "(`python -m marinrl.run_lock show <run_dir>` names the job holding the run)")
+    elif isinstance(cause, _INPUT_ERRORS):
         advice = ("this is a config or input error: fix it, then run the config again"
                   + (f" (it resumes from {latest})" if latest else ""))
     elif latest:

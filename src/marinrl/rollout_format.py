@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import zlib
 from collections import defaultdict
 from typing import Any
 
@@ -22,6 +23,14 @@ FORMAT_VERSION = 2
 every token at the rollout's weight step."""
 VERSION_KEY = b"marinrl.format_version"
 BATCH_KEY = b"marinrl.batch"
+CRC_KEY = b"marinrl.crc32"
+"""CRC-32 of the file's bytes before the Parquet footer (every column's pages) and of the version and
+batch metadata: a file damaged after writing is refused, never read as other values (lz4 pages carry
+no checksum of their own). Files written without it read unchecked."""
+
+
+def _content_crc(data_region: bytes, version: bytes, batch: bytes) -> int:
+    return zlib.crc32(batch, zlib.crc32(version, zlib.crc32(data_region)))
 
 
 def _list(value_type: pa.DataType) -> pa.DataType:
@@ -111,7 +120,11 @@ def encode_batch(batch: RolloutBatch) -> bytes:
     sink = io.BytesIO()
     # Dictionary-encode only the repetitive string columns: on token ids it makes files larger and
     # slower to read. lz4 read fastest of zstd/lz4/snappy/none at ~0.55× pickle's size (bench/storage.py).
-    pq.write_table(table, sink, compression="lz4", use_dictionary=list(_STRING_COLUMNS), write_statistics=False)
+    with pq.ParquetWriter(sink, table.schema, compression="lz4", use_dictionary=list(_STRING_COLUMNS),
+                          write_statistics=False) as writer:
+        writer.write_table(table)
+        crc = _content_crc(sink.getvalue(), file_meta[VERSION_KEY], file_meta[BATCH_KEY])  # the pages, written
+        writer.add_key_value_metadata({CRC_KEY: str(crc).encode()})
     return sink.getvalue()
 
 
@@ -141,6 +154,11 @@ def _decode(data: bytes, path: str) -> RolloutBatch:
     except Exception as e:
         _fail(path, f"not a readable Parquet file ({e})")
     version = file_meta.get(VERSION_KEY)
+    crc = (pf.metadata.metadata or {}).get(CRC_KEY)
+    if crc is not None:
+        footer = 8 + int.from_bytes(data[-8:-4], "little")
+        if _content_crc(data[:len(data) - footer], version or b"", file_meta.get(BATCH_KEY, b"")) != int(crc):
+            _fail(path, "CRC-32 mismatch: the file was damaged after it was written")
     if version is None:
         _fail(path, f"missing {VERSION_KEY.decode()} in the file metadata: not a marinrl rollout file")
     try:
