@@ -88,6 +88,15 @@ def _train_on_policy(trainer, model, thread, tmp_path, steps):
         _until(lambda s=s: _steps_written(tmp_path).get(s, 0) > before, thread, f"a new batch for step {s}")
 
 
+def _publish_final(trainer, model, step: int, thread, outcome) -> dict:
+    """The trainer's last weights: the worker stops, having raised nothing; its summary."""
+    trainer.publish(model, step)
+    thread.join(DEADLINE_S)
+    trainer.close()
+    assert "result" in outcome, outcome.get("error")
+    return outcome["result"]
+
+
 def test_a_resumed_trainer_at_a_lower_step_is_followed_by_a_new_worker_despite_newer_weights(tmp_path, tiny_server):
     """A job resumes past a corrupt newest checkpoint: the previous job's trainer had published up to the
     final step 6, this job's trainer starts from step 4. The worker must neither stop at the old step 6
@@ -102,10 +111,7 @@ def test_a_resumed_trainer_at_a_lower_step_is_followed_by_a_new_worker_despite_n
     thread, outcome = _run(worker)
     trainer = weights.build_server()  # this job's trainer: a newer epoch
     _train_on_policy(trainer, tiny_server.model, thread, tmp_path, (4, 5))
-    trainer.publish(tiny_server.model, 6)
-    thread.join(DEADLINE_S)
-    trainer.close()
-    assert "result" in outcome, outcome.get("error")
+    _publish_final(trainer, tiny_server.model, 6, thread, outcome)
     assert sorted(_steps_written(tmp_path)) == [4, 5]  # nothing for the old epoch's 6, nothing beyond
 
 
@@ -119,10 +125,7 @@ def test_a_trainer_restarted_alone_from_an_older_checkpoint_is_followed(tmp_path
     _train_on_policy(restarted, tiny_server.model, thread, tmp_path, (2,))
     assert _steps_written(tmp_path)[2] == 2  # a second batch for step 2: for the restarted trainer
     _train_on_policy(restarted, tiny_server.model, thread, tmp_path, (3, 4))
-    restarted.publish(tiny_server.model, 5)
-    thread.join(DEADLINE_S)
-    restarted.close()
-    assert "result" in outcome, outcome.get("error")
+    _publish_final(restarted, tiny_server.model, 5, thread, outcome)
     assert outcome["result"]["trainer_restarts"] == 1
 
 
@@ -135,10 +138,7 @@ def test_a_worker_restarted_alone_joins_the_running_trainer(tmp_path, tiny_serve
     worker, _ = _worker(tmp_path, tiny_server, faulty_envs.StartsWithA(), final_step=4, min_epoch=job_started)
     thread, outcome = _run(worker)
     _until(lambda: _steps_written(tmp_path).get(3, 0) >= 1, thread, "a batch for step 3")
-    trainer.publish(tiny_server.model, 4)
-    thread.join(DEADLINE_S)
-    trainer.close()
-    assert "result" in outcome, outcome.get("error")
+    _publish_final(trainer, tiny_server.model, 4, thread, outcome)
     assert sorted(_steps_written(tmp_path)) == [3]
 
 
@@ -159,10 +159,7 @@ def test_a_batch_generated_for_a_trainer_that_restarted_meanwhile_is_dropped(tmp
     _until(lambda: _steps_written(tmp_path).get(0, 0) >= 2, thread, "a batch for the restarted trainer's step 0")
     assert 1 not in _steps_written(tmp_path)  # the old trainer's step-1 batch was never written
     _train_on_policy(restarted, tiny_server.model, thread, tmp_path, (1, 2))
-    restarted.publish(tiny_server.model, 3)
-    thread.join(DEADLINE_S)
-    restarted.close()
-    assert "result" in outcome, outcome.get("error")
+    _publish_final(restarted, tiny_server.model, 3, thread, outcome)
     assert outcome["result"]["batches_dropped_restart"] == 1
     assert _steps_written(tmp_path) == {0: 2, 1: 1, 2: 1}
 
