@@ -1,0 +1,463 @@
+"""The real-size rehearsal: the Qwen3-0.6B recipe end to end on this machine's CPU, scaled down in
+prompts, samples and lengths but not in the model (issue 19).
+
+What it runs, in one local Ray per job on fake CPU devices (`--devices`, 2 by default):
+1. writes Qwen3-0.6B's architecture (experiments/grpo_math_qwen3_0p6b.py) with random weights through
+   transformers (`Qwen3ForCausalLM`, bf16 safetensors) and the byte-level tokenizer, into a temp folder;
+2. runs the recipe's config (its `RECIPE` YAML through `marinrl.recipe`'s draccus path) with an overlay
+   that fits 2 cores: 2 prompts x 2 samples of `arithmetic` (difficulty 1, ~16-token prompts), 16 new
+   tokens, rows of 64 tokens, one row per device per microbatch; trainer FSDP over the devices with
+   gradient checkpointing (the recipe's), rollouts tensor-parallel over them (`inference.model_axis_size`)
+   in bfloat16, delta weight sync (`weights: {type: filesystem, delta: true}`), the recipe's engine backend;
+3. SIGKILLs the job's process (and then the Ray processes it started, as a host crash would) once the
+   checkpoint after step `--kill_after` is committed, then runs the same config again: the trainer resumes
+   from that checkpoint and trains to step `--kill_after + 1`.
+
+It prints the phase times (from the actors' `startup:` lines and JSON log metrics; docs/performance.md,
+"First step") and one final JSON line: docs/performance.md, "Rehearsal", says what each field is. Fields
+the code cannot give yet are null, each with a line in `not_available` saying why: never a made-up number.
+
+    python bench/rehearsal.py                      # the real size (~0.6B parameters)
+    python bench/rehearsal.py --scale tiny         # the harness alone, in about two minutes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _fake_devices_from_argv(argv: list[str]) -> int:
+    """`--devices N` read before JAX loads (the harness's dry run and the job's actors inherit XLA_FLAGS)."""
+    for i, arg in enumerate(argv):
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+    return 2
+
+
+if __name__ == "__main__" and _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}={_fake_devices_from_argv(sys.argv)}".strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import draccus  # noqa: E402
+
+_BENCH = pathlib.Path(__file__).resolve().parent
+_REPO = _BENCH.parent
+sys.path.insert(0, str(_BENCH))
+from rehearsal_logs import (checkpoint_seconds, newest_checkpoint, process_stats, published_versions,  # noqa: E402
+                            run_logs)
+
+QWEN3_0P6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                  rms_norm_eps=1e-6, rope_theta=1_000_000.0)
+"""experiments/grpo_math_qwen3_0p6b.py's `model.model` in transformers' names."""
+SCALES = {
+    "full": QWEN3_0P6B,
+    "small": {**QWEN3_0P6B, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096},
+    "tiny": {**QWEN3_0P6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512},
+}
+GiB = float(1 << 30)
+
+
+@dataclasses.dataclass
+class RehearsalConfig:
+    scale: str = "full"
+    """`full`: Qwen3-0.6B's real size. `small` (4 layers, hidden 256) and `tiny` (2 layers, hidden 64) check
+    the harness in minutes; only `full` rehearses the recipe."""
+    devices: int = 2
+    """Fake CPU devices per process: the trainer's FSDP axis and the rollout's tensor-parallel axis."""
+    groups: int = 2
+    """Prompts per step (`groups_per_step`)."""
+    generations: int = 2
+    """Samples per prompt (`n_generations`)."""
+    max_tokens: int = 16
+    """New tokens per sample."""
+    row_length: int = 64
+    """`batching.max_length` and the engine's `max_seq_len`: prompt + response."""
+    kill_after: int = 3
+    """Steps trained (and checkpointed) before the job is SIGKILLed; the resumed job trains one more."""
+    rollout_dtype: str = "bfloat16"
+    """`inference.dtype`: the recipe's bfloat16 rollouts, or float32 (for a trainer that cannot publish
+    bf16 weights yet)."""
+    backend: str = "engine"
+    """The rollout backend: the recipe's `engine`, or `scan`."""
+    root: Optional[str] = None
+    """Folder for the checkpoint and the run (default: a temp folder, deleted at the end)."""
+    job_timeout_s: float = 1800.0
+    """Each job's limit: past it the job is killed and the rehearsal fails, naming the phase."""
+
+    def __post_init__(self):
+        if self.scale not in SCALES:
+            raise ValueError(f"RehearsalConfig.scale: {self.scale!r} is not one of {sorted(SCALES)}")
+        if self.backend not in ("engine", "scan"):
+            raise ValueError(f"RehearsalConfig.backend: {self.backend!r} is not engine or scan")
+        for name in ("devices", "groups", "generations", "max_tokens", "kill_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RehearsalConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.generations < 2:
+            raise ValueError("RehearsalConfig.generations must be >= 2 (GRPO's advantages are relative to the group)")
+        if self.max_tokens + 16 > self.row_length:
+            raise ValueError(f"RehearsalConfig.row_length={self.row_length} leaves no room for a ~16-token prompt "
+                             f"and max_tokens={self.max_tokens}")
+
+
+# ------------------------------------------------------------------ the inputs
+
+
+def write_hf_checkpoint(path: str, scale: str, seed: int = 0) -> None:
+    """Qwen3 at `scale` with transformers' random init, saved as bf16 safetensors with the byte-level
+    tokenizer. Run in a child process: torch's copy of the model leaves the harness's memory with it."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from marinrl.tokenizers import byte_tokenizer
+
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of an f32 model cast afterwards
+    config = Qwen3Config(**SCALES[scale], max_position_embeddings=4096, torch_dtype="bfloat16")
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer(512).save_pretrained(path)
+
+
+def job_yaml(cfg: RehearsalConfig, root: str, checkpoint: str) -> str:
+    """The recipe's YAML with the rehearsal's overlay (marinrl.recipe.recipe_yaml: mappings merge, lists are
+    replaced): one local Ray, CPU placements, shapes that fit 2 cores."""
+    import importlib.util
+
+    import yaml
+
+    from marinrl.recipe import recipe_yaml
+
+    spec = importlib.util.spec_from_file_location("recipe", _REPO / "experiments" / "grpo_math_qwen3_0p6b.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    lesson = {"lesson_id": "arithmetic", "env": {"name": "arithmetic",
+                                                 "args": {"difficulty": 1, "chat": False, "instruction": ""}},
+              "temperature": 1.0, "max_tokens": cfg.max_tokens, "graduate_at": None}
+    overlay = {
+        "run_id": f"rehearsal-{cfg.scale}", "run_root": root,
+        "model": {"hf_checkpoint": checkpoint, "vocab_size": SCALES[cfg.scale]["vocab_size"]},
+        "curriculum": {"lessons": [lesson]},
+        "num_train_steps": cfg.kill_after + 1, "checkpoint_every": cfg.kill_after,
+        "groups_per_step": cfg.groups, "n_generations": cfg.generations, "n_rollout_workers": 1,
+        "eval_every": 10_000, "eval_examples": cfg.groups,
+        "batching": {"max_length": cfg.row_length, "min_bucket": cfg.row_length},
+        "trainer": {"per_device_parallelism": 1, "tracker": [{"type": "json_logger"}]},
+        "inference": {"backend": cfg.backend, "dtype": cfg.rollout_dtype, "model_axis_size": cfg.devices,
+                      "engine": {"max_seqs": cfg.groups * cfg.generations, "max_seq_len": cfg.row_length,
+                                 "max_prefill_tokens": cfg.groups * cfg.row_length}},
+        "weights": {"type": "filesystem", "root": f"{root}/rehearsal-{cfg.scale}/weights", "delta": True},
+        "ray": {"address": None, "trainer": {"tpu": None}, "rollout": {"tpu": None}},
+    }
+    merged = yaml.safe_load(recipe_yaml(recipe.RECIPE, yaml.safe_dump(overlay, sort_keys=False)))
+    for role in ("trainer", "rollout"):  # the recipe's custom resources (its cluster's node labels) go: mappings merge
+        merged["ray"][role]["resources"] = {}
+    return yaml.safe_dump(merged, sort_keys=False)
+
+
+def run_job_child(yaml_path: str, result_path: str) -> None:
+    """The job's process (`python -c`): parse the YAML as a recipe does, run it, write its JobResult."""
+    from marinrl.recipe import parse_recipe, run_job
+
+    config = parse_recipe(pathlib.Path(yaml_path).read_text(), [])
+    result = run_job(config)
+    pathlib.Path(result_path).write_text(json.dumps(dataclasses.asdict(result), default=str))
+
+
+# ------------------------------------------------------------------ the jobs
+
+
+def _session(sid: int) -> set[int]:
+    """The processes of the job's session (it starts one): Ray's GCS, raylet and actors stay in it, and are
+    found there even after the job's process died and left them to init."""
+    import psutil
+
+    out = set()
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid:
+                out.add(pid)
+        except OSError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _refused_weights(rollout_log: pathlib.Path) -> Optional[str]:
+    """The rollout worker's last refusal of the trainer's weights once it has refused 10 (a dtype or shape
+    its model does not take: it would wait for weights until the job's timeout)."""
+    try:
+        with rollout_log.open("rb") as f:
+            f.seek(max(0, rollout_log.stat().st_size - 20_000))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(tail):
+        m = re.search(r"weight transfer from .* failed \((\d+) so far\)", line)
+        if m:
+            return line if int(m[1]) >= 10 else None
+    return None
+
+
+def _wait_for(condition, what: str, proc: subprocess.Popen, log: pathlib.Path, timeout_s: float,
+              rollout_log: Optional[pathlib.Path] = None) -> None:
+    deadline = time.time() + timeout_s
+    while not condition():
+        refused = _refused_weights(rollout_log) if rollout_log is not None else None
+        if refused:
+            raise RuntimeError(f"the rollout worker cannot load the trainer's weights (waiting for {what}):\n{refused}")
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job exited ({proc.returncode}) while waiting for {what}; its log "
+                               f"{log} ends:\n{log.read_text()[-4000:]}")
+        if time.time() > deadline:
+            raise TimeoutError(f"no {what} after {timeout_s:.0f} s; the job's log {log}")
+        time.sleep(0.2)
+
+
+def start_job(yaml_path: pathlib.Path, result_path: pathlib.Path, log: pathlib.Path) -> subprocess.Popen:
+    code = f"import sys; sys.path.insert(0, {str(_BENCH)!r}); import rehearsal; " \
+           f"rehearsal.run_job_child({str(yaml_path)!r}, {str(result_path)!r})"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env=dict(os.environ))
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL the job's process, then what it started (Ray's GCS, raylet, the actors), as a lost host."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    started = _session(proc.pid)
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 60
+    while any(_alive(p) for p in started) and time.time() < deadline:
+        time.sleep(0.2)
+
+
+# ------------------------------------------------------------------ the prediction
+
+
+def predicted_peak_gib(config_yaml: str, devices: int) -> tuple[dict, list[str]]:
+    """Per role, the dry run's predicted peak per process (GiB), where `marinrl.dry_run` has it."""
+    import marinrl.dry_run as dry_run
+    from marinrl.recipe import parse_recipe
+
+    if not hasattr(dry_run, "predicted_memory"):
+        return ({"trainer": None, "rollout": None},
+                ["predicted_peak_gib: marinrl.dry_run.predicted_memory is not available yet"])
+    job = parse_recipe(config_yaml, [])
+    out, missing = {}, []
+    for role in ("trainer", "rollout"):
+        try:
+            plan = dry_run.predicted_memory(job, role, n_devices=devices)
+            out[role] = round(plan.peak_bytes_per_process / GiB, 3)
+        except Exception as e:  # the prediction is reported, not trusted: say why it is missing
+            out[role] = None
+            missing.append(f"predicted_peak_gib.{role}: {type(e).__name__}: {e}")
+    return out, missing
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(cfg: RehearsalConfig) -> dict:
+    from machine import machine
+    from e2e import RssWatcher
+
+    from marinrl.train.checkpoints import COMMIT_MARKER
+
+    started = time.time()
+    before = machine()
+    tmp = tempfile.TemporaryDirectory(prefix="marinrl-rehearsal-") if cfg.root is None else None
+    root = pathlib.Path(cfg.root or tmp.name).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    phases: dict[str, float] = {}
+    try:
+        checkpoint = root / "hf-checkpoint"
+        t = time.time()
+        import multiprocessing
+
+        writer = multiprocessing.get_context("spawn").Process(target=write_hf_checkpoint, args=(str(checkpoint), cfg.scale))
+        writer.start()
+        writer.join()
+        if writer.exitcode != 0:
+            raise RuntimeError(f"writing the HF checkpoint to {checkpoint} failed (exit {writer.exitcode})")
+        phases["write_hf_checkpoint"] = time.time() - t
+        config_yaml = job_yaml(cfg, str(root), str(checkpoint))
+        yaml_path = root / "job.yaml"
+        yaml_path.write_text(config_yaml)
+        run_dir = root / f"rehearsal-{cfg.scale}"
+        ckpts = run_dir / "checkpoints"
+
+        log1, result1 = root / "job-1.log", root / "result-1.json"
+        t = time.time()
+        with RssWatcher() as rss1:
+            proc = start_job(yaml_path, result1, log1)
+            try:
+                committed = lambda: (newest_checkpoint(ckpts, COMMIT_MARKER) or 0) >= cfg.kill_after  # noqa: E731
+                _wait_for(committed, f"checkpoint at step {cfg.kill_after}", proc, log1, cfg.job_timeout_s,
+                          run_dir / "logs" / "rollout-0.log")
+                killed_at = newest_checkpoint(ckpts, COMMIT_MARKER)
+            finally:
+                kill_job(proc)
+        phases["job_until_kill"] = time.time() - t
+        logs1 = run_logs(run_dir / "logs")
+
+        log2, result2 = root / "job-2.log", root / "result-2.json"
+        t = time.time()
+        with RssWatcher() as rss2:
+            proc = start_job(yaml_path, result2, log2)
+            try:
+                _wait_for(lambda: result2.exists(), "result of the resumed job", proc, log2, cfg.job_timeout_s)
+                proc.wait(timeout=120)
+            finally:
+                if proc.poll() is None:
+                    kill_job(proc)
+        phases["resume_job"] = time.time() - t
+        result = json.loads(result2.read_text())
+        logs2 = run_logs(run_dir / "logs", after=logs1)
+        predicted, missing = predicted_peak_gib(config_yaml, cfg.devices)
+        report = _report(cfg, result, killed_at, logs1, logs2, [rss1.peaks, rss2.peaks], predicted, missing,
+                         run_dir, checkpoint, phases)
+        report.update(machine=before, load_avg_end=round(os.getloadavg()[0], 2), total_s=round(time.time() - started, 1))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    _print_phases(report)
+    print(json.dumps(report), flush=True)
+    return report
+
+
+def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, run_dir, checkpoint, phases) -> dict:
+    params = _param_count(checkpoint)
+    versions = published_versions(run_dir / "weights")
+    snapshots = [v for v in versions if v["kind"] == "snapshot"]
+    deltas = [v for v in versions if v["kind"] == "delta"]
+    ckpt_step = newest_checkpoint(run_dir / "checkpoints", "metadata.json")
+    ckpt_dir = run_dir / "checkpoints" / f"step-{ckpt_step - 1}" if ckpt_step else None
+    train = result["train"]
+    procs = process_stats(result)  # the actors' `process` dicts (the resumed job's), where the job gives them
+    missing = list(missing)
+    measured = {}
+    for role in ("trainer", "rollout"):
+        before_model = [logs.rss_before_model_mb(role) for logs in (logs1, logs2)]
+        peaks = [w.get(role) for w in watched]
+        from_logs = [p - b for p, b in zip(peaks, before_model) if p is not None and b is not None]
+        stats = procs.get(role) or {}
+        if stats.get("peak_rss_bytes") is not None and stats.get("rss_before_model_bytes") is not None:
+            measured[role] = (stats["peak_rss_bytes"] - stats["rss_before_model_bytes"]) / GiB
+        elif from_logs:
+            measured[role] = max(from_logs) / 1024
+        else:
+            measured[role] = None
+            missing.append(f"measured_peak_gib.{role}: no VmHWM sample or `startup:` line")
+    if not procs:
+        missing.append("measured_peak_gib: the job's results carry no `process` stats yet; VmHWM sampled from "
+                       "/proc minus the `startup:` line's RSS before the model, the larger of the two jobs")
+    hf_reads = {r: s.get("hf_reads") for r, s in procs.items()} or None
+    jit_constants = [s.get("jit_constant_bytes") for s in procs.values() if s.get("jit_constant_bytes") is not None]
+    if hf_reads is None or None in hf_reads.values():
+        missing.append("hf_reads_per_process: the actors' `process.hf_reads` is not available yet")
+    if not jit_constants:
+        missing.append("jit_constant_bytes: the actors' `process.jit_constant_bytes` is not available yet")
+    t1, t2 = logs1.trainer_startup(), logs2.trainer_startup()
+    updates = [h["train/update_s"] for h in train["history"]] + logs1.metric("train/update_s")
+    return {
+        "scale": cfg.scale, "devices": cfg.devices, "backend": cfg.backend,
+        "steps_trained": train["final_step"], "killed_at_step": killed_at,
+        "resumed": train.get("resumed_from") is not None, "resumed_from": train.get("resumed_from"),
+        "params": params, "rollout_dtype": _published_dtype(versions),
+        "weight_bytes_per_version": snapshots[-1]["bytes"] if snapshots else None,
+        "delta_bytes": [v["bytes"] for v in deltas], "f32_weight_bytes": params * 4,
+        "checkpoint_bytes": _du(ckpt_dir) if ckpt_dir else None,
+        "jit_constant_bytes": max(jit_constants) if jit_constants else None,
+        "hf_reads_per_process": max(hf_reads.values()) if hf_reads and None not in hf_reads.values() else None,
+        "hf_reads": hf_reads,
+        "predicted_peak_gib": predicted,
+        "measured_peak_gib": {r: None if v is None else round(v, 3) for r, v in measured.items()},
+        "peak_rss_gib": {r: round(max(w.get(r, 0) for w in watched) / 1024, 3) for r in ("trainer", "rollout")},
+        "phases_s": {
+            **{k: round(v, 1) for k, v in phases.items()},
+            "trainer_load": t1.get("state"), "trainer_first_update": t1.get("first_update"),
+            "trainer_startup_total": t1.get("total"),
+            "rollout_load": logs1.rollout_startup().get("model"), "rollout_compile": logs1.rollout_startup().get("warm_up"),
+            "rollout_startup_total": logs1.rollout_startup().get("total"),
+            "generate": _median(logs1.metric("rollout/generation_s") + logs2.metric("rollout/generation_s")),
+            "train_update": _median(updates[1:] or updates),
+            "publish": _median(logs1.metric("train/publish_s")),
+            "checkpoint": checkpoint_seconds(ckpt_dir) if ckpt_dir else None,
+            "resume_first_step": t2.get("total"), "resume_load": t2.get("state"),
+        },
+        "not_available": missing,
+    }
+
+
+def _param_count(checkpoint: pathlib.Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(f), "np") as st:
+            for k in st.keys():
+                shape = st.get_slice(k).get_shape()
+                size = 1
+                for d in shape:
+                    size *= d
+                n += size
+    return n
+
+
+def _published_dtype(versions: list[dict]) -> Optional[str]:
+    dtypes = {d for v in versions for d in v.get("float_dtypes", ())}
+    return dtypes.pop() if len(dtypes) == 1 else (",".join(sorted(dtypes)) or None)
+
+
+def _du(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _median(values: list) -> Optional[float]:
+    values = sorted(v for v in values if v is not None)
+    return round(values[len(values) // 2], 3) if values else None
+
+
+def _print_phases(report: dict) -> None:
+    m = report["machine"]
+    print(f"\nrehearsal ({report['scale']}, {report['params'] / 1e6:.1f}M params) on {m['cpu']} ({m['cpus']} CPUs; "
+          f"{m['flags']}), load average {m['load_avg']} before, {report['load_avg_end']} after")
+    for k, v in report["phases_s"].items():
+        print(f"  {k:24s} {'-' if v is None else f'{v:.2f} s'}")
+    for line in report["not_available"]:
+        print(f"  [not available] {line}")
+
+
+if __name__ == "__main__":
+    main(draccus.parse(RehearsalConfig))
