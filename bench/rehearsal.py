@@ -97,10 +97,15 @@ class RehearsalConfig:
     rollout_dtype: str = "bfloat16"
     """`inference.dtype`: the recipe's bfloat16 rollouts, or float32 (for a trainer that cannot publish
     bf16 weights yet)."""
+    checkpoint_dtype: str = "bfloat16"
+    """The HF checkpoint's dtype (Qwen3-0.6B ships bfloat16; float32 for a loader that keeps bf16 tensors
+    as bf16 whatever dtype it is asked for, as Levanter's safetensors reader does with ml_dtypes' bfloat16)."""
     backend: str = "engine"
     """The rollout backend: the recipe's `engine`, or `scan`."""
     root: Optional[str] = None
     """Folder for the checkpoint and the run (default: a temp folder, deleted at the end)."""
+    report_only: bool = False
+    """Read a finished rehearsal back from `root` (its watched.json and run folder) instead of running one."""
     job_timeout_s: float = 1800.0
     """Each job's limit: past it the job is killed and the rehearsal fails, naming the phase."""
 
@@ -109,6 +114,11 @@ class RehearsalConfig:
             raise ValueError(f"RehearsalConfig.scale: {self.scale!r} is not one of {sorted(SCALES)}")
         if self.backend not in ("engine", "scan"):
             raise ValueError(f"RehearsalConfig.backend: {self.backend!r} is not engine or scan")
+        if self.report_only and self.root is None:
+            raise ValueError("RehearsalConfig.report_only needs root: the folder of a finished rehearsal")
+        for name in ("rollout_dtype", "checkpoint_dtype"):
+            if getattr(self, name) not in ("bfloat16", "float32"):
+                raise ValueError(f"RehearsalConfig.{name}: {getattr(self, name)!r} is not bfloat16 or float32")
         for name in ("devices", "groups", "generations", "max_tokens", "kill_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RehearsalConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -122,8 +132,8 @@ class RehearsalConfig:
 # ------------------------------------------------------------------ the inputs
 
 
-def write_hf_checkpoint(path: str, scale: str, seed: int = 0) -> None:
-    """Qwen3 at `scale` with transformers' random init, saved as bf16 safetensors with the byte-level
+def write_hf_checkpoint(path: str, scale: str, dtype: str = "bfloat16", seed: int = 0) -> None:
+    """Qwen3 at `scale` with transformers' random init, saved as `dtype` safetensors with the byte-level
     tokenizer. Run in a child process: torch's copy of the model leaves the harness's memory with it."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -131,8 +141,8 @@ def write_hf_checkpoint(path: str, scale: str, seed: int = 0) -> None:
     from marinrl.tokenizers import byte_tokenizer
 
     torch.manual_seed(seed)
-    torch.set_default_dtype(torch.bfloat16)  # built in bf16: half the memory of an f32 model cast afterwards
-    config = Qwen3Config(**SCALES[scale], max_position_embeddings=4096, torch_dtype="bfloat16")
+    torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no second copy to cast
+    config = Qwen3Config(**SCALES[scale], max_position_embeddings=4096, torch_dtype=dtype)
     model = Qwen3ForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     byte_tokenizer(512).save_pretrained(path)
@@ -292,67 +302,92 @@ def main(cfg: RehearsalConfig) -> dict:
     from machine import machine
     from e2e import RssWatcher
 
-    from marinrl.train.checkpoints import COMMIT_MARKER
-
     started = time.time()
-    before = machine()
     tmp = tempfile.TemporaryDirectory(prefix="marinrl-rehearsal-") if cfg.root is None else None
     root = pathlib.Path(cfg.root or tmp.name).resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    phases: dict[str, float] = {}
     try:
-        checkpoint = root / "hf-checkpoint"
-        t = time.time()
-        import multiprocessing
-
-        writer = multiprocessing.get_context("spawn").Process(target=write_hf_checkpoint, args=(str(checkpoint), cfg.scale))
-        writer.start()
-        writer.join()
-        if writer.exitcode != 0:
-            raise RuntimeError(f"writing the HF checkpoint to {checkpoint} failed (exit {writer.exitcode})")
-        phases["write_hf_checkpoint"] = time.time() - t
-        config_yaml = job_yaml(cfg, str(root), str(checkpoint))
-        yaml_path = root / "job.yaml"
-        yaml_path.write_text(config_yaml)
-        run_dir = root / f"rehearsal-{cfg.scale}"
-        ckpts = run_dir / "checkpoints"
-
-        log1, result1 = root / "job-1.log", root / "result-1.json"
-        t = time.time()
-        with RssWatcher() as rss1:
-            proc = start_job(yaml_path, result1, log1)
-            try:
-                committed = lambda: (newest_checkpoint(ckpts, COMMIT_MARKER) or 0) >= cfg.kill_after  # noqa: E731
-                _wait_for(committed, f"checkpoint at step {cfg.kill_after}", proc, log1, cfg.job_timeout_s,
-                          run_dir / "logs" / "rollout-0.log")
-                killed_at = newest_checkpoint(ckpts, COMMIT_MARKER)
-            finally:
-                kill_job(proc)
-        phases["job_until_kill"] = time.time() - t
-        logs1 = run_logs(run_dir / "logs")
-
-        log2, result2 = root / "job-2.log", root / "result-2.json"
-        t = time.time()
-        with RssWatcher() as rss2:
-            proc = start_job(yaml_path, result2, log2)
-            try:
-                _wait_for(lambda: result2.exists(), "result of the resumed job", proc, log2, cfg.job_timeout_s)
-                proc.wait(timeout=120)
-            finally:
-                if proc.poll() is None:
-                    kill_job(proc)
-        phases["resume_job"] = time.time() - t
-        result = json.loads(result2.read_text())
-        logs2 = run_logs(run_dir / "logs", after=logs1)
-        predicted, missing = predicted_peak_gib(config_yaml, cfg.devices)
-        report = _report(cfg, result, killed_at, logs1, logs2, [rss1.peaks, rss2.peaks], predicted, missing,
-                         run_dir, checkpoint, phases)
-        report.update(machine=before, load_avg_end=round(os.getloadavg()[0], 2), total_s=round(time.time() - started, 1))
+        if not cfg.report_only:
+            rehearse(cfg, root)
+        report = read_report(cfg, root)
     finally:
         if tmp is not None:
             tmp.cleanup()
+    report["total_s"] = round(time.time() - started, 1)
     _print_phases(report)
     print(json.dumps(report), flush=True)
+    return report
+
+
+def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
+    """Write the checkpoint, run the job until its checkpoint after `kill_after` steps, SIGKILL it, resume
+    it to the end. What only the run can see (peak RSS by role, wall times, the machine and its load, the
+    log lines each job wrote) goes to `root/watched.json`; the rest is read back from the run folder."""
+    import multiprocessing
+
+    from machine import machine
+    from e2e import RssWatcher
+
+    from marinrl.train.checkpoints import COMMIT_MARKER
+
+    root.mkdir(parents=True, exist_ok=True)
+    watched = {"machine": machine(), "phases": {}}
+    phases = watched["phases"]
+    checkpoint = root / "hf-checkpoint"
+    t = time.time()
+    writer = multiprocessing.get_context("spawn").Process(target=write_hf_checkpoint,
+                                                          args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype))
+    writer.start()
+    writer.join()
+    if writer.exitcode != 0:
+        raise RuntimeError(f"writing the HF checkpoint to {checkpoint} failed (exit {writer.exitcode})")
+    phases["write_hf_checkpoint"] = round(time.time() - t, 1)
+    yaml_path = root / "job.yaml"
+    yaml_path.write_text(job_yaml(cfg, str(root), str(checkpoint)))
+    run_dir = root / f"rehearsal-{cfg.scale}"
+    ckpts = run_dir / "checkpoints"
+
+    log1, result1 = root / "job-1.log", root / "result-1.json"
+    t = time.time()
+    with RssWatcher() as rss1:
+        proc = start_job(yaml_path, result1, log1)
+        try:
+            committed = lambda: (newest_checkpoint(ckpts, COMMIT_MARKER) or 0) >= cfg.kill_after  # noqa: E731
+            _wait_for(committed, f"checkpoint at step {cfg.kill_after}", proc, log1, cfg.job_timeout_s,
+                      run_dir / "logs" / "rollout-0.log")
+            watched["killed_at"] = newest_checkpoint(ckpts, COMMIT_MARKER)
+        finally:
+            kill_job(proc)
+    phases["job_until_kill"] = round(time.time() - t, 1)
+    watched["log_offsets"] = run_logs(run_dir / "logs").offsets
+
+    log2, result2 = root / "job-2.log", root / "result-2.json"
+    t = time.time()
+    with RssWatcher() as rss2:
+        proc = start_job(yaml_path, result2, log2)
+        try:
+            _wait_for(lambda: result2.exists(), "result of the resumed job", proc, log2, cfg.job_timeout_s)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                kill_job(proc)
+    phases["resume_job"] = round(time.time() - t, 1)
+    watched.update(peaks_mb=[rss1.peaks, rss2.peaks], load_avg_end=round(os.getloadavg()[0], 2))
+    (root / "watched.json").write_text(json.dumps(watched))
+
+
+def read_report(cfg: RehearsalConfig, root: pathlib.Path) -> dict:
+    """The rehearsal's figures from `root`: watched.json, the resumed job's result, the run folder."""
+    watched_path = root / "watched.json"
+    if not watched_path.exists():
+        raise FileNotFoundError(f"{watched_path}: no finished rehearsal under {root}")
+    watched = json.loads(watched_path.read_text())
+    run_dir = root / f"rehearsal-{cfg.scale}"
+    logs1 = run_logs(run_dir / "logs", until=watched["log_offsets"])
+    logs2 = run_logs(run_dir / "logs", after=logs1)
+    predicted, missing = predicted_peak_gib((root / "job.yaml").read_text(), cfg.devices)
+    report = _report(cfg, json.loads((root / "result-2.json").read_text()), watched["killed_at"], logs1, logs2,
+                     watched["peaks_mb"], predicted, missing, run_dir, root / "hf-checkpoint", watched["phases"])
+    report.update(machine=watched["machine"], load_avg_end=watched["load_avg_end"])
     return report
 
 
@@ -389,7 +424,9 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
     if not jit_constants:
         missing.append("jit_constant_bytes: the actors' `process.jit_constant_bytes` is not available yet")
     t1, t2 = logs1.trainer_startup(), logs2.trainer_startup()
-    updates = [h["train/update_s"] for h in train["history"]] + logs1.metric("train/update_s")
+    r1 = logs1.rollout_startup()
+    updates = logs1.metric("train/update_s")  # the first includes its compile
+    train_update = _median(updates[1:] or updates)
     return {
         "scale": cfg.scale, "devices": cfg.devices, "backend": cfg.backend,
         "steps_trained": train["final_step"], "killed_at_step": killed_at,
@@ -405,17 +442,20 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
         "measured_peak_gib": {r: None if v is None else round(v, 3) for r, v in measured.items()},
         "peak_rss_gib": {r: round(max(w.get(r, 0) for w in watched) / 1024, 3) for r in ("trainer", "rollout")},
         "phases_s": {
-            **{k: round(v, 1) for k, v in phases.items()},
+            **phases,
             "trainer_load": t1.get("state"), "trainer_first_update": t1.get("first_update"),
+            "trainer_compile": _minus(t1.get("first_update"), train_update),
             "trainer_startup_total": t1.get("total"),
-            "rollout_load": logs1.rollout_startup().get("model"), "rollout_compile": logs1.rollout_startup().get("warm_up"),
-            "rollout_startup_total": logs1.rollout_startup().get("total"),
+            "rollout_load": r1.get("model"), "rollout_first_eval": r1.get("first_eval"),
+            "rollout_startup_total": r1.get("total"),
             "generate": _median(logs1.metric("rollout/generation_s") + logs2.metric("rollout/generation_s")),
-            "train_update": _median(updates[1:] or updates),
+            "train_update": train_update,
             "publish": _median(logs1.metric("train/publish_s")),
             "checkpoint": checkpoint_seconds(ckpt_dir) if ckpt_dir else None,
-            "resume_first_step": t2.get("total"), "resume_load": t2.get("state"),
+            "resume_load": t2.get("state"), "resume_first_step": t2.get("total"),
         },
+        "startup": {"trainer": _phases(t1), "rollout": _phases(r1), "trainer_resumed": _phases(t2),
+                    "rollout_resumed": _phases(logs2.rollout_startup())},
         "not_available": missing,
     }
 
@@ -442,6 +482,15 @@ def _published_dtype(versions: list[dict]) -> Optional[str]:
 
 def _du(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _minus(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else round(a - b, 2)
+
+
+def _phases(startup: dict) -> dict:
+    """A `startup:` line's phase seconds (RSS figures left out)."""
+    return {k: v for k, v in startup.items() if isinstance(v, float)}
 
 
 def _median(values: list) -> Optional[float]:

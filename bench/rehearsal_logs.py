@@ -51,9 +51,9 @@ class RunLogs:
         out = []
         for lines in self.lines.values():
             for line in lines:
-                if "json_logger: {" in line:
+                if '"tracker": "json_logger"' in line:  # `<time> INFO <logger name>: {JSON}`
                     try:
-                        record = json.loads(line.split("json_logger: ", 1)[1])
+                        record = json.loads(line[line.index("{"):])
                     except ValueError:
                         continue
                     value = record.get("metrics", record).get(name)
@@ -62,13 +62,15 @@ class RunLogs:
         return out
 
 
-def run_logs(log_dir: pathlib.Path, after: Optional[RunLogs] = None) -> RunLogs:
+def run_logs(log_dir: pathlib.Path, after: Optional[RunLogs] = None, until: Optional[dict] = None) -> RunLogs:
+    """The lines of the role logs after those of `after` (the previous job's), up to line `until[file]`."""
     lines, offsets = {}, {}
     for name in _ROLE_FILES.values():
         path = log_dir / name
         text = path.read_text(errors="replace").splitlines() if path.exists() else []
         start = after.offsets.get(name, 0) if after is not None else 0
-        lines[name], offsets[name] = text[start:], len(text)
+        end = until.get(name, len(text)) if until is not None else len(text)
+        lines[name], offsets[name] = text[start:end], end
     return RunLogs(lines, offsets)
 
 
