@@ -6,7 +6,7 @@ What it runs, in one local Ray per job on fake CPU devices (`--devices`, 2 by de
    transformers (`Qwen3ForCausalLM`, bf16 safetensors) and the byte-level tokenizer, into a temp folder;
 2. runs the recipe's config (its `RECIPE` YAML through `marinrl.recipe`'s draccus path) with an overlay
    that fits 2 cores: 2 prompts x 2 samples of `arithmetic` (difficulty 1, ~16-token prompts), 16 new
-   tokens, rows of 64 tokens, one row per device per microbatch; trainer FSDP over the devices with
+   tokens, rows of 64 tokens, the step's rows in one microbatch; trainer FSDP over the devices with
    gradient checkpointing (the recipe's), rollouts tensor-parallel over them (`inference.model_axis_size`)
    in bfloat16, delta weight sync (`weights: {type: filesystem, delta: true}`), the recipe's engine backend;
 3. SIGKILLs the job's process (and then the Ray processes it started, as a host crash would) once the
@@ -60,8 +60,8 @@ import draccus  # noqa: E402
 _BENCH = pathlib.Path(__file__).resolve().parent
 _REPO = _BENCH.parent
 sys.path.insert(0, str(_BENCH))
-from rehearsal_logs import (checkpoint_seconds, newest_checkpoint, process_stats, published_versions,  # noqa: E402
-                            run_logs)
+from rehearsal_logs import (checkpoint_seconds, newest_checkpoint, packed_elements as _packed_elements,  # noqa: E402
+                            process_stats, published_versions, run_logs)
 
 QWEN3_0P6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -97,6 +97,15 @@ class RehearsalConfig:
     rollout_dtype: str = "bfloat16"
     """`inference.dtype`: the recipe's bfloat16 rollouts, or float32 (for a trainer that cannot publish
     bf16 weights yet)."""
+    init: str = "hf"
+    """`hf`: both roles load the HF checkpoint written by transformers (the recipe's path). `scratch`: both
+    build the same architecture from the same seed instead (no checkpoint read; the tokenizer is still the
+    written one), for a trainer whose checkpoint load does not fit this machine's memory yet."""
+    delta: bool = True
+    """Delta weight sync (`weights.delta`): each side then keeps a host copy of the last version."""
+    max_staleness: int = 1
+    """The recipe's 1 (generation overlaps training); 0 runs them one after the other, so their memory
+    peaks do not add up."""
     checkpoint_dtype: str = "bfloat16"
     """The HF checkpoint's dtype (Qwen3-0.6B ships bfloat16; float32 for a loader that keeps bf16 tensors
     as bf16 whatever dtype it is asked for, as Levanter's safetensors reader does with ml_dtypes' bfloat16)."""
@@ -112,6 +121,8 @@ class RehearsalConfig:
     def __post_init__(self):
         if self.scale not in SCALES:
             raise ValueError(f"RehearsalConfig.scale: {self.scale!r} is not one of {sorted(SCALES)}")
+        if self.init not in ("hf", "scratch"):
+            raise ValueError(f"RehearsalConfig.init: {self.init!r} is not hf or scratch")
         if self.backend not in ("engine", "scan"):
             raise ValueError(f"RehearsalConfig.backend: {self.backend!r} is not engine or scan")
         if self.report_only and self.root is None:
@@ -124,6 +135,9 @@ class RehearsalConfig:
                 raise ValueError(f"RehearsalConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.generations < 2:
             raise ValueError("RehearsalConfig.generations must be >= 2 (GRPO's advantages are relative to the group)")
+        if (self.groups * self.generations) % self.devices:
+            raise ValueError(f"RehearsalConfig: groups x generations = {self.groups * self.generations} rows do not "
+                             f"divide over devices={self.devices}")
         if self.max_tokens + 16 > self.row_length:
             raise ValueError(f"RehearsalConfig.row_length={self.row_length} leaves no room for a ~16-token prompt "
                              f"and max_tokens={self.max_tokens}")
@@ -132,7 +146,7 @@ class RehearsalConfig:
 # ------------------------------------------------------------------ the inputs
 
 
-def write_hf_checkpoint(path: str, scale: str, dtype: str = "bfloat16", seed: int = 0) -> None:
+def write_hf_checkpoint(path: str, scale: str, dtype: str = "bfloat16", seed: int = 0, weights: bool = True) -> None:
     """Qwen3 at `scale` with transformers' random init, saved as `dtype` safetensors with the byte-level
     tokenizer. Run in a child process: torch's copy of the model leaves the harness's memory with it."""
     import torch
@@ -143,8 +157,8 @@ def write_hf_checkpoint(path: str, scale: str, dtype: str = "bfloat16", seed: in
     torch.manual_seed(seed)
     torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no second copy to cast
     config = Qwen3Config(**SCALES[scale], max_position_embeddings=4096, torch_dtype=dtype)
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
+    if weights:
+        Qwen3ForCausalLM(config).save_pretrained(path, safe_serialization=True)
     byte_tokenizer(512).save_pretrained(path)
 
 
@@ -165,23 +179,37 @@ def job_yaml(cfg: RehearsalConfig, root: str, checkpoint: str) -> str:
               "temperature": 1.0, "max_tokens": cfg.max_tokens, "graduate_at": None}
     overlay = {
         "run_id": f"rehearsal-{cfg.scale}", "run_root": root,
-        "model": {"hf_checkpoint": checkpoint, "vocab_size": SCALES[cfg.scale]["vocab_size"]},
+        "model": _model_overlay(cfg, checkpoint),
         "curriculum": {"lessons": [lesson]},
         "num_train_steps": cfg.kill_after + 1, "checkpoint_every": cfg.kill_after,
         "groups_per_step": cfg.groups, "n_generations": cfg.generations, "n_rollout_workers": 1,
         "eval_every": 10_000, "eval_examples": cfg.groups,
         "batching": {"max_length": cfg.row_length, "min_bucket": cfg.row_length},
-        "trainer": {"per_device_parallelism": 1, "tracker": [{"type": "json_logger"}]},
+        # One microbatch per step: gradient accumulation's f32 accumulator is another copy of the weights
+        # (2.4 GB at 0.6B) that rows of 64 tokens do not need.
+        "trainer": {"per_device_parallelism": cfg.groups * cfg.generations // cfg.devices,
+                    "tracker": [{"type": "json_logger"}]},
         "inference": {"backend": cfg.backend, "dtype": cfg.rollout_dtype, "model_axis_size": cfg.devices,
                       "engine": {"max_seqs": cfg.groups * cfg.generations, "max_seq_len": cfg.row_length,
                                  "max_prefill_tokens": cfg.groups * cfg.row_length}},
-        "weights": {"type": "filesystem", "root": f"{root}/rehearsal-{cfg.scale}/weights", "delta": True},
+        "weights": {"type": "filesystem", "root": f"{root}/rehearsal-{cfg.scale}/weights", "delta": cfg.delta},
+        "max_staleness": cfg.max_staleness,
         "ray": {"address": None, "trainer": {"tpu": None}, "rollout": {"tpu": None}},
     }
     merged = yaml.safe_load(recipe_yaml(recipe.RECIPE, yaml.safe_dump(overlay, sort_keys=False)))
     for role in ("trainer", "rollout"):  # the recipe's custom resources (its cluster's node labels) go: mappings merge
         merged["ray"][role]["resources"] = {}
     return yaml.safe_dump(merged, sort_keys=False)
+
+
+def _model_overlay(cfg: RehearsalConfig, checkpoint: str) -> dict:
+    dims = SCALES[cfg.scale]
+    if cfg.init == "hf":
+        return {"hf_checkpoint": checkpoint, "vocab_size": dims["vocab_size"]}
+    return {"hf_checkpoint": None, "tokenizer": checkpoint, "vocab_size": dims["vocab_size"], "seed": 0,
+            "model": {"hidden_dim": dims["hidden_size"], "intermediate_dim": dims["intermediate_size"],
+                      "num_layers": dims["num_hidden_layers"], "num_heads": dims["num_attention_heads"],
+                      "num_kv_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"]}}
 
 
 def run_job_child(yaml_path: str, result_path: str) -> None:
@@ -335,7 +363,7 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     checkpoint = root / "hf-checkpoint"
     t = time.time()
     writer = multiprocessing.get_context("spawn").Process(target=write_hf_checkpoint,
-                                                          args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype))
+                                                          args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype, 0, cfg.init == "hf"))
     writer.start()
     writer.join()
     if writer.exitcode != 0:
@@ -392,8 +420,8 @@ def read_report(cfg: RehearsalConfig, root: pathlib.Path) -> dict:
 
 
 def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, run_dir, checkpoint, phases) -> dict:
-    params = _param_count(checkpoint)
     versions = published_versions(run_dir / "weights")
+    params = _param_count(checkpoint, versions)
     snapshots = [v for v in versions if v["kind"] == "snapshot"]
     deltas = [v for v in versions if v["kind"] == "delta"]
     ckpt_step = newest_checkpoint(run_dir / "checkpoints", "metadata.json")
@@ -428,7 +456,8 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
     updates = logs1.metric("train/update_s")  # the first includes its compile
     train_update = _median(updates[1:] or updates)
     return {
-        "scale": cfg.scale, "devices": cfg.devices, "backend": cfg.backend,
+        "scale": cfg.scale, "init": cfg.init, "delta": cfg.delta, "max_staleness": cfg.max_staleness,
+        "devices": cfg.devices, "backend": cfg.backend,
         "steps_trained": train["final_step"], "killed_at_step": killed_at,
         "resumed": train.get("resumed_from") is not None, "resumed_from": train.get("resumed_from"),
         "params": params, "rollout_dtype": _published_dtype(versions),
@@ -438,6 +467,9 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
         "jit_constant_bytes": max(jit_constants) if jit_constants else None,
         "hf_reads_per_process": max(hf_reads.values()) if hf_reads and None not in hf_reads.values() else None,
         "hf_reads": hf_reads,
+        # Levanter's "Reading N tensors from <checkpoint>" lines in the first job's trainer log (the
+        # rollout worker's log carries marinrl's INFO lines only).
+        "hf_reads_logged": {"trainer": logs1.count("fsspec_safetensor: Reading", "trainer")},
         "predicted_peak_gib": predicted,
         "measured_peak_gib": {r: None if v is None else round(v, 3) for r, v in measured.items()},
         "peak_rss_gib": {r: round(max(w.get(r, 0) for w in watched) / 1024, 3) for r in ("trainer", "rollout")},
@@ -460,8 +492,12 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
     }
 
 
-def _param_count(checkpoint: pathlib.Path) -> int:
+def _param_count(checkpoint: pathlib.Path, versions: list[dict]) -> int:
+    """Parameters of the HF checkpoint; without one (`init: scratch`), of the first published snapshot."""
     from safetensors import safe_open
+
+    if not list(checkpoint.glob("*.safetensors")):
+        return _packed_elements(versions[0]["path"]) if versions else 0
 
     n = 0
     for f in sorted(checkpoint.glob("*.safetensors")):

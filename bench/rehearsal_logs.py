@@ -46,6 +46,10 @@ class RunLogs:
         rss = self._startup(role).get("rss_mb", {})
         return rss.get("init" if role == "trainer" else "ready")
 
+    def count(self, text: str, role: str) -> int:
+        """Lines of `role`'s log that contain `text`."""
+        return sum(text in line for line in self.lines.get(_ROLE_FILES[role], []))
+
     def metric(self, name: str) -> list[float]:
         """Every value of `name` in the JSON log lines of the trainer's and the rollout worker's logs."""
         out = []
@@ -88,13 +92,28 @@ def checkpoint_seconds(folder: pathlib.Path) -> Optional[float]:
     return round(last.stat().st_mtime - first.stat().st_mtime, 2)
 
 
-def _packed_float_dtypes(path: pathlib.Path) -> list[str]:
-    """The float dtypes of a packed file's leaves, from its header alone (MAGIC, length, JSON)."""
-    with path.open("rb") as f:
+def _packed_leaves(path: pathlib.Path) -> list[dict]:
+    """A packed file's leaves (name, dtype, shape, ...), from its header alone (MAGIC, length, JSON)."""
+    with pathlib.Path(path).open("rb") as f:
         head = f.read(16)
         (length,) = struct.unpack("<Q", head[8:16])
-        header = json.loads(f.read(length))
-    return sorted({leaf["dtype"] for leaf in header.get("leaves", []) if "float" in leaf["dtype"]})
+        return json.loads(f.read(length)).get("leaves", [])
+
+
+def _packed_float_dtypes(path: pathlib.Path) -> list[str]:
+    return sorted({leaf["dtype"] for leaf in _packed_leaves(path) if "float" in leaf["dtype"]})
+
+
+def packed_elements(path: pathlib.Path) -> int:
+    """Elements of a packed snapshot's floating leaves: the model's parameter count."""
+    total = 0
+    for leaf in _packed_leaves(path):
+        if "float" in leaf["dtype"]:
+            n = 1
+            for d in leaf["shape"]:
+                n *= d
+            total += n
+    return total
 
 
 def published_versions(root: pathlib.Path) -> list[dict]:
@@ -104,7 +123,7 @@ def published_versions(root: pathlib.Path) -> list[dict]:
     for folder in sorted(p for p in root.glob("step-*") if p.is_dir()):
         snapshot, delta = folder / "weights.bin", folder / "delta.bin"
         if snapshot.exists():
-            out.append({"version": folder.name, "kind": "snapshot", "bytes": snapshot.stat().st_size,
+            out.append({"version": folder.name, "kind": "snapshot", "bytes": snapshot.stat().st_size, "path": str(snapshot),
                         "float_dtypes": _packed_float_dtypes(snapshot)})
         elif delta.exists():
             out.append({"version": folder.name, "kind": "delta", "bytes": delta.stat().st_size})
