@@ -29,7 +29,7 @@ bench: $(STAMP)
 	$(PY) bench/storage.py
 
 # Qwen3-0.6B's recipe end to end on this CPU at its real size, killed and resumed (docs/performance.md,
-# "Rehearsal"); ~12 GiB of memory. `--scale tiny` checks the harness alone.
+# "Rehearsal"): more than a 24 GiB machine holds today. `--scale small` checks the harness alone.
 rehearsal: $(STAMP)
 	$(PY) bench/rehearsal.py
 
