@@ -17,8 +17,9 @@ It prints the phase times (from the actors' `startup:` lines and JSON log metric
 "First step") and one final JSON line: docs/performance.md, "Rehearsal", says what each field is. Fields
 the code cannot give yet are null, each with a line in `not_available` saying why: never a made-up number.
 
-    python bench/rehearsal.py                      # the real size (~0.6B parameters)
-    python bench/rehearsal.py --scale tiny         # the harness alone, in about two minutes
+    python bench/rehearsal.py                      # the real size (596M parameters; > 24 GiB today)
+    python bench/rehearsal.py --scale small        # the harness alone (4.2M parameters), ~2 minutes
+    python bench/rehearsal.py --root DIR --report_only true   # read a finished rehearsal back
 """
 
 from __future__ import annotations
