@@ -107,3 +107,20 @@ def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path)
     server = InferenceServer(config, model, byte_tokenizer(VOCAB))
     served = jax.tree.leaves(eqx.filter(server.model, eqx.is_array))
     assert all(a is b for a, b in zip(arrays, served))
+
+
+def test_a_bf16_checkpoint_loads_in_the_dtype_asked_for(tmp_path):
+    """Levanter's reader keeps bf16 tensors in bf16 whatever dtype it is given: a float32 trainer (or
+    rollout worker) loading a bf16 checkpoint must still get float32 weights, equal to the bf16 values."""
+    path = str(tmp_path / "bf16")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    as_bf16 = load_hf_checkpoint(path, dtype=jnp.bfloat16)
+    as_f32 = load_hf_checkpoint(path, dtype=jnp.float32)
+    pairs = list(zip(jax.tree.leaves(eqx.filter(as_bf16, eqx.is_inexact_array)),
+                     jax.tree.leaves(eqx.filter(as_f32, eqx.is_inexact_array)), strict=True))
+    assert all(b.dtype == jnp.bfloat16 and f.dtype == jnp.float32 for b, f in pairs)
+    for b, f in pairs:  # bf16 -> f32 is exact
+        np.testing.assert_array_equal(np.asarray(b.astype(jnp.float32)), np.asarray(f))

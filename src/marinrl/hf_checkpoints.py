@@ -137,15 +137,32 @@ def load_hf_checkpoint(
         type(config), reference_checkpoint=path, HfConfigClass=type(hf_config), tokenizer=byte_tokenizer(512)
     )
     _READS[path] = _READS.get(path, 0) + 1
+    dtype = jnp.dtype(dtype)
     with default_mesh(mesh):
-        return converter.load_pretrained(
+        model = converter.load_pretrained(
             config.model_type,
             ref=path,
             config=config,
             axis_mapping=axis_mapping,
             resize_vocab_to_match_tokenizer=False,
-            dtype=jnp.dtype(dtype),
+            dtype=dtype,
         )
+    return _in_dtype(model, dtype)
+
+
+def _in_dtype(model, dtype):
+    """`model` with every floating weight in `dtype`. Levanter's safetensors reader leaves bfloat16 tensors
+    in bfloat16 whatever it is asked for (`np.issubdtype(bfloat16, np.floating)` is False for ml_dtypes),
+    so a float32 load of a bf16 checkpoint needs this cast: one program, each output on its input's
+    sharding, the inputs donated."""
+    import equinox as eqx
+
+    arrays, static = eqx.partition(model, eqx.is_inexact_array)
+    if all(x.dtype == dtype for x in jax.tree.leaves(arrays)):
+        return model
+    shardings = jax.tree.map(lambda x: x.sharding, arrays)
+    cast = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t), out_shardings=shardings, donate_argnums=0)
+    return eqx.combine(cast(arrays), static)
 
 
 def save_hf_checkpoint(model: LmHeadModel, path: str, *, tokenizer: PreTrainedTokenizerBase) -> str:
