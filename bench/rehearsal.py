@@ -281,7 +281,8 @@ def start_job(yaml_path: pathlib.Path, result_path: pathlib.Path, log: pathlib.P
     code = f"import sys; sys.path.insert(0, {str(_BENCH)!r}); import rehearsal; " \
            f"rehearsal.run_job_child({str(yaml_path)!r}, {str(result_path)!r})"
     return subprocess.Popen([sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env=dict(os.environ))
+                            start_new_session=True,  # its actors measure their programs' constants
+                            env={**os.environ, "MARINRL_AUDIT_PROGRAMS": "1"})
 
 
 def kill_job(proc: subprocess.Popen) -> None:

@@ -27,7 +27,7 @@ def predicted_peak_gib(config_yaml: str, devices: int) -> tuple[dict, list[str]]
     out, missing = {}, []
     for role in ("trainer", "rollout"):
         try:
-            plan = dry_run.predicted_memory(job, role, n_devices=devices)
+            plan = dry_run.predicted_memory(job, role, n_devices=devices, cpu=True)  # fake CPU devices
             out[role] = round(plan.peak_bytes_per_process / GiB, 3)
         except Exception as e:  # the prediction is reported, not trusted: say why it is missing
             out[role] = None

@@ -182,3 +182,33 @@ def test_dry_run_compiles_the_backend_the_job_runs(backend):
     assert f"rollout backend: {backend}" in text and "gradients" in text and "executed" in text
     assert json.loads(json.dumps(report.as_dict()))["rollout"]["peak_bytes_per_device"] == \
         report.rollout.peak_bytes_per_device
+
+
+def test_the_cpu_plan_adds_what_xla_cpu_holds_on_fake_devices():
+    """`cpu=True` (the rehearsal's prediction): per FSDP device the whole weights in the compute dtype and
+    the whole float32 gradients; per rollout device a float32 copy of the bf16 weights. A received version
+    beside the served one is counted on any platform."""
+    job = _recipe()
+    n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
+    plain = predicted_memory(job, "trainer", 2).bytes_per_device
+    cpu = predicted_memory(job, "trainer", 2, cpu=True).bytes_per_device
+    assert {k: cpu[k] for k in plain} == plain
+    assert cpu["gathered_parameters"] == pytest.approx(2 * n, rel=1e-6)  # bf16 compute (mp c=bfloat16)
+    assert cpu["gradients"] + cpu["unsharded_gradients"] == pytest.approx(4 * n, rel=1e-6)
+    rollout = predicted_memory(job, "rollout", 2, cpu=True).bytes_per_device
+    assert rollout["incoming_version"] == rollout["weights"]
+    assert rollout["cpu_float32_weights"] == pytest.approx(2 * rollout["weights"])
+    assert "cpu_float32_weights" not in predicted_memory(job, "rollout", 2).bytes_per_device
+
+
+def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):
+    """The run builds what config.json says, whatever `model.model` holds: the plan follows it."""
+    import transformers
+
+    path = tmp_path / "hf"
+    transformers.Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=32).save_pretrained(path)
+    job = _recipe()
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, hf_checkpoint=str(path)))
+    small = predicted_memory(job, "trainer", 2).bytes_per_device["parameters"]
+    assert small < 4 * 200_000  # ~133k parameters (0.6B in the recipe's model.model)

@@ -147,7 +147,8 @@ class RolloutActor:
                                     min_epoch=None if job_started_at is None else int(job_started_at * 1e9))
         self._rss_before_model = rss_before_model
         self._program_constants = None
-        if program_audit.auditing() and job.inference.backend == "scan":
+        if program_audit.auditing():  # the scan sampler's program; Levanter's engine takes its model as an
+            # argument too (swapping `engine.model` never recompiles), so it holds no weights either
             from marinrl.inference.sampler import program_constant_bytes
 
             self._program_constants = max(program_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)

@@ -11,18 +11,21 @@ Components (per device), and how exact each is:
   microbatch loop keeps a running sum beside each microbatch's gradients; 0 without microbatches) and
   `optimizer_state`: exact from shapes and shardings. `activations`: an estimate from shapes for one
   microbatch (`train_activation_bytes`).
-  Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations.
+  Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations; with `cpu=True`
+  also `gathered_parameters` and `unsharded_gradients` (what XLA:CPU holds per FSDP device).
 - rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis),
   `cache` (engine: the paged KV cache of `inference.engine.max_pages` pages, by default `max_seqs` ×
   ceil(`max_seq_len` / page) pages, plus the engine's decode state; scan: one call's KV cache):
   exact from shapes and shardings. `working_set`: an estimate of one engine prefill or decode step's
-  buffers (`rollout_working_set_bytes`). Peak = weights + cache + working_set.
+  buffers (`rollout_working_set_bytes`). `incoming_version`: a received version is built beside the
+  served weights before the swap (exact). Peak = weights + cache + working_set + incoming_version; with
+  `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16 weights for its matmuls).
 
 Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
-the Python process (its baseline), Ray, a second copy of the weights while a new version is received or
-published, and the host memory of checkpoints and rollout files. Nor what only a CPU compile allocates:
-XLA:CPU keeps float32 copies of bfloat16 weights for its matmuls (the engine's programs' scratch grows by
-twice a layer's bfloat16 shard per layer, docs/scaling.md), about 2 × `weights` on fake CPU devices. On an accelerator with
+the Python process (its baseline), Ray, the trainer's copy of a version while it publishes (between
+updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
+copies of bfloat16 weights for its matmuls, the engine's scratch growing by twice a layer's bfloat16 shard
+per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`. On an accelerator with
 `inference.engine.max_pages: null` the engine grows its cache to `hbm_utilization` of free memory; the
 plan counts the pages `max_seqs` full-length sequences need.
 
@@ -280,7 +283,7 @@ def train_row_length(job, prompt_tokens: int, response_tokens: int) -> int:
     return b.bucket_for(min(b.max_length, prompt_tokens + response_tokens))
 
 
-def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int) -> MemoryPlan:
+def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int, cpu: bool = False) -> MemoryPlan:
     from levanter.trainer_state import TrainerState
 
     mesh = trainer_mesh(job, n_devices)
@@ -297,16 +300,25 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int)
     accumulating = mbs is not None and mbs < rows
     length = train_row_length(job, prompt_tokens, response_tokens)
     per_host = job.ray.trainer.devices()
+    components = {"parameters": params, "gradients": grads,
+                  "gradient_accumulator": grads if accumulating else 0.0,
+                  "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
+                  "activations": train_activation_bytes(job, mesh, length)}
+    estimated = ("activations",)
+    if cpu and mesh["data"] * mesh["replica"] > 1:
+        # XLA:CPU's SPMD program gathers every FSDP-sharded weight whole (in the compute dtype) for the
+        # forward and holds whole float32 gradients before their reduce-scatter, per device (measured:
+        # docs/scaling.md, "Rehearsal"); an accelerator's gathers stay within the layer scan.
+        compute = jnp.dtype(job.trainer.mp.compute_dtype)
+        components["gathered_parameters"] = total_bytes(cast_floats(state.model, compute)) / mesh["model"]
+        components["unsharded_gradients"] = total_bytes(state.trainable_model) / mesh["model"] - grads
+        estimated += ("gathered_parameters", "unsharded_gradients")
     return MemoryPlan(
         role="trainer", devices=n_devices, devices_per_process=min(per_host or n_devices, n_devices), mesh=mesh,
-        bytes_per_device={"parameters": params, "gradients": grads,
-                          "gradient_accumulator": grads if accumulating else 0.0,
-                          "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
-                          "activations": train_activation_bytes(job, mesh, length)},
-        estimated=("activations",))
+        bytes_per_device=components, estimated=estimated)
 
 
-def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int) -> MemoryPlan:
+def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int, cpu: bool = False) -> MemoryPlan:
     model_axis = rollout_model_axis_size(job, n_devices)
     mesh = {"data": n_devices // model_axis, "model": model_axis}
     mapping = rollout_mapping(job, model_axis)
@@ -317,11 +329,17 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int)
     else:
         kv, chunk, _ = scan_cache_bytes(job, prompt_tokens, response_tokens)
         cache = kv / scan_cache_shards(job, mesh, chunk)
+    weights = shard_bytes(model, mapping, mesh)
+    components = {"weights": weights, "cache": cache,
+                  "working_set": rollout_working_set_bytes(job, model_axis, mesh["data"]),
+                  "incoming_version": weights}  # a new version is built beside the served one, then swapped
+    estimated = ("working_set",)
+    if cpu and jnp.dtype(job.rollout_dtype()).itemsize < 4:
+        components["cpu_float32_weights"] = weights * 4 / jnp.dtype(job.rollout_dtype()).itemsize
+        estimated += ("cpu_float32_weights",)
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
-        bytes_per_device={"weights": shard_bytes(model, mapping, mesh), "cache": cache,
-                          "working_set": rollout_working_set_bytes(job, model_axis, mesh["data"])},
-        estimated=("working_set",))
+        bytes_per_device=components, estimated=estimated)
 
 
 def scan_cache_bytes(job, prompt_tokens: int, response_tokens: int) -> tuple[float, int, int]:
@@ -350,17 +368,36 @@ def default_response_tokens(job) -> int:
     return max(lesson.max_tokens for lesson in job.curriculum.lessons)
 
 
+def _with_local_checkpoint_architecture(job):
+    """`job` with `model.model` and `vocab_size` from its HF checkpoint's config.json when that is a local
+    folder (what the run will build); a remote or missing one leaves the config's (the recipes' dry runs)."""
+    import os
+
+    path = job.model.hf_checkpoint
+    if not path or ("://" in path and not path.startswith("file://")):
+        return job
+    if not os.path.exists(os.path.join(path.removeprefix("file://"), "config.json")):
+        return job
+    from marinrl.models import model_architecture
+
+    arch, vocab = model_architecture(job.model)
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, model=arch, vocab_size=vocab))
+
+
 def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt_tokens: int = 256,
-                     response_tokens: Optional[int] = None) -> MemoryPlan:
+                     response_tokens: Optional[int] = None, cpu: bool = False) -> MemoryPlan:
     """`role`'s memory per device for `job` on `n_devices` devices (None: the trainer's placement, or the
     rollout worker's; see the module doc for what is counted). Lowers nothing. `prompt_tokens` and
     `response_tokens` (None: the curriculum's largest `max_tokens`) fix the trainer's row length and the
-    scan sampler's cache; the engine's cache is sized by `inference.engine` alone."""
+    scan sampler's cache; the engine's cache is sized by `inference.engine` alone. `cpu`: also count what
+    XLA:CPU adds on fake CPU devices (whole gathered weights and gradients per FSDP device, float32 copies
+    of bfloat16 rollout weights), for a run on this machine (bench/rehearsal.py)."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"predicted_memory: role must be 'trainer' or 'rollout', got {role!r}")
     if n_devices is not None and n_devices < 1:
         raise ValueError(f"predicted_memory: n_devices must be >= 1 or None, got {n_devices}")
     response = response_tokens or default_response_tokens(job)
+    job = _with_local_checkpoint_architecture(job)
     if role == "trainer":
-        return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response)
-    return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response)
+        return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response, cpu)
+    return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response, cpu)
