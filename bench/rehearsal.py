@@ -77,6 +77,14 @@ SCALES = {
 }
 
 
+MEMORY_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "1048576",  # the actors return freed weight buffers (a received version) to the OS
+    "RAY_memory_usage_threshold": "0.99",  # the job's local Ray kills workers at 99% of the machine, not 95%
+}
+"""What a 24 GiB machine needs to hold a 0.6B trainer (16-17 GB inside an update on 2 fake devices) and a
+rollout worker at once (docs/performance.md, "Rehearsal")."""
+
+
 @dataclasses.dataclass
 class RehearsalConfig:
     scale: str = "full"
@@ -282,7 +290,7 @@ def start_job(yaml_path: pathlib.Path, result_path: pathlib.Path, log: pathlib.P
            f"rehearsal.run_job_child({str(yaml_path)!r}, {str(result_path)!r})"
     return subprocess.Popen([sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT,
                             start_new_session=True,  # its actors measure their programs' constants
-                            env={**os.environ, "MARINRL_AUDIT_PROGRAMS": "1"})
+                            env={**os.environ, "MARINRL_AUDIT_PROGRAMS": "1", **MEMORY_ENV})
 
 
 def kill_job(proc: subprocess.Popen) -> None:

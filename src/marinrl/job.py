@@ -53,7 +53,10 @@ def _audited(options: dict) -> dict:
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
 _PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                 "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
-                "WANDB_BASE_URL", "WANDB_DIR", program_audit.AUDIT_ENV)
+                "WANDB_BASE_URL", "WANDB_DIR", program_audit.AUDIT_ENV,
+                # glibc's allocator: a memory-tight host returns freed weight buffers to the OS with
+                # MALLOC_MMAP_THRESHOLD_ (docs/performance.md, "Memory")
+                "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
 
 def _actor_env() -> dict[str, str]:

@@ -12,14 +12,16 @@ Components (per device), and how exact each is:
   `optimizer_state`: exact from shapes and shardings. `activations`: an estimate from shapes for one
   microbatch (`train_activation_bytes`).
   Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations; with `cpu=True`
-  also `gathered_parameters` and `unsharded_gradients` (what XLA:CPU holds per FSDP device).
+  also `gathered_parameters` and `unsharded_gradients` (what XLA:CPU holds per FSDP device) and, with delta
+  sync, `delta_host_copy` (the last version, kept on the host: device memory on a CPU).
 - rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis),
   `cache` (engine: the paged KV cache of `inference.engine.max_pages` pages, by default `max_seqs` ×
   ceil(`max_seq_len` / page) pages, plus the engine's decode state; scan: one call's KV cache):
   exact from shapes and shardings. `working_set`: an estimate of one engine prefill or decode step's
   buffers (`rollout_working_set_bytes`). `incoming_version`: a received version is built beside the
   served weights before the swap (exact). Peak = weights + cache + working_set + incoming_version; with
-  `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16 weights for its matmuls).
+  `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16 weights for its matmuls) and,
+  with delta sync, `delta_host_copy` (the receiver's copy of the last version).
 
 Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
 the Python process (its baseline), Ray, the trainer's copy of a version while it publishes (between
@@ -313,6 +315,9 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         components["gathered_parameters"] = total_bytes(cast_floats(state.model, compute)) / mesh["model"]
         components["unsharded_gradients"] = total_bytes(state.trainable_model) / mesh["model"] - grads
         estimated += ("gathered_parameters", "unsharded_gradients")
+    if cpu and _delta_sync(job):  # the delta server's host copy of the last version; on a CPU host is device memory
+        version = shard_bytes(cast_floats(state.model, jnp.dtype(job.rollout_dtype())), mapping, mesh)
+        components["delta_host_copy"] = version
     return MemoryPlan(
         role="trainer", devices=n_devices, devices_per_process=min(per_host or n_devices, n_devices), mesh=mesh,
         bytes_per_device=components, estimated=estimated)
@@ -337,6 +342,8 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     if cpu and jnp.dtype(job.rollout_dtype()).itemsize < 4:
         components["cpu_float32_weights"] = weights * 4 / jnp.dtype(job.rollout_dtype()).itemsize
         estimated += ("cpu_float32_weights",)
+    if cpu and _delta_sync(job):  # the delta receiver's host copy of the last version
+        components["delta_host_copy"] = weights
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
         bytes_per_device=components, estimated=estimated)
@@ -366,6 +373,11 @@ def scan_cache_shards(job, mesh: dict, chunk: int) -> int:
 
 def default_response_tokens(job) -> int:
     return max(lesson.max_tokens for lesson in job.curriculum.lessons)
+
+
+def _delta_sync(job) -> bool:
+    """Whether weight versions travel as deltas (each side then keeps a host copy of the last version)."""
+    return bool(getattr(job.weights_config(), "delta", False))
 
 
 def _with_local_checkpoint_architecture(job):

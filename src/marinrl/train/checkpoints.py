@@ -196,3 +196,51 @@ def remove_folder(path: str, why: str) -> bool:
 
 def _plain(path: str) -> str:
     return fsspec.core.url_to_fs(path)[1].rstrip("/")
+
+
+RESTORE_CONCURRENT_GB = 1
+"""Bytes of a checkpoint read at once when a trainer restores (JAX's default is 32 GB): every array read
+is a host buffer and then a device array, so on a CPU, where both are host memory, everything in flight
+is held twice (docs/training.md, "Resume")."""
+
+
+def bound_restore_memory(gigabytes: int = RESTORE_CONCURRENT_GB) -> None:
+    """Make tensorstore restores in this process hold what they restore and little else. JAX reads
+    checkpoints through one process-wide tensorstore context whose chunk cache may keep 10 GB, so a
+    restored state stayed resident twice (measured: a 7.2 GB trainer state rested at 15.6 GB after a
+    resume, 8.7 GB after a fresh start; docs/training.md, "Resume"); its reads run with 32 GB in flight.
+    Here: no chunk cache (a restore reads each chunk once) and `gigabytes` in flight. Idempotent."""
+    import tensorstore as ts
+    from jax.experimental.array_serialization import serialization, tensorstore_impl
+
+    fn = tensorstore_impl.async_deserialize  # `_run_deserialization` passes no context: it takes the default
+    names = fn.__code__.co_varnames[:fn.__code__.co_argcount]
+    defaults = list(fn.__defaults__)
+    at = names.index("context") - (len(names) - len(defaults))
+    defaults[at] = ts.Context({"file_io_concurrency": {"limit": 128}, "data_copy_concurrency": {"limit": 128},
+                               "cache_pool": {"total_bytes_limit": 0}, "cache_pool#remote": {"total_bytes_limit": 0}})
+    fn.__defaults__ = tuple(defaults)
+
+    manager = serialization.GlobalAsyncCheckpointManager
+    original = getattr(manager.deserialize_with_paths, "__wrapped__", manager.deserialize_with_paths)
+
+    def deserialize_with_paths(self, shardings, paths, global_shapes=None, dtypes=None, concurrent_gb=gigabytes):
+        return original(self, shardings, paths, global_shapes, dtypes, min(concurrent_gb, gigabytes))
+
+    deserialize_with_paths.__wrapped__ = original
+    manager.deserialize_with_paths = deserialize_with_paths
+
+
+def release_host_memory() -> None:
+    """Return the C heap's free memory to the OS (glibc's `malloc_trim`). A restore reads the state through
+    tensorstore's threads in many small buffers; once they are freed, their arenas keep the pages, which
+    measured as a whole second state resident after a resume (docs/training.md, "Resume"). A no-op where
+    the C library has no `malloc_trim`."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

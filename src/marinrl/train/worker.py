@@ -41,7 +41,8 @@ from marinrl.storage import RolloutReader
 from marinrl.train.batching import BatchingConfig, TrainingBatch
 from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
                                            is_initial_policy, resume_model_init)
-from marinrl.train.checkpoints import SIDECAR, StepFolder, apply_retention, load_newest, read_sidecar, remove_folder
+from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
+                                       read_sidecar, release_host_memory, remove_folder)
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
@@ -235,6 +236,7 @@ class TrainWorker:
         trainer_cfg = multihost.levanter_trainer_config(cfg.trainer)
         clock = self._startup
         levanter.initialize(trainer_cfg)
+        bound_restore_memory()  # a restore holds the state, not twice the state
         clock.mark("init")
         num_steps = trainer_cfg.num_train_steps
         optimizer = cfg.optimizer.build(num_steps)
@@ -251,6 +253,7 @@ class TrainWorker:
             rss_before_model = psutil.Process().memory_info().rss
             source = CheckpointWeights(cfg.model, trainer)  # read at most once in this process
             state, replay, skipped = self._initial_state(trainer, source)
+            release_host_memory()  # what the checkpoint's reads left in the C heap
             clock.mark("state")
             cfg = dataclasses.replace(cfg, batching=cfg.batching.for_model(getattr(state.model.config, "hidden_dim", None)))
             first_step = self.step = int(state.step)
