@@ -108,12 +108,12 @@ class RehearsalConfig:
     init: str = "hf"
     """`hf`: both roles load the HF checkpoint written by transformers (the recipe's path). `scratch`: both
     build the same architecture from the same seed instead (no checkpoint read; the tokenizer is still the
-    written one), for a trainer whose checkpoint load does not fit this machine's memory yet."""
+    written one): the harness without the checkpoint read."""
     delta: bool = True
     """Delta weight sync (`weights.delta`): each side then keeps a host copy of the last version."""
-    max_staleness: int = 1
-    """The recipe's 1 (generation overlaps training); 0 runs them one after the other, so their memory
-    peaks do not add up."""
+    max_staleness: int = 0
+    """0 (the default): generation and training one after the other, so the trainer's update (17 GB) and a
+    rollout worker's receive (6.7 GB) never peak together on 24 GiB; the recipe's 1 overlaps them."""
     checkpoint_dtype: str = "bfloat16"
     """The HF checkpoint's dtype (Qwen3-0.6B ships bfloat16; float32 for a loader that keeps bf16 tensors
     as bf16 whatever dtype it is asked for, as Levanter's safetensors reader does with ml_dtypes' bfloat16)."""
