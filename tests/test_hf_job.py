@@ -15,10 +15,9 @@ import torch
 import transformers
 
 from marinrl.hf_checkpoints import hf_reads, load_hf_checkpoint
-from marinrl.inference.sampler import program_constant_bytes
 from marinrl.job import RLJob
 from marinrl.models import ModelConfig, abstract_model, build_model
-from marinrl.program_audit import AUDIT_ENV, constant_bytes
+from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
 from marinrl.tokenizers import byte_tokenizer
 from test_job import job_config
 
@@ -50,7 +49,7 @@ def test_the_audit_sees_weights_a_program_closes_over(hf_path):
     leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
     closed_over = constant_bytes(jax.jit(lambda x: x + sum(jnp.sum(w) for w in leaves)), jnp.zeros(()))
     assert closed_over >= params
-    assert program_constant_bytes(model) <= 0.01 * params
+    assert sampler_constant_bytes(model) <= 0.01 * params
 
 
 def test_abstract_model_plans_from_the_config_file_alone(hf_path):

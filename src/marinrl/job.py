@@ -152,9 +152,7 @@ class RolloutActor:
         self._program_constants = None
         if program_audit.auditing():  # the scan sampler's program; Levanter's engine takes its model as an
             # argument too (swapping `engine.model` never recompiles), so it holds no weights either
-            from marinrl.inference.sampler import program_constant_bytes
-
-            self._program_constants = max(program_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)
+            self._program_constants = max(program_audit.sampler_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)
                                           for s in servers.values())
 
     def run(self) -> dict:

@@ -66,6 +66,23 @@ def jaxpr_constant_bytes(closed) -> int:
     return total
 
 
+def sampler_constant_bytes(model, mesh=None, *, prompt_tokens: int = 16, max_new: int = 16) -> int:
+    """Bytes of the constants in the scan sampler's program for `model` (one prompt row at a small bucket;
+    the weights are its arguments, so its constants do not grow with the model)."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from marinrl.inference import sampler
+
+    rows = 1
+    args = (jnp.zeros((rows, prompt_tokens), jnp.int32), jnp.ones((rows,), jnp.int32), jnp.ones((rows,), bool),
+            jnp.full((1, 1), sampler.STOP_PAD, jnp.int32), jnp.zeros((1,), bool), jnp.asarray(max_new, jnp.int32),
+            jnp.asarray(1.0, jnp.float32), jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32))
+    program = functools.partial(sampler._generate, n=1, max_new=max_new, mesh=mesh)
+    return constant_bytes(program, model, *args)
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size (Linux reports kilobytes)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024

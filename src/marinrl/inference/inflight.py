@@ -74,6 +74,11 @@ class WeightSwaps:
         if self.kv not in INFLIGHT_KV:
             raise ValueError(f"kv must be one of {INFLIGHT_KV}, got {self.kv!r}")
 
+    def generate(self, *args, **kwargs):
+        """`generate(self, ...)`: what the sampler calls for a batch with in-flight swaps (this module builds
+        on the sampler, so the sampler reaches it through the object it is given, not by importing it)."""
+        return generate(self, *args, **kwargs)
+
     def check(self) -> bool:
         """Takes newer weights if `poll()` has some; True if it did."""
         update = self.poll()

@@ -169,9 +169,7 @@ def sample(
             out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh)
             steps = None
         else:
-            from marinrl.inference import inflight  # it builds on this module
-
-            *out, by_token = inflight.generate(swaps, *args, n=n, max_new=t_len, mesh=mesh)
+            *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh)  # inflight.py builds on this module
             steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
@@ -492,14 +490,3 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
     return jax.lax.while_loop(cond, body, state)
 
 
-
-def program_constant_bytes(model, mesh: Optional[Mesh] = None, *, prompt_tokens: int = 16, max_new: int = 16) -> int:
-    """Bytes of the constants in the sampling program for `model` (one prompt row at a small bucket; the
-    weights are its arguments, so its constants do not grow with the model: `marinrl.program_audit`)."""
-    from marinrl import program_audit  # an audit, not part of sampling
-
-    rows = 1
-    args = (jnp.zeros((rows, prompt_tokens), jnp.int32), jnp.ones((rows,), jnp.int32), jnp.ones((rows,), bool),
-            jnp.full((1, 1), STOP_PAD, jnp.int32), jnp.zeros((1,), bool), jnp.asarray(max_new, jnp.int32),
-            jnp.asarray(1.0, jnp.float32), jnp.zeros((rows,), jnp.uint32), jnp.zeros((rows,), jnp.int32))
-    return program_audit.constant_bytes(functools.partial(_generate, n=1, max_new=max_new, mesh=mesh), model, *args)
