@@ -75,9 +75,9 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 from machine import machine  # noqa: E402  (bench/machine.py)
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.envs.base import EnvConfig  # noqa: E402
-from marinrl.inference.inflight import InflightConfig  # noqa: E402
+from marinrl.inference.inflight_config import InflightConfig  # noqa: E402
 from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
-from marinrl.lora import LoraRLConfig  # noqa: E402
+from marinrl.lora_config import LoraRLConfig  # noqa: E402
 from marinrl.policies import PolicyConfig  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402

@@ -104,7 +104,8 @@ from marinrl.models import ModelConfig, build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
 from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch  # noqa: E402
 from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
-from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config, row_alignment  # noqa: E402
+from marinrl.train.batching import row_alignment  # noqa: E402
+from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512

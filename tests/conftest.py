@@ -177,7 +177,8 @@ def tiny_server():
     byte tokenizer of 512): one per session, shared by the environment tests."""
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
     from marinrl.models import ModelConfig, build_model
     from marinrl.tokenizers import byte_tokenizer
 

@@ -24,7 +24,8 @@ from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.envs.openai_agents import EchoChatAgent
 from marinrl.envs.openai_env import OpenAIAgentEnv
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.job import RLJobConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager

@@ -486,7 +486,8 @@ def test_make_rollout_takes_masks_and_per_token_rewards_for_multi_turn():
 def test_echo_through_the_real_inference_server_with_a_tiny_random_model(tokenizer):
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
     from marinrl.models import ModelConfig, build_model
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -529,7 +530,7 @@ def test_the_example_in_docs_environments_runs():
 
 def test_a_lesson_that_drives_the_openai_endpoint_turns_it_on():
     from marinrl.envs.base import with_endpoint_if_needed
-    from marinrl.inference.server import InferenceServerConfig
+    from marinrl.inference.server_config import InferenceServerConfig
 
     off = InferenceServerConfig(serve_http=False)
     assert with_endpoint_if_needed(off, [EnvConfig("echo")]) is off

@@ -90,7 +90,8 @@ def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path)
     """Each weight arrives with the rollout sharding (split over the model axis where the mapping says so)
     and in the requested dtype; the server then serves those very buffers, placing nothing again."""
     from marinrl.inference import sharding
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig, load_served_model
+    from marinrl.inference.server import InferenceServer, load_served_model
+    from marinrl.inference.server_config import InferenceServerConfig
 
     config = InferenceServerConfig(model_axis_size=2)
     model = load_served_model(ModelConfig(hf_checkpoint=hf_path), config, dtype="bfloat16")

@@ -14,7 +14,7 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.envs.base import EnvConfig
-from marinrl.inference.inflight import InflightConfig
+from marinrl.inference.inflight_config import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
 from marinrl.run_lock import read_lease
@@ -89,7 +89,7 @@ def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_pa
     importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
     weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
     64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
     weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
     cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)

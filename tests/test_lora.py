@@ -17,8 +17,8 @@ from levanter.lora import LORA_R, LoraLinear
 from levanter.models.llama import LlamaConfig
 
 from marinrl.job import ConfigError, RLJob
-from marinrl.lora import (AdapterMergingClient, LoraRLConfig, adapter_only, add_adapters, adapted_modules,
-                          check_targets, without_adapters)
+from marinrl.lora import AdapterMergingClient, adapter_only, add_adapters, adapted_modules, check_targets, without_adapters
+from marinrl.lora_config import LoraRLConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.train.losses import LossConfig
 from marinrl.train.sampling import OnPolicyConfig

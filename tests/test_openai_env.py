@@ -25,7 +25,8 @@ from marinrl.envs import EnvConfig, Grade, Problem, safe_sample
 from marinrl.envs.openai_agents import EchoChatAgent, TwoTurnEchoAgent
 from marinrl.envs.openai_env import Call, OpenAIAgentEnv, stitch
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata

@@ -12,15 +12,15 @@ import pytest
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob
-from marinrl.lora import LoraRLConfig
+from marinrl.lora_config import LoraRLConfig
 from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig
 from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
 from marinrl.rollout.worker import ModelStream
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
-from marinrl.transfer.ray import RayTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import RayTransferConfig
 from marinrl.storage import RolloutWriter
-from marinrl.train.replay import ReplayIngestionError, UnknownPolicyError
+from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig
 from marinrl.train.trainer_config import RLAdamConfig
@@ -144,12 +144,12 @@ def test_a_single_policy_brings_its_own_optimizer_and_adapters(tmp_path):
 
 
 def test_the_replay_buffer_refuses_a_policy_it_does_not_train():
-    buffer = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build(policies=("policy",))
+    buffer = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)), policies=("policy",))
     rng = np.random.default_rng(0)
     assert buffer.ingest([make_rollout_batch(0, rng)]) == 2
     with pytest.raises(UnknownPolicyError, match=r"lesson 'duo' .*policy 'critic', which this trainer does not train"):
         buffer.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")])
-    anything = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build()  # None: the buffer on its own
+    anything = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)))  # None: the buffer on its own
     assert anything.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")]) == 2
 
 

@@ -19,7 +19,8 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 @pytest.fixture(scope="module")
 def other_server(tiny_server):
     """A second server: the session server's architecture and tokenizer, other random weights."""
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
     from marinrl.models import ModelConfig, build_model
 
     model = build_model(ModelConfig(model=tiny_server.model.config, vocab_size=512, seed=1))

@@ -12,8 +12,9 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.levanter_engine import EngineConfig
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
+from marinrl.inference.server_config import EngineConfig
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.job_config import RLJobConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.tokenizers import byte_tokenizer

@@ -16,9 +16,10 @@ from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.rollout.worker import BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker, RolloutWorkerConfig
 from marinrl.storage import summarize
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
 import faulty_envs
+from marinrl.transfer.endpoints import build_server
 
 DEADLINE_S = 120.0
 
@@ -56,7 +57,7 @@ class TimedEnv:
 def make_worker(tmp_path, tiny_server, env, *, budget: int, env_name: str = "faulty_envs:X"):
     lesson = f"lesson-{uuid.uuid4().hex[:8]}"  # distinct errors are counted per process: a fresh lesson id
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
-    publisher = weights.build_server()
+    publisher = build_server(weights)
     publisher.publish(tiny_server.model, 0)
     manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name=env_name)})

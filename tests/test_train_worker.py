@@ -21,8 +21,9 @@ from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+from marinrl.transfer.endpoints import build_client
 
 VOCAB, GROUPS, G = 64, 2, 4
 TINY = ModelConfig(
@@ -54,7 +55,7 @@ class WeightFollower(threading.Thread):
 
     def __init__(self, weights: FilesystemTransferConfig):
         super().__init__(daemon=True)
-        self.client = weights.build_client(build_model(TINY))
+        self.client = build_client(weights, build_model(TINY))
         self.halt = threading.Event()
 
     def run(self):

@@ -115,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     _refuse_if_run_held(args.config, args.overrides)  # first: the imports below take seconds
     from marinrl.config_errors import ConfigInputError, compose_yaml, load_job_config, locate
     from marinrl.job import RLJob, RLJobConfig
-    from marinrl.preflight import ConfigError
+    from marinrl.config_errors import ConfigError
 
     try:
         config = load_job_config(RLJobConfig, args.config, args.overrides)
@@ -149,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from marinrl import eval as evaluation
-    from marinrl.inference.server import InferenceServerConfig
+    from marinrl.inference.server_config import InferenceServerConfig
 
     try:
         if args.curriculum:

@@ -21,6 +21,19 @@ from typing import Any, Optional, Sequence
 import yaml
 
 
+class ConfigError(ValueError):
+    """A job config that cannot run. `field` is the dotted path below RLJobConfig (lessons by id:
+    `curriculum.lessons[echo].env`); the message is `RLJobConfig.<field>: <problem>`."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        self.problem = problem
+        super().__init__(f"RLJobConfig.{field}: {problem}")
+
+    def __reduce__(self):  # picklable across Ray, which re-creates exceptions from their args
+        return type(self), (self.field, self.problem)
+
+
 class ConfigInputError(ValueError):
     """A config or input the user can fix; the message is the whole report (one or two lines)."""
 

@@ -34,7 +34,7 @@ import yaml
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
 from marinrl.envs.base import Env, EnvConfig, with_endpoint_if_needed
-from marinrl.inference.server import InferenceServerConfig
+from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.models import MODEL_CONFIG_FILE, ModelConfig
 
 logger = logging.getLogger(__name__)

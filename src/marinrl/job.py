@@ -29,7 +29,8 @@ from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobC
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
 from marinrl.policies import policy_models, resolve_policies
-from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
+from marinrl.config_errors import ConfigError  # noqa: F401  (raised by RLJob(config))
+from marinrl.preflight import check_job
 from marinrl.rollout.worker import EnvironmentFailedError
 from marinrl.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch

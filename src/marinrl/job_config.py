@@ -9,13 +9,13 @@ import logging
 from typing import Optional
 
 from marinrl.curriculum_config import CurriculumConfig
-from marinrl.inference.inflight import InflightConfig
-from marinrl.inference.server import InferenceServerConfig
-from marinrl.lora import LoraRLConfig
+from marinrl.inference.inflight_config import InflightConfig
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.lora_config import LoraRLConfig
 from marinrl.models import ModelConfig
 from marinrl.policies import PolicyConfig, check_policies, policy_models, policy_names
 from marinrl.placement import PlacementConfig
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
 from marinrl.train.batching import BatchingConfig
 from marinrl.train.losses import LossConfig
@@ -25,7 +25,7 @@ from marinrl.train.trainer_group import TrainerGroupConfig
 from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
                                           check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
 from marinrl.train.worker import TrainWorkerConfig
-from marinrl.transfer.base import WeightTransferConfig
+from marinrl.transfer.transfer_config import WeightTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ class RLJobConfig:
         """What a trainer of several processes cannot do yet, named before anything starts."""
         hosts = self.ray.trainer.hosts()
         self.trainer_group.errors("trainer_group")
-        from marinrl.transfer.ray import RayTransferConfig
+        from marinrl.transfer.transfer_config import RayTransferConfig
 
         if isinstance(self.weights, RayTransferConfig):
             raise ConfigError("weights", f"the Ray object-store transfer needs a model one process holds whole; a "
@@ -233,7 +233,7 @@ class RLJobConfig:
     def weights_config(self) -> WeightTransferConfig:
         if self.weights is not None:
             return self.weights
-        from marinrl.transfer.checkpoint import FilesystemTransferConfig
+        from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
         return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from marinrl.lora import LoraRLConfig
+from marinrl.lora_config import LoraRLConfig
 from marinrl.models import ModelConfig
 from marinrl.placement import PlacementConfig
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_ingest import UnknownPolicyError  # noqa: F401  (raised at ingestion)
 from marinrl.train.trainer_config import JobOptimizerConfig
@@ -174,8 +174,8 @@ def _model_job(job: "RLJobConfig", name: str, policy: PolicyConfig) -> "RLJobCon
 
 def _weights_of(weights, name: str):
     """The job's `weights:` transfer for one policy model: its own folder, or its own Ray actor."""
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
-    from marinrl.transfer.ray import RayTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import RayTransferConfig
 
     if isinstance(weights, FilesystemTransferConfig):
         return dataclasses.replace(weights, root=f"{weights.root.rstrip('/')}/{name}")

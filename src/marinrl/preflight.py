@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fsspec
 
+from marinrl.config_errors import ConfigError
+
 if TYPE_CHECKING:
     from marinrl.curriculum_config import CurriculumConfig
     from marinrl.job import RLJobConfig
@@ -27,19 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run. `field` is the dotted path below RLJobConfig (lessons by id:
-    `curriculum.lessons[echo].env`); the message is `RLJobConfig.<field>: <problem>`."""
-
-    def __init__(self, field: str, problem: str):
-        self.field = field
-        self.problem = problem
-        super().__init__(f"RLJobConfig.{field}: {problem}")
-
-    def __reduce__(self):  # picklable across Ray, which re-creates exceptions from their args
-        return type(self), (self.field, self.problem)
 
 
 def check_job(config: "RLJobConfig") -> None:

@@ -51,6 +51,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from marinrl.dry_run.flops import ModelDims
+from marinrl.inference.levanter_engine import resolved_engine_config
 
 Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)
@@ -204,7 +205,7 @@ def engine_sizing(job):
     page = e.page_size or ACCELERATOR_PAGE_SIZE
     pages = e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
     dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
-    return dataclasses.replace(e.resolved(), page_size=page, max_pages=pages, compute_dtype=dtype)
+    return dataclasses.replace(resolved_engine_config(e), page_size=page, max_pages=pages, compute_dtype=dtype)
 
 
 def abstract_engine_state(model, engine_config):

@@ -26,17 +26,20 @@ import numpy as np
 from marinrl.config_checks import require_at_least
 from marinrl.envs.base import COUNTERS
 from marinrl.fs import RolloutStorageError
-from marinrl.inference.inflight import InflightConfig
+from marinrl.inference.inflight_config import InflightConfig
 from marinrl.logs import ENV_ERRORS
-from marinrl.lora import AdapterMergingClient, LoraRLConfig
+from marinrl.lora import AdapterMergingClient
+from marinrl.lora_config import LoraRLConfig
 from marinrl.rollout.policy_router import split_by_model
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
 from marinrl.train.staleness import version_spread_metrics
-from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferConfig, WeightWaitTimeout
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightWaitTimeout
+from marinrl.transfer.transfer_config import WeightTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
+from marinrl.transfer.endpoints import build_client
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +190,7 @@ class RolloutWorker:
     def _weight_client(stream: ModelStream, model):
         """Full versions into `model`'s skeleton; with LoRA, adapter versions merged into `model` (the base)."""
         if stream.lora is None:
-            return stream.weights.build_client(model)
+            return build_client(stream.weights, model)
         return AdapterMergingClient(stream.weights, stream.lora, model)
 
     @property

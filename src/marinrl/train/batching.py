@@ -375,3 +375,13 @@ def make_training_batch(
     arrays = pack_rollouts(rollouts, advantages, batch_size=batch_size, config=config, trainable=trainable,
                            row_multiple=row_multiple, microbatch_rows=microbatch_rows)
     return TrainingBatch.from_numpy(arrays)
+
+
+def row_alignment(trainer_config) -> dict[str, int | None]:
+    """`make_training_batch`'s row arguments for this trainer: rows in multiples of the data-parallel size (each
+    device gets whole rows) and, only when Levanter accumulates gradients (its microbatch is smaller than the
+    batch), of the microbatch past one. Levanter fills an unset `per_device_parallelism` with the whole batch,
+    so its `microbatch_size` alone would pad every packed batch back to `train_batch_size` rows."""
+    mbs = trainer_config.microbatch_size
+    accumulating = mbs is not None and mbs < trainer_config.train_batch_size
+    return {"row_multiple": trainer_config.data_axis_size, "microbatch_rows": mbs if accumulating else None}

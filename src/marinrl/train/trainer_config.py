@@ -31,7 +31,7 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.tracker.tensorboard import TensorboardConfig
 from levanter.trainer import TrainerConfig
 
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 
 _LEVANTER_CHECKPOINTER = CheckpointerConfig()
 _LEVANTER_TENSORBOARD_LOGDIR = TensorboardConfig().logdir

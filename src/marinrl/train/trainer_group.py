@@ -32,7 +32,7 @@ from marinrl import multihost
 from marinrl.curriculum_actor import CurriculumClient
 from marinrl.logs import log_to_file
 from marinrl.placement import PlacementConfig, tpu_head_resource
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ import equinox as eqx
 import fsspec
 import haliax as hax
 import jax
-import jax.numpy as jnp
 import levanter
 import levanter.tracker
 import psutil
@@ -38,17 +37,21 @@ from marinrl.config_checks import require_at_least
 from marinrl.models import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
-from marinrl.train.batching import BatchingConfig, TrainingBatch
+from marinrl.train.batching import BatchingConfig, TrainingBatch, row_alignment
+from marinrl.train.cohort_batch import next_batch
 from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
                                            is_initial_policy, resume_model_init)
 from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
                                        read_sidecar, release_host_memory, remove_folder)
 from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
+from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
-from marinrl.transfer.base import WeightTransferConfig, cast_for_publish
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import WeightTransferConfig
+from marinrl.transfer.base import cast_for_publish
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import DEFAULT_POLICY
+from marinrl.transfer.endpoints import build_server
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +136,6 @@ class TrainWorkerConfig:
             raise ValueError(
                 f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "
                 f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")
-
-
-def row_alignment(trainer_config: TrainerConfig) -> dict[str, int | None]:
-    """`make_training_batch`'s row arguments for this trainer: rows in multiples of the data-parallel size (each
-    device gets whole rows) and, only when Levanter accumulates gradients (its microbatch is smaller than the
-    batch), of the microbatch past one. Levanter fills an unset `per_device_parallelism` with the whole batch,
-    so its `microbatch_size` alone would pad every packed batch back to `train_batch_size` rows."""
-    mbs = trainer_config.microbatch_size
-    accumulating = mbs is not None and mbs < trainer_config.train_batch_size
-    return {"row_multiple": trainer_config.data_axis_size, "microbatch_rows": mbs if accumulating else None}
 
 
 class CurriculumHandle(Protocol):
@@ -267,7 +260,7 @@ class TrainWorker:
             source.release()
             clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
-            server = cfg.weights.build_server()
+            server = build_server(cfg.weights)
             if cfg.lora is not None:
                 print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}", flush=True)
             server.publish(self._published(state.model), first_step)  # the weights rollouts for `first_step` need
@@ -283,7 +276,7 @@ class TrainWorker:
                 while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):  # several: stop is shared
                     t0 = time.perf_counter()
                     if cohort.multiprocess:
-                        got = multihost.next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
+                        got = next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
                         if got is None:
                             break
                         sample, batch, group_ids = got
@@ -441,9 +434,9 @@ class TrainWorker:
         if not multihost.current_cohort().is_leader:
             return None
         reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
-        return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
-                                                   reward_fn=overlong_reward_fn(cfg.loss),
-                                                   max_tokens=cfg.batching.max_length, policies=cfg.policies)
+        return ReplayBuffer(cfg.replay.for_loss(cfg.loss), reader, start_step=start_step, advantage=cfg.loss.advantage,
+                            reward_fn=overlong_reward_fn(cfg.loss), max_tokens=cfg.batching.max_length,
+                            policies=cfg.policies)
 
     def _checkpoint_metrics(self, skipped: list[str]) -> dict[str, float]:
         return {"checkpoint/skipped_on_resume": float(len(skipped)),
