@@ -81,7 +81,7 @@ from marinrl.lora_config import LoraRLConfig  # noqa: E402
 from marinrl.policies import PolicyConfig  # noqa: E402
 from marinrl.models import ModelConfig  # noqa: E402
 from marinrl.report import read_event_scalars, read_event_wall_times  # noqa: E402
-from marinrl.train.batching import BatchingConfig  # noqa: E402
+from marinrl.train.batching_config import BatchingConfig  # noqa: E402
 from marinrl.train.losses import LossConfig  # noqa: E402
 from marinrl.train.trainer_config import RLAdamConfig  # noqa: E402
 

@@ -102,7 +102,8 @@ from levanter.trainer import Trainer  # noqa: E402
 
 from marinrl.models import ModelConfig, build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
-from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch  # noqa: E402
+from marinrl.train.batching_config import BatchingConfig  # noqa: E402
+from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
 from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
 from marinrl.train.batching import row_alignment  # noqa: E402
 from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402

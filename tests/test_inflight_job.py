@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader
     from test_job import job_config
@@ -78,10 +78,10 @@ _LEARNS_SCRIPT = textwrap.dedent("""
     import draccus
     from marinrl.curriculum_config import CurriculumConfig
     from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob, RLJobConfig
     from marinrl.storage import RolloutReader
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
     root = pathlib.Path({root!r})
     cfg = draccus.parse(RLJobConfig, config_path="experiments/quickstart.yaml", args=[])
@@ -134,10 +134,10 @@ _RESUME_SCRIPT = textwrap.dedent("""
     import ray
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
     from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
     from test_job import job_config
     from test_job_faults import _Saboteur, _actors_of, _committed_checkpoint_step, _poll
 

@@ -19,7 +19,7 @@ from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.models import ModelConfig
 from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine

@@ -43,7 +43,8 @@ from marinrl.models import ModelConfig, build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.storage import RolloutWriter
 from marinrl.tokenizers import byte_tokenizer
-from marinrl.train.batching import BatchingConfig, make_training_batch
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import make_training_batch
 from marinrl.train.losses import LossConfig, token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.replay_config import ReplayConfig

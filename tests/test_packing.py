@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from marinrl.train.batching import BatchingConfig, TrainingBatch, pack_rollouts, row_bucket
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import TrainingBatch, pack_rollouts, row_bucket
 from marinrl.train.losses import LossConfig, rl_loss, token_logprobs
 from marinrl.train.packing import plan_rows
 from marinrl.types import Rollout, RolloutMetadata

@@ -18,7 +18,7 @@ from marinrl.curriculum_config import CurriculumConfig
 from marinrl.envs.base import EnvConfig
 from marinrl.job import ConfigError, RLJob
 from marinrl.models import ModelConfig
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.trainer_config import RLAdamConfig
 

@@ -14,7 +14,7 @@ from factories import HAND_ADVANTAGES
 from marinrl.fs import RolloutStorageError
 from marinrl.storage import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.losses import LOSS_PRESETS, LossConfig
 from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
 from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
@@ -517,7 +517,7 @@ def test_a_loss_preset_sets_advantages_dynamic_sampling_and_overlong_masking():
     config = ReplayConfig(filters=[RewardMeanFilter(high=0.9)]).for_loss(dapo)
     assert isinstance(config.filters[0], ZeroVarianceFilter)
     assert config.for_loss(dapo).filters == config.filters  # idempotent
-    buf = config.build(clock=Clock(), advantage=dapo.advantage, reward_fn=overlong_reward_fn(dapo))
+    buf = ReplayBuffer(config, clock=Clock(), advantage=dapo.advantage, reward_fn=overlong_reward_fn(dapo))
     buf.ingest([make_batch([make_group("flat", [0, 0]), truncated_group("g", [0, 1, 1], [3, 3, 8])])])
     assert drops(buf) == {"zero_variance": 1}
     s = buf.sample(0, 1, timeout_s=0)
@@ -551,7 +551,7 @@ def test_invalid_and_too_long_groups_are_dropped_and_counted():
 def test_timeout_error_says_what_the_buffer_holds_and_why_groups_were_dropped():
     clock = Clock(1000.0)
     config = ReplayConfig(env_weights={"math": 1.0, "code": 1.0}, filters=[ZeroVarianceFilter()])
-    buf = config.build(clock=clock)
+    buf = ReplayBuffer(config, clock=clock)
     buf.ingest([batch_of(0, "stale"), batch_of(1, "m1", created_at=1001.0),
                 batch_of(3, "future", created_at=1001.0),
                 make_batch([make_group("flat", [1, 1], w=2, env="code")], w=2)])
@@ -728,7 +728,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     # Reference: ten steps without interruption.
     clock = Clock()
     ref_root = f"{url}/reference"
-    reference = config.build(RolloutReader(ref_root, storage_options=options), clock=clock)
+    reference = ReplayBuffer(config, RolloutReader(ref_root, storage_options=options), clock=clock)
     ref_log: list = []
     run_steps(reference, RolloutWriter(ref_root, storage_options=options), clock, range(10), schedule(), ref_log, n)
 
@@ -736,7 +736,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     clock = Clock()
     root = f"{url}/interrupted"
     writer = RolloutWriter(root, storage_options=options)
-    first = config.build(RolloutReader(root, storage_options=options), clock=clock)
+    first = ReplayBuffer(config, RolloutReader(root, storage_options=options), clock=clock)
     log: list = []
     run_steps(first, writer, clock, range(6), schedule(), log, n)
     state = json.loads(json.dumps(first.state_dict(next_step=6)))
@@ -750,7 +750,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     assert doomed[0] == ref_log[6]
 
     clock.t += 100
-    second = config.build(RolloutReader(root, storage_options=options), clock=clock)
+    second = ReplayBuffer(config, RolloutReader(root, storage_options=options), clock=clock)
     second.load_state_dict(state)
     run_steps(second, writer, clock, [6], None, log, n)  # the rollouts of weights 6 are on disk already
     run_steps(second, writer, clock, range(7, 10), schedule(), log, n)

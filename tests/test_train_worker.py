@@ -16,8 +16,9 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.models import ModelConfig, build_model
 from marinrl.storage import RolloutWriter
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.losses import LossConfig
+from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
@@ -288,10 +289,10 @@ def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previ
     from test_replay import batch_of, drops
 
     recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
-    as_recorded = ReplayConfig().build(start_step=0)
+    as_recorded = ReplayBuffer(ReplayConfig(), start_step=0)
     as_recorded.ingest([decode_batch(recorded)])
     assert drops(as_recorded) == {"future": 1}
-    replayed = ReplayConfig().build(start_step=0)
+    replayed = ReplayBuffer(ReplayConfig(), start_step=0)
     replayed.ingest([decode_batch(restamped(recorded, time.time()))])
     assert drops(replayed) == {} and [g.group.group_id for g in replayed.sample(1, 1, timeout_s=0).groups] == ["g"]
 

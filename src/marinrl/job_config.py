@@ -17,11 +17,11 @@ from marinrl.policies import PolicyConfig, check_policies, policy_models, policy
 from marinrl.placement import PlacementConfig
 from marinrl.config_errors import ConfigError
 from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.losses import LossConfig
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
-from marinrl.train.trainer_group import TrainerGroupConfig
+from marinrl.train.trainer_group_config import TrainerGroupConfig
 from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
                                           check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
 from marinrl.train.worker import TrainWorkerConfig

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp

@@ -23,17 +23,17 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
-from marinrl.inference.inflight import InflightConfig, WeightSwaps
+from marinrl.inference.inflight import WeightSwaps
+from marinrl.inference.inflight_config import InflightConfig
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
 from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.inference.api_auth import check_api_key, is_loopback
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
 from marinrl.models import ModelConfig, abstract_model, build_model, build_tokenizer
 

@@ -37,7 +37,8 @@ from marinrl.config_checks import require_at_least
 from marinrl.models import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
-from marinrl.train.batching import BatchingConfig, TrainingBatch, row_alignment
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import TrainingBatch, row_alignment
 from marinrl.train.cohort_batch import next_batch
 from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
                                            is_initial_policy, resume_model_init)
