@@ -28,7 +28,7 @@ JSON line per mode (see ../shared/BENCHMARK.md).
 
 A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run. The
 defaults are what marinrl ships: the `shared` row layout (batching.py), the geometric bucket ladder and
-unrolled layers (`scan_layers=False`, as `models._reference_llama`). Variants: `padded`, `packed`, `shared`
+unrolled layers (`scan_layers=False`, as `model_config.reference_llama`). Variants: `padded`, `packed`, `shared`
 (BatchingConfig.layout: one rollout per row as before packing, rollouts packed into rows, and each group's
 prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)) and `scanned` (LlamaConfig
 scan_layers=True, Levanter's default). The first mode is the reference of the paired ratios. For example:
@@ -100,11 +100,13 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
 from levanter.trainer import Trainer  # noqa: E402
 
-from marinrl.models import ModelConfig, build_model  # noqa: E402
+from marinrl.model_config import ModelConfig  # noqa: E402
+from marinrl.models import build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
 from marinrl.train.batching_config import BatchingConfig  # noqa: E402
 from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
-from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
+from marinrl.train.loss_config import LossConfig  # noqa: E402
+from marinrl.train.losses import describe, token_logprobs  # noqa: E402
 from marinrl.train.batching import row_alignment  # noqa: E402
 from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402

@@ -16,7 +16,8 @@ import pytest
 from marinrl.curriculum import Curriculum
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor, load_state, save_state
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.envs import EnvConfig
+from marinrl.env_config import EnvConfig
+from marinrl.envs.base import make_env
 
 ECHO = EnvConfig("echo", {"alphabet_size": 10})
 
@@ -81,7 +82,7 @@ half_life: 5
 """
     cfg = draccus.load(CurriculumConfig, io.StringIO(yaml))
     assert cfg.lesson("parity").dependencies == (LessonDependency("copy", 0.7),)
-    assert cfg.lesson("copy").env.build().alphabet == "abcdefghij" and cfg.half_life == 5
+    assert make_env(cfg.lesson("copy").env).alphabet == "abcdefghij" and cfg.half_life == 5
 
 
 def test_sampling_params_for_training_and_evaluation():

@@ -16,7 +16,8 @@ import transformers
 
 from marinrl.hf_checkpoints import hf_reads, load_hf_checkpoint
 from marinrl.job import RLJob
-from marinrl.models import ModelConfig, abstract_model, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import abstract_model, build_model
 from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
 from marinrl.tokenizers import byte_tokenizer
 from test_job import job_config

@@ -26,7 +26,8 @@ from marinrl.inference.server_config import EngineConfig
 from marinrl.inference.levanter_engine import find_stop
 from marinrl.inference.server import InferenceServer
 from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
 
 ARCH = LlamaConfig(

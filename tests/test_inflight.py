@@ -20,7 +20,8 @@ from marinrl.inference.inflight_config import InflightConfig
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.server import InferenceServer
 from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.rollout.worker import RolloutWorkerConfig
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default 
 _SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.envs.base import EnvConfig
+    from marinrl.env_config import EnvConfig
     from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader
@@ -77,7 +77,7 @@ _LEARNS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, pathlib
     import draccus
     from marinrl.curriculum_config import CurriculumConfig
-    from marinrl.envs.base import EnvConfig
+    from marinrl.env_config import EnvConfig
     from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob, RLJobConfig
     from marinrl.storage import RolloutReader
@@ -133,7 +133,7 @@ _RESUME_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, signal
     import ray
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.envs.base import EnvConfig
+    from marinrl.env_config import EnvConfig
     from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader

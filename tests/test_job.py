@@ -13,14 +13,15 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.inference.inflight_config import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
-from marinrl.models import ModelConfig
+from marinrl.model_config import ModelConfig
 from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
 from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.envs.base import make_env
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -163,7 +164,7 @@ def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
     assert job.run_id.startswith("quickstart-")  # a rerun starts fresh instead of resuming the last run
     assert quickstart.QuickstartConfig.from_args(["--run_id", "mine"]).job.run_id == "mine"
     (lesson,) = job.curriculum.lessons
-    env = lesson.env.build()
+    env = make_env(lesson.env)
     rng = np.random.default_rng(0)
     train = {p.example_id for p in env.problems(500, rng, "train")}
     evals = {p.example_id for p in env.problems(100, rng, "eval")}

@@ -39,13 +39,15 @@ from marinrl.envs.base import Grade, Problem, SingleTurnEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
 from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.storage import RolloutWriter
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.batching import make_training_batch
-from marinrl.train.losses import LossConfig, token_logprobs
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OnPolicyConfig

@@ -16,7 +16,8 @@ import pytest
 
 from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.batching import TrainingBatch, pack_rollouts, row_bucket
-from marinrl.train.losses import LossConfig, rl_loss, token_logprobs
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import rl_loss, token_logprobs
 from marinrl.train.packing import plan_rows
 from marinrl.types import Rollout, RolloutMetadata
 

@@ -15,11 +15,11 @@ import ray
 from levanter.checkpoint import save_checkpoint
 
 from marinrl.curriculum_config import CurriculumConfig
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.job import ConfigError, RLJob
-from marinrl.models import ModelConfig
+from marinrl.model_config import ModelConfig
 from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.losses import LossConfig
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.trainer_config import RLAdamConfig
 
 from test_job import ECHO, job_config

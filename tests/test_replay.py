@@ -15,7 +15,7 @@ from marinrl.fs import RolloutStorageError
 from marinrl.storage import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.losses import LOSS_PRESETS, LossConfig
+from marinrl.train.loss_config import LOSS_PRESETS, LossConfig
 from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
 from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn

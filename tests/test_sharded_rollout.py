@@ -29,7 +29,8 @@ from marinrl.inference.context import SamplingParams
 from marinrl.inference.server_config import EngineConfig
 from marinrl.inference.server import InferenceServer
 from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.transfer.endpoints import build_client, build_server

@@ -14,10 +14,11 @@ import numpy as np
 from levanter.checkpoint import CheckpointerConfig
 from levanter.models.llama import LlamaConfig
 
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.storage import RolloutWriter
 from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.losses import LossConfig
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig

@@ -181,6 +181,9 @@ def _unknown_fields_problem(names: list[str], target: Optional[type]) -> str:
     also = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
     if target is None or not dataclasses.is_dataclass(target):
         return f"unknown field{also}"
+    derived = getattr(target, "DERIVED_FIELDS", {})
+    if names[0] in derived:
+        return f"the job sets {names[0]} from {derived[names[0]]}; set that instead"
     valid = [f.name for f in dataclasses.fields(target) if f.init]
     closest = difflib.get_close_matches(names[0], valid, n=1)
     hint = f"did you mean `{closest[0]}`?" if closest else f"valid fields: {', '.join(valid)}"
@@ -192,6 +195,10 @@ def _unrecognized_flags(flags: str, cls: type) -> str:
 
     known = [s for s in ArgumentParser(cls).parser._option_string_actions if s.startswith("--")]
     first = flags.split()[0]
+    *path, name = first.lstrip("-").split(".")
+    derived = getattr(_type_at(cls, path, None), "DERIVED_FIELDS", {}) if path else {}
+    if name in derived:
+        return f"{flags}: the job sets {'.'.join(path + [name])} from {derived[name]}; set that instead"
     closest = difflib.get_close_matches(first, known, n=1)
     hint = f"; did you mean {closest[0]}?" if closest else " (flags are field paths: --loss.kl_beta 0.01)"
     return f"{flags}: unknown flag{'s' if len(flags.split()) > 2 else ''}{hint}"

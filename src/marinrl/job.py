@@ -36,6 +36,7 @@ from marinrl.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (R
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
+from marinrl.job_plan import rollout_worker_config, train_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class RolloutActor:
         }
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
         manager = RolloutManager(server, lessons, curriculum)
-        self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
+        self.worker = RolloutWorker(rollout_worker_config(job, index), manager, curriculum,
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
                                     startup=clock,  # a previous job's weights on this run are not this trainer's:
                                     min_epoch=None if job_started_at is None else int(job_started_at * 1e9))
@@ -254,13 +255,13 @@ class RLJob:
                 trainers = []
                 for k, m in enumerate(models):
                     trainers.append(TrainerActor.options(**_audited(m.job.ray.trainer.ray_options())).remote(
-                        m.train_worker_config(), curriculum_name if k == 0 else None, namespace, self._log_dir,
+                        train_worker_config(m.job, m.policies), curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)
                 train_refs = [t.run.remote() for t in trainers]
             else:
                 self._group = group
-                group.start(cfg.train_worker_config(), curriculum_name, namespace,
+                group.start(train_worker_config(cfg), curriculum_name, namespace,
                             placement_timeout_s=cfg.ray.placement_timeout_s)
                 trainers, train_refs = [group.leader], group.refs
             trainer = trainers[0]

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import fsspec
 
 from marinrl.config_errors import ConfigError
+from marinrl.envs.base import make_env, needs_endpoint
+from marinrl.levanter_configs import to_levanter
 
 if TYPE_CHECKING:
     from marinrl.curriculum_config import CurriculumConfig
     from marinrl.job import RLJobConfig
-    from marinrl.models import ModelConfig
+    from marinrl.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +67,7 @@ def check_optimizer(config: "RLJobConfig") -> None:
     """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
     unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
     try:
-        config.optimizer.build(config.num_train_steps)
+        to_levanter(config.optimizer).build(config.num_train_steps)
     except Exception as e:
         raise ConfigError("optimizer", _one_line(e)) from e
 
@@ -79,11 +81,11 @@ def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequen
     for lesson in curriculum.lessons:
         where = f"curriculum.lessons[{lesson.lesson_id}].env"
         try:
-            lesson.env.needs_endpoint()  # resolves the name (registered, or an importable class path)
+            needs_endpoint(lesson.env)  # resolves the name (registered, or an importable class path)
         except Exception as e:
             raise ConfigError(f"{where}.name", _one_line(e)) from e
         try:
-            env = lesson.env.build()
+            env = make_env(lesson.env)
         except Exception as e:
             problem = _one_line(e)
             if lesson.env.name not in problem:
@@ -149,7 +151,7 @@ def check_lora(config: "RLJobConfig") -> None:
             from marinrl.models import _read_model_config
 
             saved = _read_model_config(discover_latest_checkpoint(model.levanter_checkpoint))
-        lm_config, vocab_size = saved or (model.model, model.vocab_size)
+        lm_config, vocab_size = saved or (to_levanter(model.model), model.vocab_size)
     check_targets(lm_config, vocab_size, config.lora, "lora")
 
 

@@ -35,7 +35,8 @@ from marinrl.inference.inflight_config import InflightConfig
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
 from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
-from marinrl.models import ModelConfig, abstract_model, build_model, build_tokenizer
+from marinrl.model_config import ModelConfig
+from marinrl.models import abstract_model, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from levanter.trainer import Trainer, TrainerConfig
 from marinrl import multihost, program_audit
 from marinrl import lora as lora_rl
 from marinrl.config_checks import require_at_least
-from marinrl.models import ModelConfig
+from marinrl.levanter_configs import to_levanter
+from marinrl.model_config import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
 from marinrl.train.batching_config import BatchingConfig
@@ -44,7 +45,8 @@ from marinrl.train.initial_weights import (CheckpointWeights, build_reference, f
                                            is_initial_policy, resume_model_init)
 from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
                                        read_sidecar, release_host_memory, remove_folder)
-from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import describe, rl_loss, token_logprobs
 from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
@@ -83,7 +85,7 @@ def cpu_trainer_config(**overrides) -> TrainerConfig:
 
 def _default_optimizer() -> OptimizerConfig:
     # BENCHMARK.md's reference: AdamW, lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0.
-    return RLAdamConfig()
+    return to_levanter(RLAdamConfig())
 
 
 @dataclasses.dataclass
@@ -233,7 +235,7 @@ class TrainWorker:
         bound_restore_memory()  # a restore holds the state, not twice the state
         clock.mark("init")
         num_steps = trainer_cfg.num_train_steps
-        optimizer = cfg.optimizer.build(num_steps)
+        optimizer = to_levanter(cfg.optimizer).build(num_steps)
         header = describe(cfg.loss)
         logger.info("loss: %s", header)
         print(f"[marinrl] {header}", flush=True)
