@@ -75,7 +75,28 @@ def compose_yaml(path: str) -> yaml.Node:
     if root is not None and not isinstance(root, yaml.MappingNode):
         raise ConfigInputError(f"{path}:{root.start_mark.line + 1}:{root.start_mark.column + 1}: "
                                f"a config must be a YAML mapping of field: value")
+    _refuse_tags(path, root)
     return root
+
+
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq", "merge")}
+
+
+def _refuse_tags(path: str, node: Optional[yaml.Node]) -> None:
+    """A tag (`!!python/object:…`, `!custom`) would make a loader build an object or run code: refused,
+    naming it and where it is, before any loader sees the file."""
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if n.tag not in _PLAIN_TAGS:
+            tag = n.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ConfigInputError(f"{path}:{n.start_mark.line + 1}:{n.start_mark.column + 1}: the tag {tag} is refused: "
+                                   "a config is plain YAML (mappings, lists, strings, numbers, booleans, null), "
+                                   "without tags")
+        if isinstance(n, yaml.MappingNode):
+            stack.extend(x for pair in n.value for x in pair)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
 
 
 def locate(path: str, root: Optional[yaml.Node], overrides: Sequence[str], field: str, key: bool = False) -> str:

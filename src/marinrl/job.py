@@ -216,7 +216,8 @@ class RLJob:
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
                      namespace=f"marinrl-{self.config.run_id}",
                      object_store_memory=512 * 1024 * 1024, runtime_env={"env_vars": _actor_env()},
-                     log_to_driver=False)  # actors log to <run_dir>/logs; errors still reach ray.get
+                     log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                     logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
         else:
             ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
                      runtime_env={"env_vars": _actor_env()})
@@ -407,6 +408,9 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
     if "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
         advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
                   "(`python -m marinrl.run_lock show <run_dir>` names the job holding the run)")
+    elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
+        advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
+                  "the same config again" + (f" (it resumes from {latest})" if latest else ""))
     elif isinstance(cause, _INPUT_ERRORS):
         advice = ("this is a config or input error: fix it, then run the config again"
                   + (f" (it resumes from {latest})" if latest else ""))
@@ -416,6 +420,19 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
                   "running the config again starts from step 0")
     return f"the trainer died: {what}\n{advice}"
+
+
+def _is_disk_full(error: BaseException, what: str) -> bool:
+    """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
+    (tensorstore reports a full disk as a ValueError naming the OS error)."""
+    import errno
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "no space left on device" in what.lower()
 
 
 def _latest_checkpoint(checkpoints: str) -> Optional[str]:
