@@ -259,7 +259,7 @@ def test_the_lora_example_config_passes_preflight_and_a_bad_block_points_at_its_
     good = load_job_config(RLJobConfig, str(_yaml_job(tmp_path, "lora: {rank: 8, alpha: 16}\n")), [])
     check_job(good)
     assert good.lora == LoraRLConfig(rank=8, alpha=16.0) and train_worker_config(good).lora == good.lora
-    assert rollout_worker_config(good, 0).lora == good.lora
+    assert [s.lora for s in rollout_worker_config(good, 0).streams] == [good.lora]
     example = load_job_config(RLJobConfig, str(pathlib.Path(__file__).parents[1] / "experiments" / "lora.yaml"), [])
     assert example.lora == LoraRLConfig(rank=8, alpha=16.0)
     bad = _yaml_job(tmp_path, "lora:\n  rank: 8\n  target_modules: qproj\n")

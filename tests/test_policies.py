@@ -94,7 +94,8 @@ def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tm
     assert streams == tuple(ModelStream(m.name, m.policies, f"{job.run_dir}/policies/{m.name}/rollouts",
                                         train_worker_config(m.job, m.policies).weights, m.job.lora) for m in models)
     one = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(), "critic": PolicyConfig()})).config
-    assert len(policy_models(one)) == 1 and rollout_worker_config(one, 0).streams == ()  # L1: today's job
+    (stream,) = rollout_worker_config(one, 0).streams  # L1: one model, every policy
+    assert len(policy_models(one)) == 1 and (stream.name, stream.policies) == ("policy", ())
     placed = dict(policies, coach=PolicyConfig(specialization="full", placement=PlacementConfig(num_cpus=3)))
     coach = policy_models(job_config(tmp_path, policies=placed))[1]
     assert coach.job.ray.trainer == PlacementConfig(num_cpus=3) and models[2].job.ray.trainer == job.ray.trainer
@@ -138,7 +139,7 @@ def test_a_single_policy_brings_its_own_optimizer_and_adapters(tmp_path):
     assert job.lora == LoraRLConfig(rank=4) and job.optimizer.learning_rate == 0.01
     worker = train_worker_config(job)
     assert worker.lora == LoraRLConfig(rank=4) and worker.optimizer.learning_rate == 0.01
-    assert rollout_worker_config(job, 0).lora == LoraRLConfig(rank=4)
+    assert [s.lora for s in rollout_worker_config(job, 0).streams] == [LoraRLConfig(rank=4)]
     assert resolve_policies(job) == job  # resolving twice changes nothing
     plain = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(specialization="lora")})).config
     assert plain.lora == LoraRLConfig()  # `lora` without its block: the defaults

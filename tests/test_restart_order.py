@@ -13,7 +13,7 @@ import pytest
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import RolloutWorker, RolloutWorkerConfig
+from marinrl.rollout.worker import ModelStream, RolloutWorker, RolloutWorkerConfig
 from marinrl.storage import summarize
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
@@ -44,7 +44,7 @@ def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None):
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
     manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name="faulty_envs:StartsWithA")})
-    config = RolloutWorkerConfig(rollout_root=f"{tmp_path}/rollouts", weights=weights, groups_per_batch=1,
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=1,
                                  n_generations=2, max_staleness=0, final_step=final_step, eval_every=0,
                                  eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
     return RolloutWorker(config, manager, OneLesson(lesson), worker_id="w0", min_epoch=min_epoch), weights

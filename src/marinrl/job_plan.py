@@ -36,14 +36,13 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
 def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
     """Rollout worker `index`'s config: its share of each step's groups, its seed, a stream per policy model."""
     models = policy_models(job)
-    streams = () if len(models) == 1 else tuple(
-        ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)
-        for m in models)
+    streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),) if len(models) == 1
+               else tuple(ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)
+                          for m in models))
     return RolloutWorkerConfig(
-        rollout_root=f"{job.run_dir}/rollouts", weights=job.weights_config(),
-        groups_per_batch=job.groups_per_step // job.n_rollout_workers, n_generations=job.n_generations,
+        streams=streams, groups_per_batch=job.groups_per_step // job.n_rollout_workers, n_generations=job.n_generations,
         max_staleness=job.max_staleness, final_step=job.num_train_steps, eval_every=job.eval_every,
         eval_examples=job.eval_examples, micro_eval_every=job.micro_eval_every,
         micro_eval_examples=job.micro_eval_examples, seed=job.seed * 1000 + index,
         max_consecutive_env_failures=job.max_consecutive_env_failures, warm_up_sampler=job.warm_up_sampler,
-        inflight=job.inflight, lora=job.lora, streams=streams)
+        inflight=job.inflight)
