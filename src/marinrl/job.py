@@ -11,6 +11,7 @@ host in one placement group, one JAX process group (marinrl/train/trainer_group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ import ray
 
 from marinrl import program_audit
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
-from marinrl.envs.base import with_endpoint_if_needed
+from marinrl.envs.base import make_env, with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import check_cluster
@@ -138,7 +139,7 @@ class RolloutActor:
                   else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
         clock.mark("server")
         lessons = {
-            lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
+            lesson.lesson_id: LessonRuntime(make_env=functools.partial(make_env, lesson.env),
                                             sampling=lesson.sampling_params(tokenizer, "train"),
                                             eval_sampling=lesson.sampling_params(tokenizer, "eval"),
                                             env_name=lesson.env.name)
