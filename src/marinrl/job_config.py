@@ -257,7 +257,7 @@ class RLJobConfig:
             batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
             checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
             checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self),
-            publish_dtype=self.rollout_dtype())
+            publish_dtype=self.rollout_dtype(), audit_root=f"{run_dir}/trained")
 
     def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
         models = policy_models(self)
