@@ -19,6 +19,7 @@ from marinrl.job import ConfigError, RLJob, RLJobConfig
 from marinrl.model_config import ModelConfig
 from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
+from marinrl.train.audit import audit, read_trail
 from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.envs.base import make_env
@@ -83,6 +84,14 @@ def test_on_policy_job_trains_every_step_on_its_own_weights(tmp_path, ray_sessio
     summary = summarize(f"{cfg.run_dir}/rollouts")
     assert summary["totals"]["rollouts"] == rollouts["rollouts_written"]
     assert sorted(map(int, summary["steps"])) == [0, 1, 2, 3, 4]  # one weight version per batch, each trained
+    # The audit trail (marinrl/train/audit.py) in the run folder: what the trainer took, step by step
+    trail = read_trail(f"{cfg.run_dir}/trained")
+    (incarnation,) = trail.values()
+    assert incarnation.start["first_step"] == 0 and incarnation.start["parent"] is None
+    assert [[g for g, _ in incarnation.steps[s]["groups"]] for s in range(1, 6)] == result.train["trained_groups"]
+    assert all(w == s - 1 for s in range(1, 6) for _, w in incarnation.steps[s]["groups"])  # on-policy
+    counts = audit(trail, num_steps=5, groups_per_step=4, max_staleness=0)
+    assert (counts.steps, counts.groups_trained, counts.groups_lost, counts.groups_duplicated) == (5, 20, 0, 0)
 
 
 def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_path, ray_session):

@@ -352,9 +352,11 @@ class RLJob:
             print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
+        """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts
+        it) resumes from its last step, not from fresh statistics and statuses (docs/curriculum.md)."""
         name = "curriculum"
         handle = curriculum_actor(self.config.curriculum, name=name, namespace=namespace,
-                                  state_path=f"{self.config.run_dir}/curriculum/latest.json")
+                                  state_path=f"{self.config.run_dir}/curriculum/latest.json", save_every=1)
         self._actors.append(handle)
         return name
 

@@ -30,7 +30,8 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
         batching=job.batching, groups_per_step=job.groups_per_step, sync_interval=job.sync_interval,
         checkpoint_every=job.checkpoint_every, checkpoint_keep=job.checkpoint_keep,
         checkpoint_keep_every=job.checkpoint_keep_every, lora=job.lora,
-        policies=policies if policies is not None else policy_names(job), publish_dtype=job.rollout_dtype())
+        policies=policies if policies is not None else policy_names(job), publish_dtype=job.rollout_dtype(),
+        audit_root=f"{job.run_dir}/trained")
 
 
 def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:

@@ -38,6 +38,7 @@ from marinrl.levanter_configs import to_levanter
 from marinrl.model_config import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
+from marinrl.train.audit import AuditTrail, new_trainer_id
 from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.batching import TrainingBatch, row_alignment
 from marinrl.train.cohort_batch import next_batch
@@ -126,6 +127,9 @@ class TrainWorkerConfig:
     """The dtype weight versions carry: the rollout workers' (`RLJobConfig.rollout_dtype()`). Floating
     weights are cast to it once per publish on the trainer's devices (`transfer.base.cast_for_publish`);
     the master weights and optimizer state stay as trained. None: publish the weights as they are."""
+    audit_root: Optional[str] = None
+    """Where the trained-groups audit trail goes (`<run_dir>/trained` in a job): per step, the group ids
+    trained, written before that step's checkpoint (`marinrl/train/audit.py`). None: no trail."""
 
     def __post_init__(self):
         if self.lora is not None:
@@ -217,6 +221,9 @@ class TrainWorker:
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[list[str]] = []
         self._resumed_from: StepFolder | None = None
+        self._parent: str | None = None  # the incarnation that wrote the checkpoint resumed from
+        self.trainer_id = new_trainer_id()
+        """This incarnation's name in the audit trail and in the sidecars of its checkpoints."""
         self._checkpoints_deleted = 0
         self.model = None
         """The trained model once `run()` returns (with LoRA: base and adapters)."""
@@ -255,6 +262,10 @@ class TrainWorker:
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
+            trail = None
+            if cfg.audit_root is not None and cohort.is_leader:
+                trail = AuditTrail(cfg.audit_root, self.trainer_id, cfg.storage_options)
+                trail.start(first_step, self._resumed_from.path if self._resumed_from else None, self._parent)
 
             reference = None
             if cfg.loss.uses_reference and cfg.lora is None:  # with LoRA: the base, `_reference_of(state)`
@@ -314,6 +325,8 @@ class TrainWorker:
                                                ("first_update", t3 - t2), ("first_publish", t4 - t3)):
                             clock.mark(phase, seconds)
                         clock.log(logger, "trainer")
+                    if trail is not None and sample is not None:  # before the step's checkpoint commits
+                        trail.record(self.step, [(g.group.group_id, g.weight_step) for g in sample.groups])
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         last_ckpt = self._checkpoint(checkpointer, info, replay)
                     metrics = {
@@ -401,6 +414,7 @@ class TrainWorker:
                 replay.load_state_dict(sidecar["replay"])
             if self._curriculum is not None and sidecar.get("curriculum"):
                 self._curriculum.load(sidecar["curriculum"])
+            self._parent = sidecar.get("trainer")
             return state, replay
 
         resumed = load_newest(trainer.checkpoint_path, load) if cfg.trainer.load_checkpoint is not False else None
@@ -463,7 +477,8 @@ class TrainWorker:
             if fs.exists(path):
                 remove_folder(folder, "replaced by a new checkpoint of the same step")
             fs.makedirs(path, exist_ok=True)
-            sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
+            sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step),
+                                       "trainer": self.trainer_id}
             if self._curriculum is not None:
                 target = f"{folder}/curriculum.json"
                 self._curriculum.save(target)
