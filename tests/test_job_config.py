@@ -138,7 +138,10 @@ def test_a_derived_trainer_field_is_refused_naming_where_the_job_sets_it(tmp_pat
         (("--sync_interval", "2", "--max_staleness", "0"), "sync_interval",
          "weights published every 2 steps .* with max_staleness=0 they must be at most 1 steps apart"),
         (("--micro_eval_every", "-1"), "micro_eval_every", "must be >= 0"),
-        (("--optimizer.lr_schedule", "sawtooth"), "optimizer", "Unknown lr_schedule: sawtooth"),
+        (("--optimizer.lr_schedule", "sawtooth"), "optimizer.lr_schedule", "unknown schedule 'sawtooth': use one of"),
+        (("--optimizer.warmup", "1.5"), "optimizer.warmup", "1.5 is neither a fraction of the steps in"),
+        (("--optimizer.cycle_length", "10", "--optimizer.cycles", "2"), "optimizer.cycle_length",
+         "set cycle_length, cycles or haps, not two of them"),
     ],
 )
 def test_a_knob_out_of_range_is_refused_naming_it(tmp_path, args, field, problem):

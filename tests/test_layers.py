@@ -207,3 +207,26 @@ def test_parse_mp_reads_a_policy_as_jmp_does(mp):
 def test_parse_mp_names_what_it_cannot_read(mp, problem):
     with pytest.raises(ValueError, match=problem):
         parse_mp(mp)
+
+
+def test_the_schedules_marinrl_accepts_are_levanters():
+    from levanter.optim.config import LrSchedule
+
+    from marinrl.train.trainer_config import LR_SCHEDULES
+
+    assert sorted(LR_SCHEDULES) == sorted(LrSchedule.get_known_choices())
+
+
+def test_the_driver_checks_the_quickstart_without_jax_levanter_or_transformers(tmp_path):
+    """`RLJob(config)` is the driver's preflight (environments built, the model's config and tokenizer,
+    the run directory): for a model built from scratch with the byte-level tokenizer none of it needs JAX,
+    Levanter or transformers, which only the actors import (the driver's memory, docs/performance.md)."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        from marinrl.config_errors import load_job_config
+        from marinrl.job import RLJob, RLJobConfig
+        RLJob(load_job_config(RLJobConfig, {str(QUICKSTART)!r}, ["--run_root", {str(tmp_path)!r}]))
+        print(json.dumps([m for m in ("jax", "levanter", "transformers", "torch", "haliax") if m in sys.modules]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

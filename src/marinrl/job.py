@@ -18,7 +18,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import psutil
 import ray
@@ -32,12 +32,14 @@ from marinrl.placement import check_cluster
 from marinrl.policies import policy_models, resolve_policies
 from marinrl.config_errors import ConfigError  # noqa: F401  (raised by RLJob(config))
 from marinrl.preflight import check_job
-from marinrl.rollout.worker import EnvironmentFailedError
+from marinrl.rollout.errors import EnvironmentFailedError
 from marinrl.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
-from marinrl.train.worker import TrainWorkerConfig
 from marinrl.job_plan import rollout_worker_config, train_worker_config
+
+if TYPE_CHECKING:
+    from marinrl.train.worker import TrainWorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +81,11 @@ def _actor_env() -> dict[str, str]:
 
 @ray.remote(max_concurrency=2)
 class TrainerActor:
-    def __init__(self, config: TrainWorkerConfig, curriculum_name: Optional[str], namespace: Optional[str],
+    def __init__(self, plan: Callable[[], "TrainWorkerConfig"], curriculum_name: Optional[str], namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer"):
-        """`curriculum_name` None: a trainer that does not keep the curriculum's clock (the other policy
-        models' trainers of a job of several: the first one's keeps it)."""
+        """`plan` derives the trainer's config here, in the actor (`job_plan.train_worker_config`: it imports
+        Levanter, which the driver never does). `curriculum_name` None: a trainer that does not keep the
+        curriculum's clock (the other policy models' trainers of a job of several: the first one's keeps it)."""
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         import_tensorboardx_without_torch()  # before Levanter's tracker imports it
         from marinrl.train.worker import TrainWorker
@@ -92,7 +95,7 @@ class TrainerActor:
 
         curriculum = (CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
                       if curriculum_name is not None else None)
-        self.worker = TrainWorker(config, curriculum=curriculum, startup=clock)
+        self.worker = TrainWorker(plan(), curriculum=curriculum, startup=clock)
 
     def run(self) -> dict:
         result = self.worker.run()
@@ -257,13 +260,13 @@ class RLJob:
                 trainers = []
                 for k, m in enumerate(models):
                     trainers.append(TrainerActor.options(**_audited(m.job.ray.trainer.ray_options())).remote(
-                        train_worker_config(m.job, m.policies), curriculum_name if k == 0 else None, namespace, self._log_dir,
+                        functools.partial(train_worker_config, m.job, m.policies), curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)
                 train_refs = [t.run.remote() for t in trainers]
             else:
                 self._group = group
-                group.start(train_worker_config(cfg), curriculum_name, namespace,
+                group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
                             placement_timeout_s=cfg.ray.placement_timeout_s)
                 trainers, train_refs = [group.leader], group.refs
             trainer = trainers[0]

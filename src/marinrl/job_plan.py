@@ -1,17 +1,21 @@
 """What each actor of a job gets: the trainer's `TrainWorkerConfig` (with Levanter's `TrainerConfig` and
 optimizer) and each rollout worker's `RolloutWorkerConfig`, derived from an `RLJobConfig`. Runtime, above
-the config layer: the job config itself imports neither workers nor Levanter (docs/architecture.md)."""
+the config layer: the job config itself imports neither workers nor Levanter (docs/architecture.md). The
+workers' modules are imported when a config is derived, in the actor that runs it: the driver stays free of
+JAX and Levanter."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from marinrl.job_config import RLJobConfig
 from marinrl.levanter_configs import levanter_trainer, to_levanter
 from marinrl.policies import policy_models, policy_names
-from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
-from marinrl.train.worker import TrainWorkerConfig
+
+if TYPE_CHECKING:
+    from marinrl.rollout.worker import RolloutWorkerConfig
+    from marinrl.train.worker import TrainWorkerConfig
 
 
 def trainer_config(job: RLJobConfig):
@@ -21,8 +25,10 @@ def trainer_config(job: RLJobConfig):
                             seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
 
 
-def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> TrainWorkerConfig:
+def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> "TrainWorkerConfig":
     """The trainer's config; `policies`: those its model plays (default: every policy of the job)."""
+    from marinrl.train.worker import TrainWorkerConfig
+
     return TrainWorkerConfig(
         rollout_root=f"{job.run_dir}/rollouts", weights=job.weights_config(), model=job.model,
         trainer=trainer_config(job), optimizer=to_levanter(job.optimizer), loss=job.loss,
@@ -34,8 +40,10 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
         audit_root=f"{job.run_dir}/trained")
 
 
-def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
+def rollout_worker_config(job: RLJobConfig, index: int) -> "RolloutWorkerConfig":
     """Rollout worker `index`'s config: its share of each step's groups, its seed, a stream per policy model."""
+    from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
+
     models = policy_models(job)
     streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),) if len(models) == 1
                else tuple(ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)

@@ -22,6 +22,7 @@ import fsspec
 from marinrl.config_errors import ConfigError
 from marinrl.envs.base import make_env, needs_endpoint
 from marinrl.levanter_configs import to_levanter
+from marinrl.tokenizers import byte_tokenizer_errors
 
 if TYPE_CHECKING:
     from marinrl.curriculum_config import CurriculumConfig
@@ -66,6 +67,8 @@ def check_policy_model(config: "RLJobConfig") -> None:
 def check_optimizer(config: "RLJobConfig") -> None:
     """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
     unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
+    if getattr(type(config.optimizer), "LEVANTER", ""):  # marinrl's AdamW: checked purely (train/trainer_config.py)
+        return
     try:
         to_levanter(config.optimizer).build(config.num_train_steps)
     except Exception as e:
@@ -111,6 +114,15 @@ def check_model(model: "ModelConfig") -> Optional[int]:
         seq_len, vocab_size = _check_hf_checkpoint(model.hf_checkpoint)
     elif model.levanter_checkpoint:
         seq_len, vocab_size = _check_levanter_checkpoint(model.levanter_checkpoint, model)
+    if not model.tokenizer and not model.hf_checkpoint:  # the byte-level tokenizer: its size is known unbuilt
+        problem = byte_tokenizer_errors(model.vocab_size)
+        if problem:
+            raise ConfigError("model.vocab_size", f"cannot build the byte-level tokenizer: {problem}")
+        if vocab_size is not None and model.vocab_size > vocab_size:
+            raise ConfigError("model.vocab_size", f"the byte-level tokenizer has {model.vocab_size} tokens but the "
+                                                  f"model only {vocab_size} rows of embeddings: token ids past the "
+                                                  "table would be sampled and trained")
+        return seq_len
     tokenizer = _load_tokenizer(model)
     if vocab_size is not None and len(tokenizer) > vocab_size:
         field = "model.tokenizer" if model.tokenizer else "model.vocab_size"

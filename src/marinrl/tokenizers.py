@@ -12,10 +12,12 @@ from __future__ import annotations
 import os
 import tempfile
 
+from typing import TYPE_CHECKING
+
 import fsspec
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built: the sizes below are free
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 BOS = "<|bos|>"
 EOS = "<|eos|>"
@@ -36,12 +38,25 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-def byte_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A byte-level `PreTrainedTokenizerFast`: token id = byte value for ids 0..255, then BOS, EOS, PAD
-    and the role markers, then reserved tokens up to `vocab_size`. Built offline in milliseconds."""
+def byte_tokenizer_errors(vocab_size: int) -> str | None:
+    """Why `byte_tokenizer(vocab_size)` cannot be built, or None: checked without building it."""
     n_fixed = N_BYTES + len(SPECIAL_TOKENS)
     if vocab_size < n_fixed:
-        raise ValueError(f"byte_tokenizer: vocab_size must be >= {n_fixed} (256 bytes + specials), got {vocab_size}")
+        return f"byte_tokenizer: vocab_size must be >= {n_fixed} (256 bytes + specials), got {vocab_size}"
+    return None
+
+
+def byte_tokenizer(vocab_size: int = 512) -> "PreTrainedTokenizerFast":
+    """A byte-level `PreTrainedTokenizerFast`: token id = byte value for ids 0..255, then BOS, EOS, PAD
+    and the role markers, then reserved tokens up to `vocab_size`. Built offline in milliseconds."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
+    problem = byte_tokenizer_errors(vocab_size)
+    if problem:
+        raise ValueError(problem)
+    n_fixed = N_BYTES + len(SPECIAL_TOKENS)
     byte_to_char = bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(N_BYTES)}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
@@ -64,7 +79,7 @@ def byte_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return tok
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str) -> "PreTrainedTokenizerBase":
     """Load a Hugging Face tokenizer from a local directory or an fsspec URL (gs://, file://, ...).
 
     Never contacts a hub: a path that does not exist raises FileNotFoundError naming it."""
@@ -80,12 +95,14 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return _load_local_tokenizer(path.removeprefix("file://"), shown_as=path)
 
 
-def _load_local_tokenizer(path: str, *, shown_as: str) -> PreTrainedTokenizerBase:
+def _load_local_tokenizer(path: str, *, shown_as: str) -> "PreTrainedTokenizerBase":
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {shown_as}")
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"no tokenizer in {shown_as}: none of {', '.join(TOKENIZER_FILES)}")
     try:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many kinds for a broken directory
         raise ValueError(f"cannot load the tokenizer in {shown_as}: {e}") from e

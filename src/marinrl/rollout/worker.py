@@ -30,6 +30,7 @@ from marinrl.inference.inflight_config import InflightConfig
 from marinrl.logs import ENV_ERRORS
 from marinrl.lora import AdapterMergingClient
 from marinrl.lora_config import LoraRLConfig
+from marinrl.rollout.errors import EnvironmentFailedError
 from marinrl.rollout.policy_router import split_by_model
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
@@ -47,12 +48,6 @@ BACKOFF_FIRST_S = 0.1
 """Wait after the first of consecutive failed environment calls; it doubles with each further one..."""
 BACKOFF_MAX_S = 5.0
 """...up to this. `stop()` interrupts the wait."""
-
-
-class EnvironmentFailedError(RuntimeError):
-    """A lesson's environment failed `max_consecutive_env_failures` calls in a row. The message names
-    the lesson, the environment and its last error; the job stops with it instead of restarting the
-    worker, which would repeat the failure."""
 
 
 @dataclasses.dataclass(frozen=True)

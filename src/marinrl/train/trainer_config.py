@@ -265,9 +265,27 @@ def check_trainer_ranges(trainer: JobTrainerConfig, batch_rows: int, batch_sourc
                           f"{batch_source}")
 
 
+LR_SCHEDULES = ("constant", "cosine", "inv", "inv_sqrt", "linear", "power")
+"""Levanter's `lr_schedule` names (tests/test_layers.py checks them against its registry)."""
+
+
 def check_optimizer_ranges(optimizer) -> None:
-    """The learning rate and the common knobs' ranges; `preflight` then builds the optimizer once."""
+    """The learning rate, the common knobs' ranges and, for marinrl's AdamW, what Levanter's schedule
+    builder refuses (an unknown schedule, two ways to set cycles, a fraction past 1), so no optimizer needs
+    building to check a config; `preflight` builds a Levanter optimizer passed from Python once."""
     import math
+
+    if isinstance(optimizer, AdamConfig):
+        if optimizer.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError("optimizer.lr_schedule", f"unknown schedule {optimizer.lr_schedule!r}: use one of "
+                                                       f"{', '.join(LR_SCHEDULES)}")
+        if optimizer.cycle_length is not None and (optimizer.cycles is not None or optimizer.haps is not None):
+            raise ConfigError("optimizer.cycle_length", "set cycle_length, cycles or haps, not two of them")
+        for name in ("warmup", "decay", "rewarmup", "cooldown"):
+            value = getattr(optimizer, name)
+            if isinstance(value, float) and not value.is_integer() and not 0 <= value <= 1:
+                raise ConfigError(f"optimizer.{name}", f"{value} is neither a fraction of the steps in [0, 1] nor a "
+                                                       "whole number of steps")
 
     lr = optimizer.learning_rate
     if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):

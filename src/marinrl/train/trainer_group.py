@@ -65,13 +65,16 @@ class TrainerHostActor:
             port = s.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def run(self, config, group: multihost.ProcessGroupConfig, curriculum_name: Optional[str],
+    def run(self, plan, group: multihost.ProcessGroupConfig, curriculum_name: Optional[str],
             namespace: Optional[str]) -> dict:
+        """`plan()` is the trainer's `TrainWorkerConfig`, derived here (job_plan.py: the driver never imports
+        Levanter)."""
         multihost.initialize(group)
         from levanter.tracker import NoopConfig
 
         from marinrl.train.worker import TrainWorker
 
+        config = plan()
         curriculum = None
         if group.process_id == 0 and curriculum_name is not None:  # one clock: process 0's optimizer steps
             curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
@@ -133,7 +136,7 @@ class TrainerGroup:
     def leader(self):
         return self.actors[0]
 
-    def start(self, worker_config, curriculum_name: Optional[str], namespace: Optional[str], *,
+    def start(self, plan, curriculum_name: Optional[str], namespace: Optional[str], *,
               placement_timeout_s: float) -> None:
         """Reserves every host at once, starts one actor on each, and has them join and run."""
         n = self.num_processes
@@ -156,7 +159,7 @@ class TrainerGroup:
         logger.info("trainer group: %d processes (%s), coordinator %s", n, self.strategy, address)
         c = self.config
         self.refs = [
-            actor.run.remote(worker_config, multihost.ProcessGroupConfig(
+            actor.run.remote(plan, multihost.ProcessGroupConfig(
                 num_processes=n, process_id=i, coordinator_address=address, cpu_devices=c.cpu_devices,
                 heartbeat_timeout_s=c.heartbeat_timeout_s, initialization_timeout_s=c.initialization_timeout_s),
                 curriculum_name if i == 0 else None, namespace)
