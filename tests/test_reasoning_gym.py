@@ -120,6 +120,22 @@ def test_importing_marinrl_envs_does_not_import_the_ecosystem_packages():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.parametrize("env, args, package", [
+    ("reasoning_gym", {"task": "chain_sum"}, "reasoning_gym"),
+    ("textarena", {"game": "TicTacToe-v0"}, "textarena"),
+    ("openenv", {"url": "http://127.0.0.1:1"}, "openenv"),
+])
+def test_a_lesson_of_an_adapter_whose_package_is_missing_says_what_to_install(env, args, package):
+    """In a fresh interpreter where the package cannot be imported (None in sys.modules is how Python
+    marks a module as absent), building the environment fails with the extra to install."""
+    code = (f"import sys; sys.modules[{package!r}] = None\n"
+            "from marinrl.envs import EnvConfig\n"
+            f"try:\n    EnvConfig({env!r}, {args!r}).build()\n"
+            "except ImportError as e:\n    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert f"pip install 'marinrl[{package}]'" in out, out  # each extra is named after its package
+
+
 @pytest.mark.timeout(1200)
 def test_a_short_job_trains_on_one_task(tmp_path, ray_session):
     from test_job import _run
