@@ -96,7 +96,8 @@ def test_episodes_follow_the_server_turn_by_turn_and_bounded(openenv_url, server
             between = tok.decode([int(t) for t, m in zip(r.response_tokens, mask) if not m])
             # the server's rule: 1 for repeating the letter (the episode ends), two tries, `no c>` between
             assert r.episode_reward == float(letter in turns)
-            assert len(turns) == (1 if turns[0] == letter else 2) and between == ("" if len(turns) == 1 else f"no {letter}>")
+            assert len(turns) == (1 if turns[0] == letter else 2)
+            assert between == ("" if len(turns) == 1 else f"no {letter}>")
             assert np.all(np.asarray(r.response_logprobs)[~mask] == 0.0)
     stats = _get(f"{openenv_url}/stats")
     assert stats["opened"] == 16 and stats["max_open"] <= 3 and stats["open"] == 0  # every session closed

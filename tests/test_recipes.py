@@ -73,7 +73,8 @@ def test_the_reasoning_gym_recipe_is_the_0p6b_recipe_with_a_curriculum_of_genera
     (reasoning-gym's generators: nothing to download), and each level unlocks at the one below's graduation."""
     from marinrl.recipe import parse_recipe
 
-    gsm8k, rg = (parse_recipe(_recipe(n)["RECIPE"], []) for n in ("grpo_math_qwen3_0p6b", "grpo_reasoning_gym_qwen3_0p6b"))
+    gsm8k, rg = (parse_recipe(_recipe(n)["RECIPE"], [])
+                 for n in ("grpo_math_qwen3_0p6b", "grpo_reasoning_gym_qwen3_0p6b"))
     assert rg.model == gsm8k.model and rg.trainer.mp == gsm8k.trainer.mp and rg.ray == gsm8k.ray
     assert rg.inference == gsm8k.inference and rg.loss == gsm8k.loss and rg.groups_per_step == gsm8k.groups_per_step
     lessons = rg.curriculum.lessons

@@ -179,7 +179,8 @@ class OpenEnvEnv:
                 live = [s for s in sessions if s.status == "ok" and s.record.finish_reason is None]
                 if not live:
                     break
-                budgets = [min(sampling.max_tokens, self.config.max_episode_tokens - len(s.record.response)) for s in live]
+                left = [self.config.max_episode_tokens - len(s.record.response) for s in live]
+                budgets = [min(sampling.max_tokens, n) for n in left]
                 turn = dataclasses.replace(sampling, max_tokens=max(budgets))
                 seed = int(rng.integers(0, 2**31 - 1))
                 rows = await loop.run_in_executor(None, ctx.generate, [s.record.tokens for s in live], 1, turn, seed)
