@@ -84,7 +84,7 @@ def test_episodes_follow_the_server_turn_by_turn_and_bounded(openenv_url, server
     env = EnvConfig("openenv", _args(openenv_url, max_concurrency=3)).build()
     groups, metrics = _sample(env, server)
     assert metrics["letters/env_failures"] == 0 and metrics["letters/episodes"] == 16
-    assert metrics["letters/episodes_failed"] == 0 and len(groups) == 4
+    assert metrics["letters/episodes_failed"] == 0 and len(groups) == 4, metrics
     tok = server.tokenizer
     for g in groups:
         assert len(g) == 4 and g.group_id.startswith("openenv:seed")
