@@ -16,7 +16,7 @@ from marinrl.job_plan import train_worker_config
 from marinrl.train.trainer_config import parse_mp
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p"]
+RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p", "grpo_reasoning_gym_qwen3_0p6b"]
 
 
 def _recipe(name: str) -> dict:
@@ -66,6 +66,26 @@ def test_recipe_flags_keep_the_recipes_other_values():
     assert config.ray.trainer.tpu is None and config.ray.trainer.num_gpus == 1
     assert config.trainer.per_device_parallelism == 16 and config.curriculum.lessons[0].max_tokens == 768
     config.validate()  # the GPU variant the recipe documents
+
+
+def test_the_reasoning_gym_recipe_is_the_0p6b_recipe_with_a_curriculum_of_generated_tasks():
+    """Only the run id, the lessons and the tracker's tags differ from the GSM8K recipe; every lesson builds
+    (reasoning-gym's generators: nothing to download), and each level unlocks at the one below's graduation."""
+    from marinrl.recipe import parse_recipe
+
+    gsm8k, rg = (parse_recipe(_recipe(n)["RECIPE"], [])
+                 for n in ("grpo_math_qwen3_0p6b", "grpo_reasoning_gym_qwen3_0p6b"))
+    assert rg.model == gsm8k.model and rg.trainer.mp == gsm8k.trainer.mp and rg.ray == gsm8k.ray
+    assert rg.inference == gsm8k.inference and rg.loss == gsm8k.loss and rg.groups_per_step == gsm8k.groups_per_step
+    lessons = rg.curriculum.lessons
+    assert [x.lesson_id for x in lessons] == ["arith-l0", "arith-l1", "arith-l2", "countdown", "knights-knaves"]
+    assert {x.env.name for x in lessons} == {"reasoning_gym"}
+    for before, after in zip(lessons, lessons[1:]):
+        (dep,) = after.dependencies
+        assert dep.lesson_id == before.lesson_id
+    pytest.importorskip("reasoning_gym")
+    for lesson in lessons:
+        lesson.env.build()
 
 
 def _dry_run(name: str) -> dict:

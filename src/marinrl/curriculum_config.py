@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from marinrl.env_config import EnvConfig
 from marinrl.inference.context import SamplingParams, stop_sequences
@@ -73,6 +73,24 @@ class LessonConfig:
             max_tokens=self.max_tokens,
             stop_sequences=stop_sequences(tokenizer, self.stop) if self.stop else (),
         )
+
+
+def level_lessons(lesson: LessonConfig, levels: Sequence[Any], arg: str = "level") -> tuple[LessonConfig, ...]:
+    """A chain of copies of `lesson` at rising difficulty: copy k sets the environment argument `arg` to
+    `levels[k]` and is named `<lesson_id>-l<k>`; the first keeps the lesson's dependencies, each next one
+    unlocks when the one before reaches its `graduate_at`. Once a level graduates it is no longer
+    sampled, so training moves up a level as each graduates (docs/curriculum.md, "Levels")."""
+    if not levels:
+        raise ValueError(f"level_lessons: lesson {lesson.lesson_id!r} needs at least one level")
+    if lesson.graduate_at is None and len(levels) > 1:
+        raise ValueError(f"level_lessons: lesson {lesson.lesson_id!r} never graduates (graduate_at null), "
+                         "so its next level would never unlock")
+    out: list[LessonConfig] = []
+    for k, level in enumerate(levels):
+        env = EnvConfig(lesson.env.name, {**dict(lesson.env.args), arg: level})
+        deps = lesson.dependencies if k == 0 else (LessonDependency(out[-1].lesson_id, lesson.graduate_at),)
+        out.append(dataclasses.replace(lesson, lesson_id=f"{lesson.lesson_id}-l{k}", env=env, dependencies=deps))
+    return tuple(out)
 
 
 @dataclasses.dataclass(frozen=True)

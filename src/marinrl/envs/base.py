@@ -276,6 +276,11 @@ class SingleTurnEnv:
     def grade(self, problem: Problem, response: str) -> Grade:
         raise NotImplementedError
 
+    def encode(self, tokenizer, problem: Problem) -> list[int]:
+        """Prompt tokens of `problem`: its text as one user turn (`chat`) or raw after BOS. Override to
+        add a system message."""
+        return encode_prompt(tokenizer, problem.prompt, chat=self.chat)
+
     def sample(
         self,
         ctx: InferenceContext,
@@ -288,7 +293,7 @@ class SingleTurnEnv:
         check_sample_args(n_examples, n_generations, mode)
         problems = self.problems(n_examples, rng, mode)
         tokenizer = ctx.tokenizer
-        prompts = [encode_prompt(tokenizer, p.prompt, chat=self.chat) for p in problems]
+        prompts = [self.encode(tokenizer, p) for p in problems]
         seed = int(rng.integers(0, 2**31 - 1))
         generations = ctx.generate(prompts, n_generations, sampling, seed)
         if len(generations) != len(prompts):
