@@ -113,6 +113,7 @@ def ray_session():
     import ray
 
     ray.init(
+        address="local",  # a new Ray of its own: never join one another process left in /tmp/ray
         num_cpus=4,
         include_dashboard=False,
         object_store_memory=256 * 1024 * 1024,

@@ -23,6 +23,7 @@ from marinrl.inference.server import InferenceServer, InferenceServerConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
+from marinrl.envs.base import make_env
 
 pytest.importorskip("openenv.core")  # the `openenv` extra (in `dev`: CI has it)
 
@@ -81,7 +82,7 @@ def _args(url, **kw):
 
 
 def test_episodes_follow_the_server_turn_by_turn_and_bounded(openenv_url, server):
-    env = EnvConfig("openenv", _args(openenv_url, max_concurrency=3)).build()
+    env = make_env(EnvConfig("openenv", _args(openenv_url, max_concurrency=3)))
     groups, metrics = _sample(env, server)
     assert metrics["letters/env_failures"] == 0 and metrics["letters/episodes"] == 16
     assert metrics["letters/episodes_failed"] == 0 and len(groups) == 4, metrics
@@ -104,21 +105,21 @@ def test_episodes_follow_the_server_turn_by_turn_and_bounded(openenv_url, server
 
 
 def test_a_server_that_is_not_there_is_retried_then_counted(server):
-    env = EnvConfig("openenv", _args(f"http://127.0.0.1:{_free_port()}", max_retries=2, backoff_initial=0.01,
-                                     backoff_max=0.02)).build()
+    env = make_env(EnvConfig("openenv", _args(f"http://127.0.0.1:{_free_port()}", max_retries=2, backoff_initial=0.01,
+                                     backoff_max=0.02)))
     groups, metrics = _sample(env, server, n_examples=2, n_generations=2)
     assert groups == [] and metrics["letters/env_failures"] == 0
     assert metrics["letters/episodes_failed"] == 4 and metrics["letters/sessions_retried"] == 8
 
 
 def test_a_step_past_its_timeout_drops_its_episode(openenv_url, server):
-    env = EnvConfig("openenv", _args(openenv_url, action_args={"delay": 3.0}, request_timeout=0.5)).build()
+    env = make_env(EnvConfig("openenv", _args(openenv_url, action_args={"delay": 3.0}, request_timeout=0.5)))
     groups, metrics = _sample(env, server, n_examples=2, n_generations=2)
     assert groups == [] and metrics["letters/episodes_failed"] == 4 and metrics["letters/env_failures"] == 0
 
 
 def test_a_wrong_observation_field_fails_the_call_naming_it(openenv_url, server):
-    env = EnvConfig("openenv", _args(openenv_url, observation_field="text")).build()
+    env = make_env(EnvConfig("openenv", _args(openenv_url, observation_field="text")))
     groups, metrics = _sample(env, server, n_examples=1, n_generations=2)
     assert groups == [] and metrics["letters/env_failures"] == 1
 
@@ -130,7 +131,7 @@ def test_a_wrong_observation_field_fails_the_call_naming_it(openenv_url, server)
 ])
 def test_bad_settings_are_refused(args, match):
     with pytest.raises(ValueError, match=match):
-        EnvConfig("openenv", args).build()
+        make_env(EnvConfig("openenv", args))
 
 
 @pytest.mark.timeout(1200)

@@ -14,6 +14,7 @@ from marinrl.curriculum import Curriculum
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, level_lessons
 from marinrl.envs import EnvConfig
 from marinrl.envs.reasoning_gym_env import task_config, TaskSpec
+from marinrl.envs.base import make_env
 
 rg = pytest.importorskip("reasoning_gym")  # the `reasoning_gym` extra (in `dev`: CI has it)
 
@@ -22,7 +23,7 @@ TASKS = ["basic_arithmetic", "chain_sum", "countdown", "leg_counting", "spell_ba
 
 @pytest.mark.parametrize("task", TASKS)
 def test_each_task_scores_a_right_and_a_wrong_answer_as_the_package_does(task):
-    env = EnvConfig("reasoning_gym", {"task": task}).build()
+    env = make_env(EnvConfig("reasoning_gym", {"task": task}))
     problems = env.problems(3, np.random.default_rng(0), "train")
     assert len({p.prompt for p in problems}) == 3 and all(p.example_id.startswith(f"{task}:") for p in problems)
     package_score = rg.get_score_answer_fn(task)
@@ -37,7 +38,7 @@ def test_each_task_scores_a_right_and_a_wrong_answer_as_the_package_does(task):
 
 
 def test_raw_answers_are_the_whole_response_and_prompts_are_reproducible():
-    env = EnvConfig("reasoning_gym", {"task": "chain_sum", "answer_format": "raw"}).build()
+    env = make_env(EnvConfig("reasoning_gym", {"task": "chain_sum", "answer_format": "raw"}))
     a = env.problems(8, np.random.default_rng(3), "train")
     b = env.problems(8, np.random.default_rng(3), "train")
     c = env.problems(8, np.random.default_rng(4), "train")
@@ -50,7 +51,7 @@ def test_training_never_draws_an_eval_question():
     generator does produce the eval questions and the environment must skip them."""
     args = {"task": "basic_arithmetic", "eval_size": 64,
             "config": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}}
-    env = EnvConfig("reasoning_gym", args).build()
+    env = make_env(EnvConfig("reasoning_gym", args))
     held_out = {p.prompt for p in env.problems(400, np.random.default_rng(1), "eval")}
     assert held_out <= env.eval_questions(0) and len(held_out) > 30
     raw_train = {env.train[0][i]["question"] for i in range(400)}
@@ -60,8 +61,8 @@ def test_training_never_draws_an_eval_question():
 
 
 def test_a_weighted_mix_draws_each_task_in_proportion_and_scores_each_with_its_own_scorer():
-    env = EnvConfig("reasoning_gym", {"tasks": [{"task": "chain_sum", "weight": 3},
-                                                {"task": "spell_backward", "weight": 1, "level": 2}]}).build()
+    env = make_env(EnvConfig("reasoning_gym", {"tasks": [{"task": "chain_sum", "weight": 3},
+                                                {"task": "spell_backward", "weight": 1, "level": 2}]}))
     problems = env.problems(400, np.random.default_rng(0), "train")
     share = np.mean([p.example_id.startswith("chain_sum:") for p in problems])
     assert 0.68 < share < 0.82  # 3:1 (binomial, n=400: 0.75 ± 0.07 at 3 sigma)
@@ -78,7 +79,7 @@ def test_a_level_raises_every_knob_of_the_task_curriculum():
     assert top.max_terms == 6 and top.max_digits == 4
     one = task_config(TaskSpec("basic_arithmetic", level={"num_digits": 3}), seed=0, size=10)
     assert one.max_digits == 4 and one.max_terms == low.max_terms
-    env = EnvConfig("reasoning_gym", {"task": "basic_arithmetic", "level": 3}).build()
+    env = make_env(EnvConfig("reasoning_gym", {"task": "basic_arithmetic", "level": 3}))
     assert max(len(p.prompt) for p in env.problems(20, np.random.default_rng(0), "eval")) > 25
 
 
@@ -89,7 +90,7 @@ def test_level_lessons_unlock_each_level_as_the_one_below_reaches_graduation():
     assert [x.lesson_id for x in lessons] == ["arith-l0", "arith-l1", "arith-l2"]
     assert [x.env.args["level"] for x in lessons] == [0, 1, 2]
     for x in lessons:
-        x.env.build()
+        make_env(x.env)
     c = Curriculum(CurriculumConfig(lessons=lessons))
     assert [c.status(x.lesson_id) for x in lessons] == ["active", "locked", "locked"]
     for step in range(4):
@@ -111,7 +112,7 @@ def test_level_lessons_unlock_each_level_as_the_one_below_reaches_graduation():
 ])
 def test_bad_args_fail_naming_the_problem(args, match):
     with pytest.raises(ValueError, match=match):
-        EnvConfig("reasoning_gym", args).build()
+        make_env(EnvConfig("reasoning_gym", args))
 
 
 def test_importing_marinrl_envs_does_not_import_the_ecosystem_packages():
@@ -129,8 +130,8 @@ def test_a_lesson_of_an_adapter_whose_package_is_missing_says_what_to_install(en
     """In a fresh interpreter where the package cannot be imported (None in sys.modules is how Python
     marks a module as absent), building the environment fails with the extra to install."""
     code = (f"import sys; sys.modules[{package!r}] = None\n"
-            "from marinrl.envs import EnvConfig\n"
-            f"try:\n    EnvConfig({env!r}, {args!r}).build()\n"
+            "from marinrl.envs import EnvConfig, make_env\n"
+            f"try:\n    make_env(EnvConfig({env!r}, {args!r}))\n"
             "except ImportError as e:\n    print('ERR', e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert f"pip install 'marinrl[{package}]'" in out, out  # each extra is named after its package

@@ -15,6 +15,7 @@ from marinrl.inference.server import InferenceServer, InferenceServerConfig
 from marinrl.models import ModelConfig, build_model
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
+from marinrl.envs.base import make_env
 
 pytest.importorskip("textarena")  # the `textarena` extra (in `dev`: CI has it)
 
@@ -39,7 +40,7 @@ def _sample(env, server, n_examples=3, n_generations=4, max_tokens=1, seed=0):
 def test_each_player_earns_the_game_outcome_on_its_own_turns(server):
     """HighCard: player 0 then player 1 name a character, the higher byte wins. Rollout j of the turn-0
     group and of the turn-1 group are one game, so the rewards must follow from the two responses."""
-    env = EnvConfig("textarena", {"game": HIGH_CARD, "policies": {"player1": "rival"}}).build()
+    env = make_env(EnvConfig("textarena", {"game": HIGH_CARD, "policies": {"player1": "rival"}}))
     groups, metrics = _sample(env, server)
     assert metrics["game/env_failures"] == 0 and len(groups) == 6
     tok = server.tokenizer
@@ -60,7 +61,7 @@ def test_each_player_earns_the_game_outcome_on_its_own_turns(server):
 def test_a_shipped_game_runs_its_rules_on_the_model_moves(server):
     """TicTacToe-v0 as textarena ships it: a random model's moves are mostly invalid, which textarena
     answers with a warning and a second chance, then a loss; the loser gets -1 and the other player +1."""
-    env = EnvConfig("textarena", {"game": "TicTacToe-v0", "max_turns": 4}).build()
+    env = make_env(EnvConfig("textarena", {"game": "TicTacToe-v0", "max_turns": 4}))
     groups, metrics = _sample(env, server, max_tokens=3)
     assert metrics["game/env_failures"] == 0 and groups
     first = groups[0].rollouts[0]
@@ -81,7 +82,7 @@ def test_a_shipped_game_runs_its_rules_on_the_model_moves(server):
 ])
 def test_bad_games_are_refused_naming_the_reason(args, match):
     with pytest.raises(ValueError, match=match):
-        EnvConfig("textarena", args).build()
+        make_env(EnvConfig("textarena", args))
 
 
 def _job(tmp_path, ray_session, lesson, **overrides):
