@@ -224,6 +224,26 @@ def test_the_compile_cache_is_shared_storage_on_a_cluster(tmp_path, monkeypatch)
     assert compilation_cache_dir(chosen) == "/driver/cache"  # the driver's environment wins
 
 
+def test_jax_fills_the_cluster_compile_cache_on_gcs(tmp_path, gcs_root, monkeypatch):
+    """The cache a cluster job picks for a `gs://` run_root is one JAX writes to: a JAX process with it
+    (as the job's actors get it, `_actor_env`) stores its compiled programs in the bucket (the GCS
+    emulator, through JAX's own epath/gcsfs path)."""
+    import fsspec
+
+    from marinrl.job import _actor_env
+
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    config = dataclasses.replace(job_config(tmp_path), run_root=f"{gcs_root}/runs", ray=RayJobConfig(address="auto"))
+    cache = compilation_cache_dir(config)
+    env = {**os.environ, **_actor_env(cache), "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).sum()))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fs = fsspec.filesystem("gcs", token="anon")
+    assert cache == f"{gcs_root}/runs/jax_cache"
+    assert any(name.rsplit("/", 1)[-1].startswith("jit__lambda-") for name in fs.find(cache)), fs.find(cache)
+
+
 _AUTOSCALER_SCRIPT = textwrap.dedent("""
     import json, pathlib, sys
     import ray
