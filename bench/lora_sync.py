@@ -31,9 +31,11 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 from transfer import MODELS, build_model, machine, stats  # noqa: E402
 
-from marinrl.lora import AdapterMergingClient, LoraRLConfig, adapter_only, add_adapters, merge_adapters  # noqa: E402
+from marinrl.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters  # noqa: E402
+from marinrl.lora_config import LoraRLConfig  # noqa: E402
 from levanter.lora import is_lora_param  # noqa: E402
-from marinrl.transfer import FilesystemTransferConfig  # noqa: E402
+from marinrl.transfer.transfer_config import FilesystemTransferConfig  # noqa: E402
+from marinrl.transfer.endpoints import build_client, build_server  # noqa: E402
 
 
 def shifted_adapters(policy, k: float):
@@ -50,8 +52,8 @@ def shifted_adapters(policy, k: float):
 def run(kind: str, base, lora: LoraRLConfig, root: str, reps: int) -> dict:
     weights = FilesystemTransferConfig(root=root)
     policy = add_adapters(base, lora)
-    server = weights.build_server()
-    client = AdapterMergingClient(weights, lora, base) if kind == "adapter" else weights.build_client(base)
+    server = build_server(weights)
+    client = AdapterMergingClient(weights, lora, base) if kind == "adapter" else build_client(weights, base)
     publish_s, receive_s, merge_s = [], [], []
     for step in range(reps + 1):
         version = jax.block_until_ready(shifted_adapters(policy, 1e-3 * (step + 1)))

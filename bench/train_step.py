@@ -28,9 +28,10 @@ JSON line per mode (see ../shared/BENCHMARK.md).
 
 A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run. The
 defaults are what marinrl ships: the `shared` row layout (batching.py), the geometric bucket ladder and
-unrolled layers (`scan_layers=False`, as `models._reference_llama`). Variants: `padded`, `packed`, `shared`
+unrolled layers (`scan_layers=False`, as `model_config.reference_llama`). Variants: `padded`, `packed`, `shared`
 (BatchingConfig.layout: one rollout per row as before packing, rollouts packed into rows, and each group's
-prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)) and `scanned` (LlamaConfig
+prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)), `bf16` (`trainer.mp: p=f32,c=bfloat16`: float32
+master weights and AdamW state, bfloat16 matmuls; XLA:CPU uses AVX-512 BF16 where the CPU has it) and `scanned` (LlamaConfig
 scan_layers=True, Levanter's default). The first mode is the reference of the paired ratios. For example:
 
     python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
@@ -61,7 +62,7 @@ def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per mode; medians over steps 3..steps")
     parser.add_argument("--modes", default="kl_0.04,kl_0",
-                        help="comma-separated kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04,kl_0.04+bucket64+scanned")
+                        help="comma-separated kl_<beta>[+bucket<N>][+scanned][+bf16], e.g. kl_0.04,kl_0.04+bf16")
     parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
     parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
                         help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
@@ -92,6 +93,7 @@ import uuid  # noqa: E402
 
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
+import jmp  # noqa: E402
 import levanter  # noqa: E402
 import numpy as np  # noqa: E402
 from levanter.checkpoint import CheckpointerConfig  # noqa: E402
@@ -100,11 +102,15 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
 from levanter.trainer import Trainer  # noqa: E402
 
-from marinrl.models import ModelConfig, build_model  # noqa: E402
+from marinrl.model_config import ModelConfig  # noqa: E402
+from marinrl.models import build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
-from marinrl.train.batching import BatchingConfig, TrainingBatch, make_training_batch  # noqa: E402
-from marinrl.train.losses import LossConfig, describe, token_logprobs  # noqa: E402
-from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config, row_alignment  # noqa: E402
+from marinrl.train.batching_config import BatchingConfig  # noqa: E402
+from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
+from marinrl.train.loss_config import LossConfig  # noqa: E402
+from marinrl.train.losses import describe, token_logprobs  # noqa: E402
+from marinrl.train.batching import row_alignment  # noqa: E402
+from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512
@@ -184,6 +190,8 @@ class Mode:
     loss: LossConfig
     model: ModelConfig
     batching: BatchingConfig
+    mp: str = "f32"
+    """The precision policy (`bf16` variant: p=f32,c=bfloat16: float32 masters, bfloat16 compute)."""
     trainer: Trainer | None = None
     state: object = None
     reference: object = None
@@ -202,7 +210,7 @@ class Mode:
         if not head.startswith("kl_"):
             raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")
         _, _, max_length, min_bucket = SHAPES[args.shape]
-        batching, scan_layers = BatchingConfig(max_length=max_length, min_bucket=min_bucket), False
+        batching, scan_layers, mp = BatchingConfig(max_length=max_length, min_bucket=min_bucket), False, "f32"
         for v in variants:
             if v.startswith("bucket") and v[6:].isdigit():
                 batching = dataclasses.replace(batching, min_bucket=int(v[6:]))
@@ -210,19 +218,22 @@ class Mode:
                 batching = dataclasses.replace(batching, layout=v)
             elif v == "scanned":
                 scan_layers = True
+            elif v == "bf16":
+                mp = "p=f32,c=bfloat16"
             else:
                 raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected padded, packed, shared, "
-                                 "bucket<N> or scanned")
+                                 "bucket<N>, scanned or bf16")
         model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers,
                                        seq_len=max(256, max_length))
         if args.shape == "quickstart":  # experiments/quickstart.yaml's model
             llama = dataclasses.replace(model.model, seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2)
             model = dataclasses.replace(model, model=llama, init_std=None)
         batching = batching.for_model(model.model.hidden_dim)  # as the worker does
-        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching)
+        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching, mp)
 
     def setup(self, trainer_cfg, optimizer) -> None:
         """What `TrainWorker.run` does before its loop (minus the replay buffer and the weight server)."""
+        trainer_cfg = dataclasses.replace(trainer_cfg, mp=jmp.get_policy(self.mp))
         self.trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=self.loss),
                                add_default_hooks=False)
         self.trainer.__enter__()

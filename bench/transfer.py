@@ -46,9 +46,10 @@ import ray
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 
 from machine import machine  # bench/machine.py
-from marinrl.transfer import FilesystemTransferConfig, RayTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import host_leaves
 from marinrl.transfer.delta import BLOCK_ELEMENTS, _bits, apply_array, encode_array
+from marinrl.transfer.endpoints import build_client, build_server
 
 MODELS = {
     "quickstart": dict(hidden_dim=64, intermediate_dim=256, num_layers=2, num_heads=4, num_kv_heads=4, vocab=512),
@@ -79,8 +80,8 @@ def stats(values: list[float]) -> dict:
 
 
 def run_mode(config, model, reps: int) -> dict:
-    server = config.build_server()
-    client = config.build_client(model)
+    server = build_server(config)
+    client = build_client(config, model)
     versions = [jax.block_until_ready(shifted(model, i)) for i in range(reps + 1)]
     publish_s, receive_s = [], []
     try:
@@ -187,8 +188,8 @@ def run_pair(mode: str, tag: str, tmp: str, base, lr: float, dtype, reps: int, c
                    True: RayTransferConfig(name=f"{tag}-delta", delta=True, full_every=1000)}
     trainer = Trainer(base, lr, dtype)  # the same seed in every pair: the same versions
     first = trainer.version()
-    servers = {k: c.build_server() for k, c in configs.items()}
-    clients = {k: c.build_client(first) for k, c in configs.items()}
+    servers = {k: build_server(c) for k, c in configs.items()}
+    clients = {k: build_client(c, first) for k, c in configs.items()}
     samples = {k: {"publish_s": [], "receive_s": [], "bytes": []} for k in configs}
     enc, prev = [], first
     try:

@@ -244,7 +244,7 @@ def _parse_placement(raw: Any, field: str, errors: list[str]):
     import draccus
 
     from marinrl.placement import PlacementConfig
-    from marinrl.preflight import ConfigError
+    from marinrl.config_errors import ConfigError
 
     if not isinstance(raw, dict) or not raw:
         errors.append(f"{field}: must be a mapping of RLJobConfig.ray.{field.rsplit('.', 1)[-1]}'s fields "

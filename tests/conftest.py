@@ -177,8 +177,10 @@ def tiny_server():
     byte tokenizer of 512): one per session, shared by the environment tests."""
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
-    from marinrl.models import ModelConfig, build_model
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.model_config import ModelConfig
+    from marinrl.models import build_model
     from marinrl.tokenizers import byte_tokenizer
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,

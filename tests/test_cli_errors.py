@@ -190,3 +190,39 @@ def test_eval_and_report_input_errors_exit_2(tmp_path, capsys):
     assert err.startswith("marinrl eval: checkpoint not found")
     err = _fails(["report", str(tmp_path / "nope")], capsys)
     assert err.startswith("marinrl report: ") and "nope" in err
+
+
+@pytest.mark.parametrize("tag", ["!!python/name:os.system", "!!python/object/apply:os.system ['true']", "!custom x"])
+def test_a_yaml_tag_is_refused_naming_it_and_its_line(tmp_path, capsys, tag):
+    """A tag would make a loader build an object or run code: refused before any loader reads the file."""
+    path = _config(tmp_path, "run_id: quickstart", f"run_id: {tag}")
+    err = _fails(["train", path], capsys)
+    shown = tag.split()[0]
+    assert err.startswith(f"marinrl train: {path}:{_line_col(path, shown)}: the tag {shown} is refused: a config is "
+                          "plain YAML")
+
+
+def test_a_config_error_answers_before_jax_is_imported(tmp_path):
+    """The config layer alone checks ranges: a fresh `marinrl train` with a bad range never imports JAX,
+    Levanter or Ray (docs/architecture.md, "Layers")."""
+    import json
+    import subprocess
+    import sys
+
+    path = _config(tmp_path)
+    script = ("import json, sys\nfrom marinrl.cli import main\ntry:\n    main(['train', %r, '--groups_per_step', '0'])\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              "print(json.dumps(dict(code=code, loaded=[m for m in ('jax', 'levanter', 'ray', 'torch', 'transformers') "
+              "if m in sys.modules])))" % path)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"code": 2, "loaded": []}
+    assert "RLJobConfig.groups_per_step: must be >= 1, got 0" in out.stderr
+
+
+def test_a_placement_no_node_can_hold_is_one_line_after_ray_starts(tmp_path, capsys):
+    """Checked against the cluster Ray found (here a local one without GPUs): still one line and status 2."""
+    path = _config(tmp_path)
+    err = _fails(["train", path, "--ray.trainer.num_gpus", "1"], capsys)
+    assert err.startswith("marinrl train: --ray.trainer.num_gpus 1: RLJobConfig.ray.trainer.num_gpus: 1 GPUs per "
+                          "trainer, but no node has more than 0 GPUs")

@@ -16,7 +16,8 @@ import pytest
 from marinrl.curriculum import Curriculum
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor, load_state, save_state
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.envs import EnvConfig
+from marinrl.env_config import EnvConfig
+from marinrl.envs.base import make_env
 
 ECHO = EnvConfig("echo", {"alphabet_size": 10})
 
@@ -81,7 +82,7 @@ half_life: 5
 """
     cfg = draccus.load(CurriculumConfig, io.StringIO(yaml))
     assert cfg.lesson("parity").dependencies == (LessonDependency("copy", 0.7),)
-    assert cfg.lesson("copy").env.build().alphabet == "abcdefghij" and cfg.half_life == 5
+    assert make_env(cfg.lesson("copy").env).alphabet == "abcdefghij" and cfg.half_life == 5
 
 
 def test_sampling_params_for_training_and_evaluation():
@@ -346,6 +347,53 @@ def test_killed_actor_restarts_and_resumes_from_the_saved_state(ray_session, act
     assert client.state_dict() == saved
     assert client.step() == 5 and client.status("b") == "active"
     assert "curriculum/b/train_reward" not in client.metrics()
+
+
+def _sigkill_and_wait_for_restart(ray_session, client):
+    """SIGKILL the actor's process (as a crash or the OOM killer would) and wait for Ray's restart."""
+    import os
+    import signal
+
+    before = client.incarnation()
+    os.kill(ray_session.get(client.handle.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while True:  # calls during the restart are retried by Ray; wait for the new incarnation to answer
+        try:
+            if client.incarnation() != before:
+                return
+        except ray_session.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < deadline, "the actor did not restart within 60 s"
+
+
+def test_a_jobs_curriculum_actor_killed_mid_run_resumes_from_its_last_trainer_step(ray_session, tmp_path):
+    """The job's actor (RLJob._start_curriculum) saves at every trainer step: SIGKILLed, Ray's restart
+    has the lessons' statistics and statuses as of the last step, not fresh ones (a dependent lesson
+    locked again, a graduated one sampled again). Fails with the job's former save_every=0."""
+    from test_job import job_config
+
+    from marinrl.job import RLJob
+
+    cfg = job_config(tmp_path, curriculum=config(lesson("a", max_tokens=1), lesson("b", ("a", 0.5), max_tokens=1)))
+    job = RLJob(cfg)
+    client = CurriculumClient(ray_session.get_actor(job._start_curriculum("marinrl-tests"), namespace="marinrl-tests"))
+    try:
+        for step in range(1, 4):  # a trainer's clock and a rollout worker's rewards
+            client.update_from_training("a", [1.0] * 4, step)
+            client.set_step(step)
+        assert client.status("b") == "active"
+        at_last_step = client.state_dict()
+        _sigkill_and_wait_for_restart(ray_session, client)
+        assert client.state_dict() == at_last_step and client.status("b") == "active"
+
+        # A resumed trainer restores an older checkpoint's state: that is the state a restart comes back to.
+        checkpoint = str(tmp_path / "step-1" / "curriculum.json")
+        save_state({**at_last_step, "step": 1}, checkpoint)
+        client.load(checkpoint)
+        _sigkill_and_wait_for_restart(ray_session, client)
+        assert client.step() == 1
+    finally:
+        job.shutdown()
 
 
 def test_actor_saves_every_n_steps_and_loads_a_trainer_checkpoint(ray_session, actor_name, tmp_path):

@@ -15,22 +15,8 @@ import threading
 import numpy as np
 import pytest
 
-from marinrl.envs import (
-    UNSTAMPED,
-    UNSTAMPED_LESSON,
-    EchoEnv,
-    EnvConfig,
-    MathDatasetEnv,
-    ParityEnv,
-    completion_text,
-    encode_prompt,
-    make_env,
-    make_rollout,
-    new_group_id,
-    register_env,
-    registered_envs,
-    safe_sample,
-)
+from marinrl.envs import UNSTAMPED, UNSTAMPED_LESSON, EchoEnv, MathDatasetEnv, ParityEnv, completion_text, encode_prompt, make_env, make_rollout, new_group_id, register_env, registered_envs, safe_sample
+from marinrl.env_config import EnvConfig
 from marinrl.envs.math import ArithmeticEnv, arithmetic_problem, final_answer, grade_math, load_math_problems, parse_gold
 from marinrl.envs.toy import grade_answer
 from marinrl.inference.context import Generation, SamplingParams
@@ -86,7 +72,7 @@ def test_registry_builds_by_short_name_and_by_dotted_path():
     assert isinstance(env, EchoEnv) and env.alphabet == "abcd" and env.length == 2
     assert isinstance(make_env(EnvConfig("marinrl.envs.toy.ParityEnv", {"n_bits": 3})), ParityEnv)
     assert isinstance(make_env(EnvConfig("marinrl.envs.toy:ParityEnv")), ParityEnv)
-    assert isinstance(EnvConfig("arithmetic", {"difficulty": 2}).build(), ArithmeticEnv)
+    assert isinstance(make_env(EnvConfig("arithmetic", {"difficulty": 2})), ArithmeticEnv)
 
 
 def test_registry_errors_name_what_is_wrong():
@@ -117,7 +103,7 @@ def test_env_config_reads_from_yaml_with_draccus():
     import draccus
 
     cfg = draccus.load(EnvConfig, io.StringIO("name: echo\nargs: {alphabet_size: 6, reverse: true}\n"))
-    env = cfg.build()
+    env = make_env(cfg)
     assert isinstance(env, EchoEnv) and env.alphabet == "abcdef" and env.reverse
 
 
@@ -486,8 +472,10 @@ def test_make_rollout_takes_masks_and_per_token_rewards_for_multi_turn():
 def test_echo_through_the_real_inference_server_with_a_tiny_random_model(tokenizer):
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
-    from marinrl.models import ModelConfig, build_model
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.model_config import ModelConfig
+    from marinrl.models import build_model
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                        gradient_checkpointing=False)
@@ -529,7 +517,7 @@ def test_the_example_in_docs_environments_runs():
 
 def test_a_lesson_that_drives_the_openai_endpoint_turns_it_on():
     from marinrl.envs.base import with_endpoint_if_needed
-    from marinrl.inference.server import InferenceServerConfig
+    from marinrl.inference.server_config import InferenceServerConfig
 
     off = InferenceServerConfig(serve_http=False)
     assert with_endpoint_if_needed(off, [EnvConfig("echo")]) is off

@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from marinrl.envs import EnvConfig, Feedback, MultiTurnEnv, Problem, make_env, safe_sample
+from marinrl.env_config import EnvConfig
+from marinrl.envs import Feedback, MultiTurnEnv, Problem, make_env, safe_sample
 from marinrl.envs.games import DIGITS, CalculatorEnv, GuessEnv
 from marinrl.inference.context import Generation, SamplingParams
 from marinrl.tokenizers import byte_tokenizer

@@ -18,10 +18,11 @@ from levanter.models.llama import LlamaConfig
 from factories import make_rollout
 from marinrl.cli import main as cli
 from marinrl.curriculum_config import LessonConfig
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
 from marinrl.hf_checkpoints import save_hf_checkpoint
-from marinrl.models import MODEL_CONFIG_FILE, ModelConfig, build_model, save_levanter_checkpoint
+from marinrl.models import MODEL_CONFIG_FILE, build_model, save_levanter_checkpoint
+from marinrl.model_config import ModelConfig
 from marinrl.storage import iter_batches
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutGroup

@@ -30,8 +30,10 @@ transformers = pytest.importorskip("transformers")
 from marinrl.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from marinrl.inference import sampler as scan_sampler  # noqa: E402
 from marinrl.inference import sharding  # noqa: E402
-from marinrl.inference.server import InferenceServer, InferenceServerConfig  # noqa: E402
-from marinrl.models import ModelConfig, build_model, build_tokenizer  # noqa: E402
+from marinrl.inference.server import InferenceServer  # noqa: E402
+from marinrl.inference.server_config import InferenceServerConfig  # noqa: E402
+from marinrl.model_config import ModelConfig  # noqa: E402
+from marinrl.models import build_model, build_tokenizer  # noqa: E402
 from marinrl.tokenizers import byte_tokenizer  # noqa: E402
 
 VOCAB = 512

@@ -16,7 +16,8 @@ import transformers
 
 from marinrl.hf_checkpoints import hf_reads, load_hf_checkpoint
 from marinrl.job import RLJob
-from marinrl.models import ModelConfig, abstract_model, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import abstract_model, build_model
 from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
 from marinrl.tokenizers import byte_tokenizer
 from test_job import job_config
@@ -90,7 +91,8 @@ def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path)
     """Each weight arrives with the rollout sharding (split over the model axis where the mapping says so)
     and in the requested dtype; the server then serves those very buffers, placing nothing again."""
     from marinrl.inference import sharding
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig, load_served_model
+    from marinrl.inference.server import InferenceServer, load_served_model
+    from marinrl.inference.server_config import InferenceServerConfig
 
     config = InferenceServerConfig(model_axis_size=2)
     model = load_served_model(ModelConfig(hf_checkpoint=hf_path), config, dtype="bfloat16")

@@ -22,9 +22,12 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, stop_sequences
-from marinrl.inference.levanter_engine import EngineConfig, find_stop
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.server_config import EngineConfig
+from marinrl.inference.levanter_engine import find_stop
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
 
 ARCH = LlamaConfig(

@@ -16,9 +16,12 @@ from levanter.models.llama import LlamaConfig
 from marinrl.envs import Feedback, MultiTurnEnv, Problem, safe_sample
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.inflight import InflightConfig, WeightSwaps
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.inflight_config import InflightConfig
+from marinrl.inference.inflight import WeightSwaps
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.rollout.worker import RolloutWorkerConfig
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata

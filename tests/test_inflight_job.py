@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default 
 _SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.env_config import EnvConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader
     from test_job import job_config
@@ -77,11 +77,11 @@ _LEARNS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, pathlib
     import draccus
     from marinrl.curriculum_config import CurriculumConfig
-    from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.env_config import EnvConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob, RLJobConfig
     from marinrl.storage import RolloutReader
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
     root = pathlib.Path({root!r})
     cfg = draccus.parse(RLJobConfig, config_path="experiments/quickstart.yaml", args=[])
@@ -133,11 +133,11 @@ _RESUME_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, signal
     import ray
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.envs.base import EnvConfig
-    from marinrl.inference.inflight import InflightConfig
+    from marinrl.env_config import EnvConfig
+    from marinrl.inference.inflight_config import InflightConfig
     from marinrl.job import RLJob
     from marinrl.storage import RolloutReader
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
     from test_job import job_config
     from test_job_faults import _Saboteur, _actors_of, _committed_checkpoint_step, _poll
 

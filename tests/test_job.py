@@ -13,14 +13,16 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.envs.base import EnvConfig
-from marinrl.inference.inflight import InflightConfig
+from marinrl.env_config import EnvConfig
+from marinrl.inference.inflight_config import InflightConfig
 from marinrl.job import ConfigError, RLJob, RLJobConfig
-from marinrl.models import ModelConfig
+from marinrl.model_config import ModelConfig
 from marinrl.run_lock import read_lease
 from marinrl.storage import RolloutReader, summarize
-from marinrl.train.batching import BatchingConfig
+from marinrl.train.audit import audit, read_trail
+from marinrl.train.batching_config import BatchingConfig
 from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.envs.base import make_env
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -82,6 +84,14 @@ def test_on_policy_job_trains_every_step_on_its_own_weights(tmp_path, ray_sessio
     summary = summarize(f"{cfg.run_dir}/rollouts")
     assert summary["totals"]["rollouts"] == rollouts["rollouts_written"]
     assert sorted(map(int, summary["steps"])) == [0, 1, 2, 3, 4]  # one weight version per batch, each trained
+    # The audit trail (marinrl/train/audit.py) in the run folder: what the trainer took, step by step
+    trail = read_trail(f"{cfg.run_dir}/trained")
+    (incarnation,) = trail.values()
+    assert incarnation.start["first_step"] == 0 and incarnation.start["parent"] is None
+    assert [[g for g, _ in incarnation.steps[s]["groups"]] for s in range(1, 6)] == result.train["trained_groups"]
+    assert all(w == s - 1 for s in range(1, 6) for _, w in incarnation.steps[s]["groups"])  # on-policy
+    counts = audit(trail, num_steps=5, groups_per_step=4, max_staleness=0)
+    assert (counts.steps, counts.groups_trained, counts.groups_lost, counts.groups_duplicated) == (5, 20, 0, 0)
 
 
 def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_path, ray_session):
@@ -89,7 +99,7 @@ def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_pa
     importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
     weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
     64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
+    from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
     weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
     cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)
@@ -163,7 +173,7 @@ def test_the_quickstart_is_its_yaml_with_overrides_and_a_held_out_eval():
     assert job.run_id.startswith("quickstart-")  # a rerun starts fresh instead of resuming the last run
     assert quickstart.QuickstartConfig.from_args(["--run_id", "mine"]).job.run_id == "mine"
     (lesson,) = job.curriculum.lessons
-    env = lesson.env.build()
+    env = make_env(lesson.env)
     rng = np.random.default_rng(0)
     train = {p.example_id for p in env.problems(500, rng, "train")}
     evals = {p.example_id for p in env.problems(100, rng, "eval")}

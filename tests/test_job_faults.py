@@ -185,7 +185,7 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
 _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     import json, pathlib
     from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.envs.base import EnvConfig
+    from marinrl.env_config import EnvConfig
     from marinrl.job import RLJob
     from marinrl.train.replay_config import ReplayConfig
     from test_job import job_config

@@ -17,10 +17,11 @@ from levanter.lora import LORA_R, LoraLinear
 from levanter.models.llama import LlamaConfig
 
 from marinrl.job import ConfigError, RLJob
-from marinrl.lora import (AdapterMergingClient, LoraRLConfig, adapter_only, add_adapters, adapted_modules,
-                          check_targets, without_adapters)
-from marinrl.models import ModelConfig, build_model
-from marinrl.train.losses import LossConfig
+from marinrl.lora import AdapterMergingClient, adapter_only, add_adapters, adapted_modules, check_targets, without_adapters
+from marinrl.lora_config import LoraRLConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.base import ModelSkeleton
@@ -28,6 +29,7 @@ from marinrl.transfer.packed import read_packed
 from test_job import job_config
 from test_train_worker import (EPS32, TINY, FileReplayer, Producer, assert_same_state, checkpoint_arrays,
                                lineage_files, worker_config)
+from marinrl.job_plan import rollout_worker_config, train_worker_config
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -256,8 +258,8 @@ def test_the_lora_example_config_passes_preflight_and_a_bad_block_points_at_its_
 
     good = load_job_config(RLJobConfig, str(_yaml_job(tmp_path, "lora: {rank: 8, alpha: 16}\n")), [])
     check_job(good)
-    assert good.lora == LoraRLConfig(rank=8, alpha=16.0) and good.train_worker_config().lora == good.lora
-    assert good.rollout_worker_config(0).lora == good.lora
+    assert good.lora == LoraRLConfig(rank=8, alpha=16.0) and train_worker_config(good).lora == good.lora
+    assert [s.lora for s in rollout_worker_config(good, 0).streams] == [good.lora]
     example = load_job_config(RLJobConfig, str(pathlib.Path(__file__).parents[1] / "experiments" / "lora.yaml"), [])
     assert example.lora == LoraRLConfig(rank=8, alpha=16.0)
     bad = _yaml_job(tmp_path, "lora:\n  rank: 8\n  target_modules: qproj\n")

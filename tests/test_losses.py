@@ -17,14 +17,8 @@ import pytest
 from factories import HAND_ADVANTAGES
 from marinrl.train.advantages import group_advantages, overlong_shaping
 from marinrl.train.batching import TrainingBatch
-from marinrl.train.losses import (
-    LOSS_PRESETS,
-    LossConfig,
-    describe,
-    loss_from_logprobs,
-    rl_loss,
-    token_logprobs,
-)
+from marinrl.train.loss_config import LOSS_PRESETS, LossConfig
+from marinrl.train.losses import describe, loss_from_logprobs, rl_loss, token_logprobs
 
 PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 L_MAX = 12  # generation budget used by the constant normalization in these tests

@@ -11,8 +11,10 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import Rollout, RolloutGroup, RolloutMetadata

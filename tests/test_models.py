@@ -18,15 +18,9 @@ from levanter.models.llama import LlamaConfig
 from safetensors.numpy import load_file
 
 from marinrl.hf_checkpoints import save_hf_checkpoint
-from marinrl.models import (
-    ModelConfig,
-    build_model,
-    build_tokenizer,
-    init_model,
-    load_hf_checkpoint,
-    load_levanter_checkpoint,
-    save_levanter_checkpoint,
-)
+from marinrl.levanter_configs import to_levanter
+from marinrl.model_config import LlamaArchitecture, ModelConfig
+from marinrl.models import build_model, build_tokenizer, init_model, load_hf_checkpoint, load_levanter_checkpoint, save_levanter_checkpoint
 from marinrl.tokenizers import BOS, EOS, PAD, ROLE_TOKENS, byte_tokenizer, load_tokenizer
 
 SMALL = LlamaConfig(
@@ -80,7 +74,8 @@ def test_model_config_parses_with_draccus():
                   "num_heads": 2, "num_kv_heads": 2, "seq_len": 64},
         "vocab_size": 300, "seed": 7, "init_std": 0.02,
     })
-    assert isinstance(cfg.model, LlamaConfig) and cfg.model.num_layers == 2 and cfg.vocab_size == 300
+    assert isinstance(cfg.model, LlamaArchitecture) and cfg.model.num_layers == 2 and cfg.vocab_size == 300
+    assert isinstance(to_levanter(cfg.model), LlamaConfig) and to_levanter(cfg.model).hidden_dim == 32
     with pytest.raises(ValueError, match="at most one"):
         ModelConfig(levanter_checkpoint="a", hf_checkpoint="b")
 

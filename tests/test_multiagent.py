@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from marinrl.envs import Agent, EnvConfig, Feedback, MultiAgentEnv, Problem, make_env, safe_sample
+from marinrl.envs import Agent, Feedback, MultiAgentEnv, Problem, make_env, safe_sample
+from marinrl.env_config import EnvConfig
 from marinrl.envs.multiagent import Move, SolveCheckEnv
 from marinrl.eval import lesson_metrics
 from marinrl.inference.context import SamplingParams

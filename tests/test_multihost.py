@@ -26,7 +26,7 @@ from levanter.optim import OptimizerConfig
 
 from conftest import free_port
 from marinrl.multihost import PEER_LOST_EXIT_CODE
-from marinrl.train.losses import LossConfig
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, G, Producer, worker_config

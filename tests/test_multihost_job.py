@@ -14,7 +14,7 @@ import ray
 from marinrl.job import ConfigError, RLJob, RayJobConfig
 from marinrl.placement import PlacementConfig
 from marinrl.storage import RolloutReader
-from marinrl.train.trainer_group import TrainerGroupConfig
+from marinrl.train.trainer_group_config import TrainerGroupConfig
 
 from test_job import job_config
 from test_job_faults import _committed_checkpoint_step, _poll, _Saboteur

@@ -37,19 +37,24 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 
 from marinrl.envs.base import Grade, Problem, SingleTurnEnv
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.storage import RolloutWriter
 from marinrl.tokenizers import byte_tokenizer
-from marinrl.train.batching import BatchingConfig, make_training_batch
-from marinrl.train.losses import LossConfig, token_logprobs
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import make_training_batch
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import Rollout
+from marinrl.transfer.endpoints import build_client
 
 EPS32 = float(np.finfo(np.float32).eps)
 VOCAB = 512  # the byte tokenizer needs 256 bytes + specials
@@ -103,7 +108,7 @@ class RolloutSide(threading.Thread):
 
     def run(self):
         try:
-            client = self.weights_config.build_client(build_model(STALE))
+            client = build_client(self.weights_config, build_model(STALE))
             update = client.wait_for(0, timeout_s=DEADLINE_S)
             server = InferenceServer(InferenceServerConfig(serve_http=False), build_model(STALE), byte_tokenizer(VOCAB))
             with server:

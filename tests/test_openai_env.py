@@ -21,14 +21,18 @@ import openai
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.envs import EnvConfig, Grade, Problem, safe_sample
+from marinrl.env_config import EnvConfig
+from marinrl.envs import Grade, Problem, safe_sample
 from marinrl.envs.openai_agents import EchoChatAgent, TwoTurnEchoAgent
 from marinrl.envs.openai_env import Call, OpenAIAgentEnv, stitch
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
+from marinrl.envs.base import make_env
 
 ARCH = LlamaConfig(
     seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -331,7 +335,7 @@ def test_a_context_without_endpoint_and_bad_settings_are_clear_errors(server):
     with pytest.raises(ValueError, match="unknown setting"):
         OpenAIAgentEnv(EchoChatAgent(), concurrency=4)
     with pytest.raises(ValueError, match="no attribute"):
-        EnvConfig(name="openai_agent", args={"agent": "marinrl.envs.openai_agents:Nope"}).build()
+        make_env(EnvConfig(name="openai_agent", args={"agent": "marinrl.envs.openai_agents:Nope"}))
 
     class SyncAgent:
         def problems(self, n, rng, mode):

@@ -60,7 +60,7 @@ def test_custom_resources_on_a_real_ray():
     script = textwrap.dedent("""
         import ray
         from marinrl.placement import PlacementConfig, check_cluster, placement_problem
-        from marinrl.preflight import ConfigError
+        from marinrl.config_errors import ConfigError
 
         ray.init(num_cpus=4, resources={"trainer": 1, "rollout": 2}, include_dashboard=False, log_to_driver=False)
         trainer = PlacementConfig(resources={"trainer": 1})

@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.job import ConfigError, RLJob
-from marinrl.lora import LoraRLConfig
-from marinrl.models import ModelConfig
+from marinrl.lora_config import LoraRLConfig
+from marinrl.model_config import ModelConfig
 from marinrl.placement import PlacementConfig
 from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
 from marinrl.rollout.worker import ModelStream
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
-from marinrl.transfer.ray import RayTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import RayTransferConfig
 from marinrl.storage import RolloutWriter
-from marinrl.train.replay import ReplayIngestionError, UnknownPolicyError
+from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig
 from marinrl.train.trainer_config import RLAdamConfig
@@ -28,6 +28,7 @@ from marinrl.train.worker import TrainWorker
 from marinrl.types import RolloutBatch, RolloutGroup
 from test_job import job_config
 from test_train_worker import make_rollout_batch, worker_config
+from marinrl.job_plan import rollout_worker_config, train_worker_config
 
 DUO = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4, "policies": {"checker": "critic"}}),
                    max_tokens=2, graduate_at=None)
@@ -43,7 +44,7 @@ def test_no_policies_is_one_shared_policy_and_changes_nothing(tmp_path):
     job = job_config(tmp_path)
     assert job.policies == {} and policy_names(job) == ("policy",)
     assert resolve_policies(job) is job
-    assert job.train_worker_config().policies == ("policy",)
+    assert train_worker_config(job).policies == ("policy",)
     RLJob(job)  # the echo lesson plays `policy`: accepted
 
 
@@ -53,7 +54,7 @@ def test_an_environment_playing_an_undefined_policy_is_refused_before_ray(tmp_pa
         RLJob(job_config(tmp_path, curriculum=CurriculumConfig(lessons=(DUO,))))
     shared = {"policy": PolicyConfig(), "critic": PolicyConfig(specialization="shared")}
     job = RLJob(job_config(tmp_path, curriculum=CurriculumConfig(lessons=(DUO,)), policies=shared)).config
-    assert job.train_worker_config().policies == ("policy", "critic")
+    assert train_worker_config(job).policies == ("policy", "critic")
 
 
 @pytest.mark.parametrize("policies, lora, field", [
@@ -85,15 +86,16 @@ def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tm
     assert judge.job.lora == LoraRLConfig(rank=2) and judge.job.model == job.model  # the adapter's base
     for m in models:
         run_dir = f"{job.run_dir}/policies/{m.name}"
-        worker = m.train_worker_config()
+        worker = train_worker_config(m.job, m.policies)
         assert worker.policies == m.policies and worker.rollout_root == f"{run_dir}/rollouts"
         assert worker.weights.root == f"{run_dir}/weights"
         assert str(worker.trainer.checkpointer.base_path) == f"{run_dir}/checkpoints"
-    streams = job.rollout_worker_config(0).streams
+    streams = rollout_worker_config(job, 0).streams
     assert streams == tuple(ModelStream(m.name, m.policies, f"{job.run_dir}/policies/{m.name}/rollouts",
-                                        m.train_worker_config().weights, m.job.lora) for m in models)
+                                        train_worker_config(m.job, m.policies).weights, m.job.lora) for m in models)
     one = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(), "critic": PolicyConfig()})).config
-    assert len(policy_models(one)) == 1 and one.rollout_worker_config(0).streams == ()  # L1: today's job
+    (stream,) = rollout_worker_config(one, 0).streams  # L1: one model, every policy
+    assert len(policy_models(one)) == 1 and (stream.name, stream.policies) == ("policy", ())
     placed = dict(policies, coach=PolicyConfig(specialization="full", placement=PlacementConfig(num_cpus=3)))
     coach = policy_models(job_config(tmp_path, policies=placed))[1]
     assert coach.job.ray.trainer == PlacementConfig(num_cpus=3) and models[2].job.ray.trainer == job.ray.trainer
@@ -135,21 +137,21 @@ def test_a_single_policy_brings_its_own_optimizer_and_adapters(tmp_path):
                                        optimizer=RLAdamConfig(learning_rate=0.01))}
     job = RLJob(job_config(tmp_path, policies=policies)).config
     assert job.lora == LoraRLConfig(rank=4) and job.optimizer.learning_rate == 0.01
-    worker = job.train_worker_config()
+    worker = train_worker_config(job)
     assert worker.lora == LoraRLConfig(rank=4) and worker.optimizer.learning_rate == 0.01
-    assert job.rollout_worker_config(0).lora == LoraRLConfig(rank=4)
+    assert [s.lora for s in rollout_worker_config(job, 0).streams] == [LoraRLConfig(rank=4)]
     assert resolve_policies(job) == job  # resolving twice changes nothing
     plain = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(specialization="lora")})).config
     assert plain.lora == LoraRLConfig()  # `lora` without its block: the defaults
 
 
 def test_the_replay_buffer_refuses_a_policy_it_does_not_train():
-    buffer = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build(policies=("policy",))
+    buffer = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)), policies=("policy",))
     rng = np.random.default_rng(0)
     assert buffer.ingest([make_rollout_batch(0, rng)]) == 2
     with pytest.raises(UnknownPolicyError, match=r"lesson 'duo' .*policy 'critic', which this trainer does not train"):
         buffer.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")])
-    anything = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build()  # None: the buffer on its own
+    anything = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)))  # None: the buffer on its own
     assert anything.ingest([_retag(make_rollout_batch(0, rng), "critic", "duo")]) == 2
 
 

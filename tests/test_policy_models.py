@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.job import RLJob
-from marinrl.lora import LoraRLConfig
+from marinrl.lora_config import LoraRLConfig
 from marinrl.models import build_model
 from marinrl.policies import PolicyConfig
 from marinrl.rollout.policy_router import split_by_model

@@ -19,8 +19,10 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 @pytest.fixture(scope="module")
 def other_server(tiny_server):
     """A second server: the session server's architecture and tokenizer, other random weights."""
-    from marinrl.inference.server import InferenceServer, InferenceServerConfig
-    from marinrl.models import ModelConfig, build_model
+    from marinrl.inference.server import InferenceServer
+    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.model_config import ModelConfig
+    from marinrl.models import build_model
 
     model = build_model(ModelConfig(model=tiny_server.model.config, vocab_size=512, seed=1))
     with InferenceServer(InferenceServerConfig(serve_http=False), model, tiny_server.tokenizer, weight_step=7) as server:

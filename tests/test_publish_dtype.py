@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from marinrl.transfer import FilesystemTransferConfig, ModelSkeleton, RayTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
+from marinrl.transfer.base import ModelSkeleton
 from marinrl.transfer.base import cast_for_publish, floating_dtypes
 from test_transfer import _fs_config, _tiny_llama
 from test_transfer_delta import as_dtype, assert_bits_equal
+from marinrl.transfer.endpoints import build_client, build_server
 
 BF16 = jnp.dtype("bfloat16")
 
@@ -79,9 +81,9 @@ def test_the_publish_cast_keeps_each_arrays_sharding_and_rounds_like_numpy(maste
 
 def test_a_bf16_version_is_half_the_f32_bytes_and_arrives_on_the_served_shardings(config, master, served):
     f32_bytes = ModelSkeleton(master).nbytes
-    server = config.build_server()
+    server = build_server(config)
     try:
-        client = config.build_client(served)
+        client = build_client(config, served)
         published = server.publish(cast_for_publish(master, "bfloat16"), 0)
         got, step = client.poll()
         assert step == 0
@@ -103,8 +105,8 @@ def test_bf16_deltas_of_small_f32_updates_round_trip_exactly(master, served, req
     holds is bit for bit the bf16 cast of its master, most arrive as deltas, and a delta costs less than a
     full bf16 version."""
     config = FilesystemTransferConfig(root=f"memory://weights-{uuid.uuid4().hex[:10]}", delta=True, full_every=10)
-    server = config.build_server()
-    client = config.build_client(served)
+    server = build_server(config)
+    client = build_client(config, served)
     rng = np.random.default_rng(0)
     current = master
     sizes = []
@@ -130,7 +132,8 @@ def test_lora_versions_travel_in_the_rollout_dtype_and_merge_into_the_bf16_base(
     expects bf16 adapters, receives them as sent and merges them into W in bf16."""
     from levanter.lora import is_lora_param
 
-    from marinrl.lora import AdapterMergingClient, LoraRLConfig, adapter_only, add_adapters, merge_adapters
+    from marinrl.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters
+    from marinrl.lora_config import LoraRLConfig
 
     lora = LoraRLConfig(rank=2, alpha=4.0)
     base = _tiny_llama()
@@ -138,7 +141,7 @@ def test_lora_versions_travel_in_the_rollout_dtype_and_merge_into_the_bf16_base(
     shifted = jax.tree.map(lambda x: x + 0.01, adapter_only(trained))  # B ≠ 0: the merge changes W
     trained = eqx.combine(shifted, trained, is_leaf=is_lora_param)
     config = FilesystemTransferConfig(root=f"memory://weights-{uuid.uuid4().hex[:10]}")
-    server = config.build_server()
+    server = build_server(config)
     client = AdapterMergingClient(config, lora, as_dtype(base, BF16))
     published = cast_for_publish(adapter_only(trained), "bfloat16")
     assert floating_dtypes(published) == ["bfloat16"]

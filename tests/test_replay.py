@@ -14,10 +14,10 @@ from factories import HAND_ADVANTAGES
 from marinrl.fs import RolloutStorageError
 from marinrl.storage import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
-from marinrl.train.batching import BatchingConfig
-from marinrl.train.losses import LOSS_PRESETS, LossConfig
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.loss_config import LOSS_PRESETS, LossConfig
 from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
-from marinrl.train.replay import ReplayIngestionError, ReplayTimeoutError
+from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.replay_groups import BufferedGroup
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
@@ -70,7 +70,7 @@ def drops(buf) -> dict[str, float]:
 
 def test_off_policy_window_is_step_minus_one_to_step():
     clock = Clock(1000.0)
-    buf = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build(clock=clock)
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)), clock=clock)
     for w in (3, 4, 5, 6):
         buf.ingest([batch_of(w, f"w{w}", created_at=1001.0)])  # made by this run: held until sampled
     assert buf.metrics()["replay/groups"] == 4
@@ -81,7 +81,7 @@ def test_off_policy_window_is_step_minus_one_to_step():
 
 
 def test_stale_groups_are_dropped_at_ingestion_once_the_step_is_known():
-    buf = ReplayConfig(sampling=OffPolicyConfig(staleness=1)).build(clock=Clock(), start_step=5)
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1)), clock=Clock(), start_step=5)
     assert buf.ingest([batch_of(3, "a"), batch_of(4, "b"), batch_of(5, "c")]) == 2
     assert drops(buf) == {"stale": 1}
     buf.sample(5, 2, timeout_s=0)
@@ -92,7 +92,7 @@ def test_stale_groups_are_dropped_at_ingestion_once_the_step_is_known():
 
 
 def test_on_policy_uses_only_current_weights_and_waits_for_them():
-    buf = ReplayConfig(sampling=OnPolicyConfig()).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(sampling=OnPolicyConfig()), clock=Clock())
     buf.ingest([batch_of(0, "old")])
     with pytest.raises(ReplayTimeoutError):
         buf.sample(1, 1, timeout_s=0)  # weights 0 are stale at step 1 under max_staleness 0
@@ -108,7 +108,7 @@ def test_on_policy_uses_only_current_weights_and_waits_for_them():
 
 def test_future_groups_of_a_previous_run_are_dropped_and_this_runs_are_held():
     clock = Clock(1000.0)
-    buf = ReplayConfig().build(clock=clock, start_step=2)  # this run started at t=1000, at step 2
+    buf = ReplayBuffer(ReplayConfig(), clock=clock, start_step=2)  # this run started at t=1000, at step 2
     buf.ingest([batch_of(3, "previous-run", created_at=990.0)])
     assert drops(buf) == {"future": 1}
     buf.ingest([batch_of(3, "this-run", created_at=1005.0)])  # weights 3 published before sample(3)
@@ -117,7 +117,7 @@ def test_future_groups_of_a_previous_run_are_dropped_and_this_runs_are_held():
 
 
 def test_a_group_from_the_future_at_sample_time_is_never_trained():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([batch_of(0, "now", created_at=1001.0), batch_of(1, "ahead", created_at=1001.0)])
     assert ids(buf.sample(0, 1, timeout_s=0)) == ["now"]
     assert drops(buf) == {"future": 1}
@@ -138,7 +138,7 @@ MIXED_STEPS = ([3, 3, 5, 5], [3, 5, 5, 5])
 
 @pytest.mark.parametrize("reduction, staleness", [("oldest", 3), ("newest", 1), ("mean", 2)])
 def test_token_version_reduction_decides_a_mixed_groups_staleness(reduction, staleness):
-    buf = ReplayConfig(sampling=OffPolicyConfig(staleness=10), token_version_reduction=reduction).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=10), token_version_reduction=reduction), clock=Clock())
     buf.ingest([make_batch([mixed_group("mixed", MIXED_STEPS, start=3)], w=3, created_at=1001.0)])
     sample = buf.sample(6, 1, timeout_s=0)
     assert [g.staleness for g in sample.groups] == [staleness]
@@ -150,14 +150,14 @@ def test_token_version_reduction_decides_a_mixed_groups_staleness(reduction, sta
 
 def test_the_window_drops_a_mixed_group_by_its_oldest_token_by_default():
     for reduction, dropped in (("oldest", {"stale": 1}), ("newest", {})):
-        buf = ReplayConfig(sampling=OffPolicyConfig(staleness=1), token_version_reduction=reduction).build(
+        buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=1), token_version_reduction=reduction),
             clock=Clock(), start_step=5)
         buf.ingest([make_batch([mixed_group("mixed", MIXED_STEPS, start=3)], w=3, created_at=1001.0)])
         assert drops(buf) == dropped, reduction
 
 
 def test_a_group_with_a_token_from_the_future_is_never_trained():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([make_batch([mixed_group("half-ahead", ([0, 0, 1],), start=0)], w=0, created_at=1001.0)])
     with pytest.raises(ReplayTimeoutError):
         buf.sample(0, 1, timeout_s=0)  # its oldest token is current, but one token's weights are newer
@@ -165,7 +165,7 @@ def test_a_group_with_a_token_from_the_future_is_never_trained():
 
 
 def test_steps_only_go_up():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([batch_of(3, "a", created_at=1001.0)])
     buf.sample(3, 1, timeout_s=0)
     with pytest.raises(ValueError, match="steps only go up"):
@@ -177,7 +177,7 @@ def test_steps_only_go_up():
 
 def test_age_limit_uses_the_injected_clock_with_an_inclusive_boundary():
     clock = Clock(100.0)
-    buf = ReplayConfig(max_age_s=10.0).build(clock=clock)
+    buf = ReplayBuffer(ReplayConfig(max_age_s=10.0), clock=clock)
     buf.ingest([batch_of(0, "too-old", created_at=89.0), batch_of(0, "edge", created_at=90.0),
                 batch_of(0, "young", created_at=95.0)])
     assert drops(buf) == {"too_old": 1}
@@ -188,7 +188,7 @@ def test_age_limit_uses_the_injected_clock_with_an_inclusive_boundary():
 
 
 def test_capacity_is_per_env_and_evicts_the_oldest():
-    buf = ReplayConfig(sampling=OffPolicyConfig(staleness=3), capacity_per_env=2).build(clock=Clock(), start_step=2)
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=3), capacity_per_env=2), clock=Clock(), start_step=2)
     buf.ingest([batch_of(1, "a1"), batch_of(2, "a2"), batch_of(2, "b2", env="code")])
     buf.ingest([batch_of(2, "a3")])  # a1 (weight step 1) goes
     buf.ingest([batch_of(0, "a0")])  # older than everything kept: evicted at once
@@ -203,7 +203,7 @@ def test_capacity_is_per_env_and_evicts_the_oldest():
 
 def test_env_mix_follows_weights_exactly_not_buffer_contents():
     config = ReplayConfig(sampling=OffPolicyConfig(staleness=100), env_weights={"math": 3.0, "code": 1.0})
-    buf = config.build(clock=Clock())
+    buf = ReplayBuffer(config, clock=Clock())
     # Far more code than math in the buffer; the mix must still be 3:1.
     buf.ingest([batch_of(0, *[f"m{i}" for i in range(40)]),
                 batch_of(0, *[f"c{i}" for i in range(80)], env="code"),
@@ -223,7 +223,7 @@ def test_env_mix_follows_weights_exactly_not_buffer_contents():
 
 
 def test_env_mix_waits_for_a_missing_env():
-    buf = ReplayConfig(env_weights={"math": 1.0, "code": 1.0}).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(env_weights={"math": 1.0, "code": 1.0}), clock=Clock())
     buf.ingest([batch_of(0, "m1", "m2", "m3", "m4")])
     with pytest.raises(ReplayTimeoutError, match=r"code=1 \(usable 0\)"):
         buf.sample(0, 2, timeout_s=0)
@@ -235,7 +235,7 @@ def test_env_mix_waits_for_a_missing_env():
 
 
 def test_replay_uses_each_group_up_to_max_uses():
-    buf = ReplayConfig(sampling=ReplaySamplingConfig(staleness=3, uses=2)).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(sampling=ReplaySamplingConfig(staleness=3, uses=2)), clock=Clock())
     buf.ingest([batch_of(0, "a", "b", "c", "d")])
     first, second = buf.sample(0, 4, timeout_s=0), buf.sample(1, 4, timeout_s=0)
     assert sorted(ids(first)) == sorted(ids(second)) == ["a", "b", "c", "d"]
@@ -249,7 +249,7 @@ def test_replay_uses_each_group_up_to_max_uses():
 
 
 def test_off_policy_uses_each_group_once():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([batch_of(0, "a", "b")])
     assert ids(buf.sample(0, 2, timeout_s=0)) == ["a", "b"]
     with pytest.raises(ReplayTimeoutError):
@@ -275,7 +275,7 @@ def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
 
 def test_replay_draws_are_reproducible_from_seed_and_step():
     def run(seed):
-        buf = ReplayConfig(sampling=ReplaySamplingConfig(staleness=5, uses=3), seed=seed).build(clock=Clock())
+        buf = ReplayBuffer(ReplayConfig(sampling=ReplaySamplingConfig(staleness=5, uses=3), seed=seed), clock=Clock())
         buf.ingest([batch_of(w, *[f"w{w}g{i}" for i in range(5)], created_at=1001.0) for w in range(3)])
         return [ids(buf.sample(s, 3, timeout_s=0)) for s in (2, 2, 3, 4)]
 
@@ -287,7 +287,7 @@ def test_replay_draws_are_reproducible_from_seed_and_step():
 
 
 def test_zero_variance_filter():
-    buf = ReplayConfig(filters=[ZeroVarianceFilter()]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[ZeroVarianceFilter()]), clock=Clock())
     buf.ingest([make_batch([make_group("flat", [1, 1, 1, 1]), make_group("mixed", [0, 1, 0, 0])])])
     assert drops(buf) == {"zero_variance": 1}
     assert buf.metrics()["replay/dropped_rollouts/zero_variance"] == 4
@@ -295,7 +295,7 @@ def test_zero_variance_filter():
 
 
 def test_reward_mean_filter_keeps_an_inclusive_range():
-    buf = ReplayConfig(filters=[RewardMeanFilter(low=0.25, high=0.5)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardMeanFilter(low=0.25, high=0.5)]), clock=Clock())
     buf.ingest([make_batch([make_group(g, r) for g, r in
                             [("none", [0, 0, 0, 0]), ("quarter", [1, 0, 0, 0]), ("half", [1, 1, 0, 0]),
                              ("most", [1, 1, 1, 0])]])])
@@ -307,11 +307,11 @@ def test_reward_std_quantile_filter_is_relative_to_the_file():
     groups = [make_group("s0", [0, 0, 0, 0]), make_group("s1", [0, 0, 0, 1]),
               make_group("s2", [0, 0, 1, 1]), make_group("s3", [0, 0, 0, 4])]
     # stds 0, 0.433, 0.5, 1.732: the median is 0.467, so the upper half keeps s2 and s3.
-    buf = ReplayConfig(filters=[RewardStdQuantileFilter(low=0.5)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardStdQuantileFilter(low=0.5)]), clock=Clock())
     buf.ingest([make_batch(groups)])
     assert drops(buf) == {"reward_std_quantile": 2}
     assert ids(buf.sample(0, 2, timeout_s=0)) == ["s2", "s3"]
-    buf = ReplayConfig(filters=[RewardStdQuantileFilter(low=0.0, high=0.0)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardStdQuantileFilter(low=0.0, high=0.0)]), clock=Clock())
     buf.ingest([make_batch(groups)])
     assert ids(buf.sample(0, 1, timeout_s=0)) == ["s0"] and drops(buf) == {"reward_std_quantile": 3}
 
@@ -324,13 +324,13 @@ def test_filter_ratio_keeps_the_top_share_by_mean_per_policy_with_ties_by_group_
     # policy b is ranked on its own, and a share of one group keeps it (whatever its mean).
     kept = {}
     for order in (groups, groups[::-1]):  # the file's order decides nothing
-        buf = ReplayConfig(filters=[RewardMeanFilter(filter_ratio=0.4)]).build(clock=Clock())
+        buf = ReplayBuffer(ReplayConfig(filters=[RewardMeanFilter(filter_ratio=0.4)]), clock=Clock())
         buf.ingest([make_batch(order)])
         assert drops(buf) == {"reward_mean": 3}
         kept[len(kept)] = set(ids(buf.sample(0, 3, timeout_s=0)))
     assert kept[0] == kept[1] == {"a-top", "a-mid-b", "b-only"}
     # After the [low, high] band: of the 3 groups with mean <= 0.5 (a-mid-z, a-low, a-mid-b), 0.4 keeps 2.
-    buf = ReplayConfig(filters=[RewardMeanFilter(low=0.1, high=0.5, filter_ratio=0.4)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardMeanFilter(low=0.1, high=0.5, filter_ratio=0.4)]), clock=Clock())
     buf.ingest([make_batch(groups[:5])])
     assert ids(buf.sample(0, 2, timeout_s=0)) == ["a-mid-z", "a-mid-b"]
 
@@ -338,11 +338,11 @@ def test_filter_ratio_keeps_the_top_share_by_mean_per_policy_with_ties_by_group_
 def test_filter_ratio_on_std_keeps_the_most_informative_groups_of_the_file():
     groups = [make_group("s0", [0, 0, 0, 0]), make_group("s1", [0, 0, 0, 1]),
               make_group("s2", [0, 0, 1, 1]), make_group("s3", [0, 0, 0, 4])]  # stds 0, 0.433, 0.5, 1.732
-    buf = ReplayConfig(filters=[RewardStdQuantileFilter(filter_ratio=0.5)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardStdQuantileFilter(filter_ratio=0.5)]), clock=Clock())
     buf.ingest([make_batch(groups)])
     assert drops(buf) == {"reward_std_quantile": 2}
     assert ids(buf.sample(0, 2, timeout_s=0)) == ["s2", "s3"]
-    buf = ReplayConfig(filters=[RewardStdQuantileFilter(low=0.5, filter_ratio=0.5)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[RewardStdQuantileFilter(low=0.5, filter_ratio=0.5)]), clock=Clock())
     buf.ingest([make_batch(groups)])  # the upper half by quantile (s2, s3), then its top half
     assert ids(buf.sample(0, 1, timeout_s=0)) == ["s3"] and drops(buf) == {"reward_std_quantile": 3}
 
@@ -364,7 +364,7 @@ def test_filter_ratio_outside_zero_to_one_is_refused_naming_the_field(ratio, tmp
 
 def test_trim_outliers_recomputes_advantages_on_what_remains():
     rewards = [0, 1, 0, 1, 0, 1, 0, 1, 10]  # z of the 10 is 2.79, of the others at most 0.51
-    buf = ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5)]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5)]), clock=Clock())
     buf.ingest([make_batch([make_group("g", rewards)])])
     s = buf.sample(0, 1, timeout_s=0)
     kept = [r.episode_reward for r in s.rollouts]
@@ -375,13 +375,13 @@ def test_trim_outliers_recomputes_advantages_on_what_remains():
 
 def test_trim_outliers_on_length_and_min_size():
     f = TrimOutliersFilter(metric="response_length", max_z=2.5, min_size=2)
-    buf = ReplayConfig(filters=[f]).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(filters=[f]), clock=Clock())
     long_one = make_group("long", [0, 1, 0, 1, 0, 1, 0, 1, 0], lengths=[4] * 8 + [40])
     # Two samples are each exactly one std from the mean: max_z 0.5 trims both, leaving too few.
     pair = make_group("pair", [0, 100])
     buf.ingest([make_batch([long_one, pair])])
     assert drops(buf) == {}
-    buf2 = ReplayConfig(filters=[TrimOutliersFilter(max_z=0.5)]).build(clock=Clock())
+    buf2 = ReplayBuffer(ReplayConfig(filters=[TrimOutliersFilter(max_z=0.5)]), clock=Clock())
     buf2.ingest([make_batch([pair])])
     assert drops(buf2) == {"trim_outliers": 1}
     s = buf.sample(0, 2, timeout_s=0)
@@ -391,10 +391,10 @@ def test_trim_outliers_on_length_and_min_size():
 
 def test_filters_compose_in_order():
     outlier = [1, 1, 1, 1, 1, 1, 1, 1, 10]
-    trim_then_flat = ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5), ZeroVarianceFilter()]).build(clock=Clock())
+    trim_then_flat = ReplayBuffer(ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5), ZeroVarianceFilter()]), clock=Clock())
     trim_then_flat.ingest([make_batch([make_group("g", outlier)])])
     assert drops(trim_then_flat) == {"zero_variance": 1}
-    flat_then_trim = ReplayConfig(filters=[ZeroVarianceFilter(), TrimOutliersFilter(max_z=2.5)]).build(clock=Clock())
+    flat_then_trim = ReplayBuffer(ReplayConfig(filters=[ZeroVarianceFilter(), TrimOutliersFilter(max_z=2.5)]), clock=Clock())
     flat_then_trim.ingest([make_batch([make_group("g", outlier)])])
     s = flat_then_trim.sample(0, 1, timeout_s=0)
     assert len(s.rollouts) == 8 and np.all(s.advantages == 0)
@@ -405,7 +405,7 @@ def test_filters_compose_in_order():
 
 @pytest.mark.parametrize("kind", ["group_std", "group_mean", "rloo"])
 def test_advantages_are_computed_per_group_at_ingestion(kind):
-    buf = ReplayConfig().build(clock=Clock(), advantage=kind)
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), advantage=kind)
     buf.ingest([make_batch([make_group("a", [0, 1, 1, 0.5]), make_group("b", [2, 0])])])
     s = buf.sample(0, 2, timeout_s=0)
     # Hand-computed references (worked out in factories.HAND_ADVANTAGES); the buffer stores float32:
@@ -433,7 +433,7 @@ def two_turn_group(gid: str, turn_rewards) -> RolloutGroup:
 def test_multi_turn_credit_reaches_the_batch_per_token(kind):
     # Returns 1, 0, 2, 1: turn 1 of episode "a" earned 1, its turn 2 nothing; "c" earned in both turns.
     turns = [(1.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.0, 1.0)]
-    buf = ReplayConfig().build(clock=Clock(), advantage=kind)
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), advantage=kind)
     buf.ingest([make_batch([two_turn_group("g", turns)])])
     s = buf.sample(0, 1, timeout_s=0)
     returns = np.array([a + b for a, b in turns])
@@ -458,7 +458,7 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
 
 
 def test_a_zero_variance_multi_turn_group_contributes_nothing():
-    buf = ReplayConfig().build(clock=Clock(), advantage="group_mean")
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), advantage="group_mean")
     buf.ingest([make_batch([two_turn_group("tie", [(1.0, 0.0), (0.0, 1.0)])])])  # equal returns, different turns
     batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4, layout="padded"))
     assert np.all(np.asarray(batch.advantages.array) == 0)
@@ -469,7 +469,7 @@ def test_batch_metrics_split_by_policy_and_agent():
         return RolloutGroup(tuple(dataclasses.replace(r, agent_name=agent, policy_name=policy)
                                   for r in make_group(gid, rewards).rollouts))
 
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([make_batch([tagged("s", [1.0, 0.0], "solver", "policy"), tagged("c", [1.0, 1.0], "checker", "policy"),
                             tagged("o", [0.0, 0.5], "opponent", "frozen")])])
     m = buf.sample(0, 3, timeout_s=0).metrics()
@@ -482,7 +482,7 @@ def test_reward_fn_reshapes_rewards_before_filters_and_advantages():
     def penalize_length(group):  # a stand-in for overlong shaping
         return np.array([r.episode_reward - 0.1 * r.response_tokens.size for r in group.rollouts])
 
-    buf = ReplayConfig(filters=[ZeroVarianceFilter()]).build(clock=Clock(), reward_fn=penalize_length)
+    buf = ReplayBuffer(ReplayConfig(filters=[ZeroVarianceFilter()]), clock=Clock(), reward_fn=penalize_length)
     buf.ingest([make_batch([make_group("same-reward", [1, 1], lengths=[2, 6]),
                             make_group("same-shaped", [1, 1], lengths=[3, 3])])])
     assert drops(buf) == {"zero_variance": 1}
@@ -495,7 +495,7 @@ def test_reward_fn_can_keep_a_rollout_in_the_baseline_without_training_it():
     def mask_long(group):
         return group.rewards, np.array([r.response_tokens.size < 5 for r in group.rollouts])
 
-    buf = ReplayConfig().build(clock=Clock(), reward_fn=mask_long)
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), reward_fn=mask_long)
     buf.ingest([make_batch([make_group("g", [0, 1, 1], lengths=[3, 3, 6])])])
     s = buf.sample(0, 1, timeout_s=0)
     assert s.trainable.tolist() == [True, True, False]
@@ -517,7 +517,7 @@ def test_a_loss_preset_sets_advantages_dynamic_sampling_and_overlong_masking():
     config = ReplayConfig(filters=[RewardMeanFilter(high=0.9)]).for_loss(dapo)
     assert isinstance(config.filters[0], ZeroVarianceFilter)
     assert config.for_loss(dapo).filters == config.filters  # idempotent
-    buf = config.build(clock=Clock(), advantage=dapo.advantage, reward_fn=overlong_reward_fn(dapo))
+    buf = ReplayBuffer(config, clock=Clock(), advantage=dapo.advantage, reward_fn=overlong_reward_fn(dapo))
     buf.ingest([make_batch([make_group("flat", [0, 0]), truncated_group("g", [0, 1, 1], [3, 3, 8])])])
     assert drops(buf) == {"zero_variance": 1}
     s = buf.sample(0, 1, timeout_s=0)
@@ -528,7 +528,7 @@ def test_a_loss_preset_sets_advantages_dynamic_sampling_and_overlong_masking():
 def test_overlong_penalty_reshapes_rewards_before_advantages():
     loss = LossConfig(overlong="penalty", max_response_tokens=8, overlong_cache_tokens=4, overlong_penalty=1.0)
     assert overlong_reward_fn(LossConfig()) is None
-    buf = ReplayConfig().build(clock=Clock(), advantage="group_mean", reward_fn=overlong_reward_fn(loss))
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), advantage="group_mean", reward_fn=overlong_reward_fn(loss))
     buf.ingest([make_batch([truncated_group("g", [1, 1, 1], [4, 6, 8])])])
     s = buf.sample(0, 1, timeout_s=0)
     # Penalty ramps from 0 at 8 - 4 = 4 tokens to -1 at 8: shaped rewards 1, 0.5, 0.
@@ -537,7 +537,7 @@ def test_overlong_penalty_reshapes_rewards_before_advantages():
 
 
 def test_invalid_and_too_long_groups_are_dropped_and_counted():
-    buf = ReplayConfig().build(clock=Clock(), max_tokens=6)
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock(), max_tokens=6)
     buf.ingest([make_batch([make_group("empty-prompt", [0, 1], prompt_len=0),
                             make_group("long", [0, 1], lengths=[3, 5]),
                             make_group("ok", [0, 1], lengths=[4, 4])])])
@@ -551,7 +551,7 @@ def test_invalid_and_too_long_groups_are_dropped_and_counted():
 def test_timeout_error_says_what_the_buffer_holds_and_why_groups_were_dropped():
     clock = Clock(1000.0)
     config = ReplayConfig(env_weights={"math": 1.0, "code": 1.0}, filters=[ZeroVarianceFilter()])
-    buf = config.build(clock=clock)
+    buf = ReplayBuffer(config, clock=clock)
     buf.ingest([batch_of(0, "stale"), batch_of(1, "m1", created_at=1001.0),
                 batch_of(3, "future", created_at=1001.0),
                 make_batch([make_group("flat", [1, 1], w=2, env="code")], w=2)])
@@ -570,7 +570,7 @@ def test_timeout_error_says_what_the_buffer_holds_and_why_groups_were_dropped():
 
 def test_metrics_cover_size_drops_staleness_uses_and_lag():
     clock = Clock(1000.0)
-    buf = ReplayConfig(sampling=ReplaySamplingConfig(staleness=2, uses=2)).build(clock=clock, start_step=1)
+    buf = ReplayBuffer(ReplayConfig(sampling=ReplaySamplingConfig(staleness=2, uses=2)), clock=clock, start_step=1)
     buf.ingest([batch_of(0, "a", "b", created_at=990.0), batch_of(1, "c", env="code", created_at=996.0)])
     buf.ingest([batch_of(9, "x", created_at=980.0)])  # a previous run's future
     m = buf.metrics()
@@ -597,7 +597,7 @@ def test_metrics_cover_size_drops_staleness_uses_and_lag():
 def test_background_thread_ingests_from_a_real_reader_and_stops(tmp_path):
     root = f"file://{tmp_path}/rollouts"
     writer, reader = RolloutWriter(root), RolloutReader(root)
-    buf = ReplayConfig(poll_interval_s=0.01).build(reader)
+    buf = ReplayBuffer(ReplayConfig(poll_interval_s=0.01), reader)
     with buf:
         assert buf.running
         writer.write(batch_of(0, "a", "b"))
@@ -634,7 +634,7 @@ def test_a_waiting_trainer_does_not_wait_for_the_idle_poll_interval(tmp_path):
     and files written while it waits: it wakes the ingestion thread, which then lists often."""
     root = f"file://{tmp_path}/rollouts"
     writer, reader = RolloutWriter(root), ListingReader(root)
-    buf = ReplayConfig(poll_interval_s=3600.0).build(reader)
+    buf = ReplayBuffer(ReplayConfig(poll_interval_s=3600.0), reader)
     with buf:
         reader.wait_for_listings(1)  # the thread listed the empty root and now idles for an hour
         writer.write(batch_of(0, "a", "b"))
@@ -666,7 +666,7 @@ class FailingReader:
 
 
 def test_a_dead_ingestion_thread_fails_sample_with_its_cause():
-    buf = ReplayConfig(poll_interval_s=0.01).build(FailingReader(RuntimeError("bucket is gone")))
+    buf = ReplayBuffer(ReplayConfig(poll_interval_s=0.01), FailingReader(RuntimeError("bucket is gone")))
     buf.start()
     with pytest.raises(ReplayIngestionError, match="bucket is gone") as e:
         buf.sample(0, 1, timeout_s=60)
@@ -677,7 +677,7 @@ def test_a_dead_ingestion_thread_fails_sample_with_its_cause():
 def test_transient_read_errors_are_counted_and_retried():
     batch = batch_of(0, "a", created_at=2e9)
     reader = FailingReader(RolloutStorageError("flaky"), then=[("memory://r/step=00000000/f.parquet", batch)])
-    buf = ReplayConfig(poll_interval_s=0.01).build(reader)
+    buf = ReplayBuffer(ReplayConfig(poll_interval_s=0.01), reader)
     with buf:
         assert ids(buf.sample(0, 1, timeout_s=60)) == ["a"]
     assert buf.metrics()["replay/read_errors"] == 1
@@ -686,7 +686,7 @@ def test_transient_read_errors_are_counted_and_retried():
 def test_sample_polls_the_reader_itself_without_a_thread(tmp_path):
     root = f"file://{tmp_path}/rollouts"
     RolloutWriter(root).write(batch_of(0, "a", created_at=2e9))
-    buf = ReplayConfig().build(RolloutReader(root))
+    buf = ReplayBuffer(ReplayConfig(), RolloutReader(root))
     assert ids(buf.sample(0, 1, timeout_s=60)) == ["a"]
     with pytest.raises(ReplayTimeoutError, match=r"thread not running \(sample\(\) polls\), 1 files ingested"):
         buf.sample(0, 1, timeout_s=0)
@@ -728,7 +728,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     # Reference: ten steps without interruption.
     clock = Clock()
     ref_root = f"{url}/reference"
-    reference = config.build(RolloutReader(ref_root, storage_options=options), clock=clock)
+    reference = ReplayBuffer(config, RolloutReader(ref_root, storage_options=options), clock=clock)
     ref_log: list = []
     run_steps(reference, RolloutWriter(ref_root, storage_options=options), clock, range(10), schedule(), ref_log, n)
 
@@ -736,7 +736,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     clock = Clock()
     root = f"{url}/interrupted"
     writer = RolloutWriter(root, storage_options=options)
-    first = config.build(RolloutReader(root, storage_options=options), clock=clock)
+    first = ReplayBuffer(config, RolloutReader(root, storage_options=options), clock=clock)
     log: list = []
     run_steps(first, writer, clock, range(6), schedule(), log, n)
     state = json.loads(json.dumps(first.state_dict(next_step=6)))
@@ -750,7 +750,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
     assert doomed[0] == ref_log[6]
 
     clock.t += 100
-    second = config.build(RolloutReader(root, storage_options=options), clock=clock)
+    second = ReplayBuffer(config, RolloutReader(root, storage_options=options), clock=clock)
     second.load_state_dict(state)
     run_steps(second, writer, clock, [6], None, log, n)  # the rollouts of weights 6 are on disk already
     run_steps(second, writer, clock, range(7, 10), schedule(), log, n)
@@ -770,7 +770,7 @@ def test_resume_trains_exactly_what_an_uninterrupted_run_trains(fsspec_root, sam
 
 
 def test_state_dict_refuses_a_checkpoint_taken_after_prefetching():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     buf.ingest([batch_of(0, "a", "b")])
     buf.sample(0, 1, timeout_s=0)
     buf.state_dict(next_step=1)
@@ -780,7 +780,7 @@ def test_state_dict_refuses_a_checkpoint_taken_after_prefetching():
 
 
 def test_groups_without_a_source_are_reported_as_unrecoverable_but_ones_with_a_source_come_back():
-    buf = ReplayConfig(sampling=ReplaySamplingConfig(uses=3)).build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(sampling=ReplaySamplingConfig(uses=3)), clock=Clock())
     buf.ingest([batch_of(0, "anon")])
     buf.ingest([batch_of(0, "a", "b")], sources=["custom://x"])
     buf.sample(0, 3, timeout_s=0)
@@ -789,7 +789,7 @@ def test_groups_without_a_source_are_reported_as_unrecoverable_but_ones_with_a_s
     assert state["unrecoverable_groups"] == 1 and state["reader"] is None
     assert state["pending"] == {"custom://x": {"a": 2, "b": 2}}
 
-    restored = ReplayConfig(sampling=ReplaySamplingConfig(uses=3)).build(clock=Clock())
+    restored = ReplayBuffer(ReplayConfig(sampling=ReplaySamplingConfig(uses=3)), clock=Clock())
     restored.load_state_dict(state)
     # The caller re-ingests its source; a group of it not in the state was dealt with before the checkpoint.
     restored.ingest([batch_of(0, "a", "b", "c")], sources=["custom://x"])
@@ -800,13 +800,13 @@ def test_groups_without_a_source_are_reported_as_unrecoverable_but_ones_with_a_s
 
 
 def test_load_state_dict_needs_a_fresh_buffer_and_a_known_version():
-    buf = ReplayConfig().build(clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(), clock=Clock())
     state = buf.state_dict()
     buf.ingest([batch_of(0, "a")])
     with pytest.raises(RuntimeError, match="fresh buffer"):
         buf.load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
-        ReplayConfig().build().load_state_dict({**state, "version": 99})
+        ReplayBuffer(ReplayConfig()).load_state_dict({**state, "version": 99})
 
 
 # ----------------------------------------------------------------------------- config
@@ -833,4 +833,4 @@ def test_bad_config_is_refused(bad):
     with pytest.raises(ValueError):
         ReplayConfig(**bad)
     with pytest.raises(ValueError, match="advantage must be group_std, group_mean or rloo, got 'nope'"):
-        ReplayConfig().build(advantage="nope")
+        ReplayBuffer(ReplayConfig(), advantage="nope")

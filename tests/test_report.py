@@ -11,7 +11,7 @@ from test_job import ECHO, job_config
 
 from marinrl.cli import main as cli_main
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.job import RLJob
 from marinrl.report import load_run, read_json_logs
 from marinrl.storage import summarize

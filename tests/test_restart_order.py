@@ -13,12 +13,13 @@ import pytest
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import RolloutWorker, RolloutWorkerConfig
+from marinrl.rollout.worker import ModelStream, RolloutWorker, RolloutWorkerConfig
 from marinrl.storage import summarize
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
 import faulty_envs
 from test_rollout_worker_faults import OneLesson
+from marinrl.transfer.endpoints import build_server
 
 DEADLINE_S = 120.0
 
@@ -43,7 +44,7 @@ def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None):
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
     manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name="faulty_envs:StartsWithA")})
-    config = RolloutWorkerConfig(rollout_root=f"{tmp_path}/rollouts", weights=weights, groups_per_batch=1,
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=1,
                                  n_generations=2, max_staleness=0, final_step=final_step, eval_every=0,
                                  eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
     return RolloutWorker(config, manager, OneLesson(lesson), worker_id="w0", min_epoch=min_epoch), weights
@@ -102,14 +103,14 @@ def test_a_resumed_trainer_at_a_lower_step_is_followed_by_a_new_worker_despite_n
     final step 6, this job's trainer starts from step 4. The worker must neither stop at the old step 6
     (final) nor wait for a step 6 the new trainer is not about to publish."""
     worker, weights = _worker(tmp_path, tiny_server, faulty_envs.StartsWithA(), final_step=6)
-    previous = weights.build_server()
+    previous = build_server(weights)
     for s in (0, 6):
         previous.publish(tiny_server.model, s)
     previous.close()
     job_started = time.time_ns()
     worker._min_epoch = job_started  # as RLJob passes its start to its rollout workers
     thread, outcome = _run(worker)
-    trainer = weights.build_server()  # this job's trainer: a newer epoch
+    trainer = build_server(weights)  # this job's trainer: a newer epoch
     _train_on_policy(trainer, tiny_server.model, thread, tmp_path, (4, 5))
     _publish_final(trainer, tiny_server.model, 6, thread, outcome)
     assert sorted(_steps_written(tmp_path)) == [4, 5]  # nothing for the old epoch's 6, nothing beyond
@@ -117,11 +118,11 @@ def test_a_resumed_trainer_at_a_lower_step_is_followed_by_a_new_worker_despite_n
 
 def test_a_trainer_restarted_alone_from_an_older_checkpoint_is_followed(tmp_path, tiny_server):
     worker, weights = _worker(tmp_path, tiny_server, faulty_envs.StartsWithA(), final_step=5)
-    first = weights.build_server()
+    first = build_server(weights)
     thread, outcome = _run(worker)
     _train_on_policy(first, tiny_server.model, thread, tmp_path, (0, 1, 2, 3))
     first.close()  # the trainer dies after step 3; its checkpoint is step 2
-    restarted = weights.build_server()
+    restarted = build_server(weights)
     _train_on_policy(restarted, tiny_server.model, thread, tmp_path, (2,))
     assert _steps_written(tmp_path)[2] == 2  # a second batch for step 2: for the restarted trainer
     _train_on_policy(restarted, tiny_server.model, thread, tmp_path, (3, 4))
@@ -132,7 +133,7 @@ def test_a_trainer_restarted_alone_from_an_older_checkpoint_is_followed(tmp_path
 def test_a_worker_restarted_alone_joins_the_running_trainer(tmp_path, tiny_server):
     """A new worker process (its job started before this trainer's epoch) serves the trainer's current step."""
     job_started = time.time_ns()
-    trainer = FilesystemTransferConfig(root=f"file://{tmp_path}/weights").build_server()
+    trainer = build_server(FilesystemTransferConfig(root=f"file://{tmp_path}/weights"))
     trainer.publish(tiny_server.model, 0)
     trainer.publish(tiny_server.model, 3)
     worker, _ = _worker(tmp_path, tiny_server, faulty_envs.StartsWithA(), final_step=4, min_epoch=job_started)
@@ -145,14 +146,14 @@ def test_a_worker_restarted_alone_joins_the_running_trainer(tmp_path, tiny_serve
 def test_a_batch_generated_for_a_trainer_that_restarted_meanwhile_is_dropped(tmp_path, tiny_server):
     env = GatedEnv()
     worker, weights = _worker(tmp_path, tiny_server, env, final_step=3)
-    first = weights.build_server()
+    first = build_server(weights)
     thread, outcome = _run(worker)
     _train_on_policy(first, tiny_server.model, thread, tmp_path, (0,))
     env.hold.set()
     first.publish(tiny_server.model, 1)
     _until(env.waiting.is_set, thread, "the batch for step 1 in generation")
     first.close()
-    restarted = weights.build_server()  # restarted from step 0's checkpoint while that batch is generated
+    restarted = build_server(weights)  # restarted from step 0's checkpoint while that batch is generated
     restarted.publish(tiny_server.model, 0)
     env.hold.clear()
     env.release.set()

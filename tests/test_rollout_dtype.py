@@ -12,11 +12,14 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.levanter_engine import EngineConfig
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
+from marinrl.inference.server_config import EngineConfig
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.job_config import RLJobConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
+from marinrl.job_plan import train_worker_config
 
 ARCH = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    gradient_checkpointing=False)
@@ -52,11 +55,11 @@ def _requests(sampling):
 
 def test_the_job_derives_the_rollout_and_publish_dtype_from_the_compute_dtype():
     cpu = RLJobConfig()
-    assert cpu.rollout_dtype() == "float32" and cpu.train_worker_config().publish_dtype == "float32"
+    assert cpu.rollout_dtype() == "float32" and train_worker_config(cpu).publish_dtype == "float32"
     import draccus
 
     scale = draccus.parse(RLJobConfig, args=["--trainer.mp", "p=f32,c=bfloat16"])
-    assert scale.rollout_dtype() == "bfloat16" and scale.train_worker_config().publish_dtype == "bfloat16"
+    assert scale.rollout_dtype() == "bfloat16" and train_worker_config(scale).publish_dtype == "bfloat16"
     pinned = draccus.parse(RLJobConfig, args=["--trainer.mp", "p=f32,c=bfloat16", "--inference.dtype", "float32"])
     assert pinned.rollout_dtype() == "float32"
     with pytest.raises(ValueError, match="inference.dtype"):

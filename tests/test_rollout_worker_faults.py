@@ -14,11 +14,12 @@ import pytest
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker, RolloutWorkerConfig
+from marinrl.rollout.worker import ModelStream, BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker, RolloutWorkerConfig
 from marinrl.storage import summarize
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
 import faulty_envs
+from marinrl.transfer.endpoints import build_server
 
 DEADLINE_S = 120.0
 
@@ -56,11 +57,11 @@ class TimedEnv:
 def make_worker(tmp_path, tiny_server, env, *, budget: int, env_name: str = "faulty_envs:X"):
     lesson = f"lesson-{uuid.uuid4().hex[:8]}"  # distinct errors are counted per process: a fresh lesson id
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
-    publisher = weights.build_server()
+    publisher = build_server(weights)
     publisher.publish(tiny_server.model, 0)
     manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name=env_name)})
-    config = RolloutWorkerConfig(rollout_root=f"{tmp_path}/rollouts", weights=weights, groups_per_batch=2,
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=2,
                                  n_generations=2, max_staleness=1000, final_step=1000, eval_examples=2,
                                  max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S,
                                  warm_up_sampler=False)  # the calls counted here are the worker's own (test_warmup.py)

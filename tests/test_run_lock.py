@@ -243,7 +243,7 @@ def test_a_superseded_trainer_is_not_told_to_rerun_its_config(tmp_path):
     import ray
 
     from marinrl.job import _trainer_death_message
-    from marinrl.transfer import WeightPublishError
+    from marinrl.transfer.base import WeightPublishError
 
     cause = WeightPublishError("w/LATEST points to weight step 6 of a newer server (epoch 2 > this server's 1): "
                                "this trainer was superseded")

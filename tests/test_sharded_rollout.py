@@ -26,11 +26,14 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.levanter_engine import EngineConfig
-from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
+from marinrl.inference.server_config import EngineConfig
+from marinrl.inference.server import InferenceServer
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.tokenizers import byte_tokenizer
-from marinrl.transfer import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.transfer.endpoints import build_client, build_server
 
 # 8 query heads over 4 KV heads (grouped-query attention, 2 per group): 4 devices hold one KV head each
 ARCH = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=8, num_kv_heads=4,
@@ -137,9 +140,9 @@ def test_transfer_delivers_onto_the_shards_and_reload_recompiles_nothing(one_dev
     compiled = scan_sampler.compiled_shapes()
 
     transfer = FilesystemTransferConfig(root=f"memory://sharded-{uuid.uuid4().hex[:10]}", format="packed")
-    publisher = transfer.build_server()
+    publisher = build_server(transfer)
     try:
-        client = transfer.build_client(sharded.model)  # its skeleton: the served model's shardings
+        client = build_client(transfer, sharded.model)  # its skeleton: the served model's shardings
         new = _model(1)
         publisher.publish(new, 1)  # from one device, as a single-host trainer publishes
         update = client.poll()

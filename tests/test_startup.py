@@ -54,7 +54,7 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
     from levanter.trainer import Trainer
 
     from marinrl.models import build_model
-    from marinrl.train.losses import LossConfig
+    from marinrl.train.loss_config import LossConfig
     from marinrl.train.initial_weights import CheckpointWeights, build_reference
     from marinrl.train.initial_weights import is_initial_policy as _is_initial_policy
     from marinrl.train.worker import _step_loss, cpu_trainer_config

@@ -24,9 +24,12 @@ from levanter.checkpoint import CheckpointerConfig
 from levanter.trainer import Trainer
 
 from marinrl.models import build_model
-from marinrl.train.batching import BatchingConfig, make_training_batch
-from marinrl.train.losses import LossConfig, rl_loss, token_logprobs
-from marinrl.train.worker import StepInput, _step_loss, cpu_trainer_config, row_alignment
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import make_training_batch
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import rl_loss, token_logprobs
+from marinrl.train.batching import row_alignment
+from marinrl.train.worker import StepInput, _step_loss, cpu_trainer_config
 from test_train_worker import TINY, make_rollout_batch
 
 LOSS = LossConfig.preset("grpo", kl_beta=0.04)

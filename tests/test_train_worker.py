@@ -14,15 +14,18 @@ import numpy as np
 from levanter.checkpoint import CheckpointerConfig
 from levanter.models.llama import LlamaConfig
 
-from marinrl.models import ModelConfig, build_model
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model
 from marinrl.storage import RolloutWriter
-from marinrl.train.batching import BatchingConfig
-from marinrl.train.losses import LossConfig
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
+from marinrl.transfer.endpoints import build_client
 
 VOCAB, GROUPS, G = 64, 2, 4
 TINY = ModelConfig(
@@ -54,7 +57,7 @@ class WeightFollower(threading.Thread):
 
     def __init__(self, weights: FilesystemTransferConfig):
         super().__init__(daemon=True)
-        self.client = weights.build_client(build_model(TINY))
+        self.client = build_client(weights, build_model(TINY))
         self.halt = threading.Event()
 
     def run(self):
@@ -287,10 +290,10 @@ def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previ
     from test_replay import batch_of, drops
 
     recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
-    as_recorded = ReplayConfig().build(start_step=0)
+    as_recorded = ReplayBuffer(ReplayConfig(), start_step=0)
     as_recorded.ingest([decode_batch(recorded)])
     assert drops(as_recorded) == {"future": 1}
-    replayed = ReplayConfig().build(start_step=0)
+    replayed = ReplayBuffer(ReplayConfig(), start_step=0)
     replayed.ingest([decode_batch(restamped(recorded, time.time()))])
     assert drops(replayed) == {} and [g.group.group_id for g in replayed.sample(1, 1, timeout_s=0).groups] == ["g"]
 

@@ -20,19 +20,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import GCS_BUCKET, GCS_OPTIONS
-from marinrl.transfer import (
-    FilesystemTransferConfig,
-    ModelSkeleton,
-    RayTransferConfig,
-    VersionId,
-    WeightFormatError,
-    WeightPublishError,
-    WeightTransferConfig,
-    WeightUpdate,
-    WeightWaitTimeout,
-)
+from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
+from marinrl.transfer.base import ModelSkeleton, VersionId, WeightFormatError, WeightPublishError, WeightUpdate, WeightWaitTimeout
 from marinrl.transfer.checkpoint import PACKED_NAME, POINTER_NAME, _Root, version_dir_name
 from marinrl.transfer.packed import read_packed, write_packed
+from marinrl.transfer.endpoints import build_client, build_server
 
 
 def _tiny_llama(hidden: int = 32, seed: int = 0):
@@ -123,7 +115,7 @@ class Servers:
         self.built = []
 
     def __call__(self, config):
-        server = config.build_server()
+        server = build_server(config)
         self.built.append(server)
         return server
 
@@ -141,7 +133,7 @@ def servers():
 
 def test_filesystem_round_trip_is_exact(fs_config, servers, model):
     server = servers(fs_config)
-    client = fs_config.build_client(model)
+    client = build_client(fs_config, model)
     assert client.poll() is None  # nothing published yet: not a failure
     assert client.metrics["failures"] == 0 and client.weight_step is None
 
@@ -161,7 +153,7 @@ def test_filesystem_round_trip_is_exact(fs_config, servers, model):
 
 def test_ray_round_trip_is_exact(ray_config, servers, model):
     server = servers(ray_config)
-    client = ray_config.build_client(model)
+    client = build_client(ray_config, model)
     assert client.poll() is None and client.metrics["failures"] == 0
     server.publish(model, 0)
     got, step = client.poll()
@@ -173,7 +165,7 @@ def test_ray_round_trip_is_exact(ray_config, servers, model):
 
 def test_poll_returns_only_the_newest(any_config, servers, model):
     server = servers(any_config)
-    client = any_config.build_client(model)
+    client = build_client(any_config, model)
     for step in range(3):
         server.publish(shifted(model, step), step)
     got, step = client.poll()
@@ -188,7 +180,7 @@ def test_poll_returns_only_the_newest(any_config, servers, model):
 
 def test_restarted_trainer_lower_step_is_accepted(any_config, servers, model):
     first = servers(any_config)
-    client = any_config.build_client(model)
+    client = build_client(any_config, model)
     first.publish(model, 0)
     first.publish(shifted(model, 5), 5)
     assert client.poll().weight_step == 5
@@ -224,7 +216,7 @@ def test_client_loads_onto_the_skeletons_shardings(any_config, servers, model):
     arrays, static = eqx.partition(model, eqx.is_array)
     sharded = eqx.combine(jax.tree.map(lambda x: jax.device_put(x, sharding_for(x)), arrays), static)
     server = servers(any_config)
-    client = any_config.build_client(sharded)
+    client = build_client(any_config, sharded)
     server.publish(model, 0)  # published from one device
     got, _ = client.poll()
     assert_same_model(got, model)
@@ -239,7 +231,7 @@ def test_abstract_skeleton_is_enough(servers, model, tmp_path, request):
     config = _fs_config(request, tmp_path, "memory", "packed")
     abstract = eqx.filter_eval_shape(lambda: model)
     assert not any(isinstance(x, jax.Array) for x in jax.tree.leaves(abstract))
-    client = config.build_client(abstract)
+    client = build_client(config, abstract)
     servers(config).publish(model, 0)
     got, _ = client.poll()
     assert_same_model(got, model)
@@ -247,7 +239,7 @@ def test_abstract_skeleton_is_enough(servers, model, tmp_path, request):
 
 def test_client_with_a_mismatched_skeleton_counts_a_failure(any_config, servers, model):
     server = servers(any_config)
-    client = any_config.build_client(_tiny_llama(hidden=16))
+    client = build_client(any_config, _tiny_llama(hidden=16))
     server.publish(model, 0)
     assert client.poll() is None
     assert client.metrics["failures"] == 1 and client.model is None
@@ -255,7 +247,7 @@ def test_client_with_a_mismatched_skeleton_counts_a_failure(any_config, servers,
 
 def test_wait_for(any_config, servers, model):
     server = servers(any_config)
-    client = any_config.build_client(model)
+    client = build_client(any_config, model)
     server.publish(model, 0)
     with pytest.raises(WeightWaitTimeout, match="step >= 1"):
         client.wait_for(1, timeout_s=0.2)
@@ -286,7 +278,7 @@ def _write_raw_pointer(config, data: bytes) -> None:
 
 def test_same_epoch_stale_pointer_is_ignored(quick_fs_config, servers, model):
     server = servers(quick_fs_config)
-    client = quick_fs_config.build_client(model)
+    client = build_client(quick_fs_config, model)
     server.publish(shifted(model, 1), 1)
     old_pointer = _pointer(quick_fs_config)
     server.publish(shifted(model, 2), 2)
@@ -300,7 +292,7 @@ def test_same_epoch_stale_pointer_is_ignored(quick_fs_config, servers, model):
 
 def test_half_written_version_is_never_read(file_config, servers, model, monkeypatch):
     server = servers(file_config)
-    client = file_config.build_client(model)
+    client = build_client(file_config, model)
     server.publish(shifted(model, 1), 1)
     held, _ = client.poll()
 
@@ -344,7 +336,7 @@ def _corrupt(config, pointer: dict) -> None:
 
 def test_corrupt_or_missing_data_keeps_the_old_weights(quick_fs_config, servers, model):
     server = servers(quick_fs_config)
-    client = quick_fs_config.build_client(model)
+    client = build_client(quick_fs_config, model)
     server.publish(shifted(model, 1), 1)
     held, _ = client.poll()
 
@@ -371,7 +363,7 @@ def test_corrupt_or_missing_data_keeps_the_old_weights(quick_fs_config, servers,
 def test_network_errors_are_retried_then_counted(servers, model, tmp_path, request, monkeypatch):
     config = _fs_config(request, tmp_path, "memory", "packed")
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     server.publish(shifted(model, 1), 1)
     held, _ = client.poll()
     server.publish(shifted(model, 2), 2)
@@ -399,7 +391,7 @@ def test_old_versions_are_garbage_collected(tmp_path, request, servers, model):
     names = sorted(p.rsplit("/", 1)[-1] for p in root.fs.ls(root.path, detail=False))
     assert names == [POINTER_NAME] + [version_dir_name(VersionId(server.epoch, s)) for s in (3, 4)]
     assert server.metrics["versions_deleted"] == 3
-    got, step = config.build_client(model).poll()
+    got, step = build_client(config, model).poll()
     assert step == 4
     assert_same_model(got, shifted(model, 4))
 
@@ -409,7 +401,7 @@ def test_publish_failure_names_the_path(tmp_path, model):
     blocker.write_text("not a folder")
     config = FilesystemTransferConfig(root=f"file://{blocker}/weights")
     with pytest.raises(WeightPublishError, match=str(blocker)):
-        config.build_server().publish(model, 0)
+        build_server(config).publish(model, 0)
 
 
 def test_config_is_a_registered_choice():
@@ -467,7 +459,7 @@ def test_packed_format_rejects_damage():
 def test_ray_killed_coordinator_keeps_the_old_weights(ray_config, servers, model, ray_session):
     ray = ray_session
     server = servers(ray_config)
-    client = ray_config.build_client(model)
+    client = build_client(ray_config, model)
     server.publish(shifted(model, 1), 1)
     held, _ = client.poll()
 
@@ -498,7 +490,7 @@ def test_ray_coordinator_refuses_an_older_version(ray_config, servers, model, ra
     ref = ray_session.put({"format_version": 1, "names": [], "arrays": []})
     taken, held = ray_session.get(actor.publish.remote(server.epoch, 4, [ref], 0))
     assert not taken and held == (server.epoch, 5)
-    client = ray_config.build_client(model)
+    client = build_client(ray_config, model)
     assert client.poll().weight_step == 5
 
 
@@ -518,11 +510,11 @@ def test_ray_trainer_death_then_restart(ray_config, model, ray_session):
     @ray.remote(num_cpus=0)
     class Trainer:
         def start(self, config, model, step):
-            self.server = config.build_server()
+            self.server = build_server(config)
             self.server.publish(model, step)
             return self.server.epoch
 
-    client = ray_config.build_client(model)
+    client = build_client(ray_config, model)
     trainer = Trainer.remote()
     ray.get(trainer.start.remote(ray_config, shifted(model, 5), 5))
     held, step = client.poll()
@@ -538,7 +530,7 @@ def test_ray_trainer_death_then_restart(ray_config, model, ray_session):
     assert client.poll() is None
     assert client.model is held and client.metrics["failures"] == 1
 
-    restarted = ray_config.build_server()  # the restarted trainer resumes from step 3
+    restarted = build_server(ray_config)  # the restarted trainer resumes from step 3
     try:
         restarted.publish(shifted(model, 3), 3)
         got, step = client.poll()

@@ -17,13 +17,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import GCS_BUCKET, GCS_OPTIONS
-from marinrl.transfer import (
-    FilesystemTransferConfig,
-    ModelSkeleton,
-    RayTransferConfig,
-    WeightFormatError,
-    WeightPublishError,
-)
+from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
+from marinrl.transfer.base import ModelSkeleton, WeightFormatError, WeightPublishError
 from marinrl.transfer.checkpoint import DELTA_NAME, PACKED_NAME, SNAPSHOT_REQUEST_PREFIX, _Root
 from marinrl.transfer.delta import (
     BLOCK_ELEMENTS,
@@ -36,6 +31,7 @@ from marinrl.transfer.delta import (
 )
 from marinrl.transfer.packed import read_packed_meta, write_packed
 from test_transfer import _tiny_llama
+from marinrl.transfer.endpoints import build_client, build_server
 
 
 def as_dtype(model, dtype):
@@ -111,7 +107,7 @@ def servers():
     built = []
 
     def build(config):
-        built.append(config.build_server())
+        built.append(build_server(config))
         return built[-1]
 
     yield build
@@ -124,7 +120,7 @@ def servers():
 
 def test_chain_of_deltas_is_bit_exact(config, servers, model):
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     full = ModelSkeleton(model).nbytes
     version = model
     kinds = []
@@ -150,7 +146,7 @@ def test_late_client_gets_the_snapshot_then_the_deltas(config, servers, model):
     for step in (1, 2):
         versions.append(sparse_step(versions[-1], step))
         sizes.append(server.publish(versions[-1], step).bytes)
-    late = config.build_client(model)
+    late = build_client(config, model)
     got, step = late.poll()
     assert step == 2
     assert_bits_equal(got, versions[2])
@@ -168,7 +164,7 @@ def test_late_client_gets_the_snapshot_then_the_deltas(config, servers, model):
 
 def test_skipped_snapshot_forces_a_snapshot_load(quick_config, servers, model):
     server = servers(quick_config)
-    client = quick_config.build_client(model)
+    client = build_client(quick_config, model)
     versions = [model]
     server.publish(model, 0)
     client.poll()
@@ -188,7 +184,7 @@ def test_skipped_snapshot_forces_a_snapshot_load(quick_config, servers, model):
 def test_failed_publish_is_skipped_by_the_next_delta(servers, model, tmp_path, request, monkeypatch):
     config = _config(request, tmp_path, "file", full_every=10)
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     v1 = sparse_step(model, 1)
     server.publish(model, 0)
     server.publish(v1, 1)
@@ -230,7 +226,7 @@ def _tamper(config, record: dict) -> None:
 def test_broken_delta_never_gives_wrong_weights(damage, servers, model, tmp_path, request):
     config = _config(request, tmp_path, "memory", full_every=10)
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     versions = [model]
     server.publish(model, 0)
     for step in (1, 2):
@@ -260,7 +256,7 @@ def test_broken_delta_never_gives_wrong_weights(damage, servers, model, tmp_path
     assert client.poll() is None and client.metrics["delta_fallbacks"] == 1  # logged and counted once
     assert any(p.rsplit("/", 1)[-1].startswith(SNAPSHOT_REQUEST_PREFIX) for p in root.fs.ls(root.path, detail=False))
 
-    late = config.build_client(model)  # a new client stops before the broken delta too
+    late = build_client(config, model)  # a new client stops before the broken delta too
     assert late.poll().weight_step == 2
     assert_bits_equal(late.model, versions[2])
 
@@ -280,7 +276,7 @@ def test_ray_tampered_delta_is_caught_by_the_checksum(servers, model, tmp_path, 
     ray = ray_session
     config = _config(request, tmp_path, "ray", full_every=10)
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     v1 = sparse_step(model, 1)
     server.publish(model, 0)
     server.publish(v1, 1)
@@ -320,7 +316,7 @@ def test_sharded_arrays(quick_config, servers, model):
 
     sharded = shard(model)
     server = servers(quick_config)
-    client = quick_config.build_client(sharded)
+    client = build_client(quick_config, sharded)
     server.publish(sharded, 0)
     held, _ = client.poll()
     v1 = sparse_step(sharded, 1, leaves=slice(0, 2))  # only the first two leaves change
@@ -568,7 +564,7 @@ def ulp_step(model, step: int, fraction: float = 0.05):
 
 def test_ulp_steps_through_a_chain(quick_config, servers, model):
     server = servers(quick_config)
-    client = quick_config.build_client(model)
+    client = build_client(quick_config, model)
     versions = [model]
     server.publish(model, 0)
     client.poll()
@@ -587,7 +583,7 @@ def test_a_ray_reader_of_delta_payload_format_2_refuses_format_3(servers, model,
 
     config = _config(request, tmp_path, "ray")
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     server.publish(model, 0)
     monkeypatch.setattr(ray_transfer, "DELTA_PAYLOAD_FORMAT_VERSION", 2)  # the client's code is older
     assert client.poll() is None and client.model is None
@@ -610,7 +606,7 @@ def test_a_tampered_snapshot_never_gives_wrong_weights(kind, servers, model, tmp
     client gets nothing, and the next scheduled snapshot (`full_every=2`) is exact."""
     config = _config(request, tmp_path, kind, full_every=2)
     server = servers(config)
-    client = config.build_client(model)
+    client = build_client(config, model)
     v1 = sparse_step(model, 1)
     server.publish(model, 0)
     assert client.poll().weight_step == 0
@@ -636,7 +632,7 @@ def test_a_tampered_snapshot_never_gives_wrong_weights(kind, servers, model, tmp
         taken, _ = ray.get(actor.publish.remote(server.epoch, 2, [bad], 0, [(server.epoch, 2, "snapshot", bad)]))
         assert taken
 
-    late = config.build_client(model)  # holds nothing: its only way in is the tampered snapshot
+    late = build_client(config, model)  # holds nothing: its only way in is the tampered snapshot
     assert late.poll() is None and late.weight_step is None
     client.poll()  # on files it applies nothing new either (the delta stands on the tampered snapshot)
     assert client.weight_step in (0, 1)

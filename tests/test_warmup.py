@@ -8,10 +8,11 @@ from marinrl.envs.toy import EchoEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.sampler import compiled_shapes
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import RolloutWorker, RolloutWorkerConfig
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.rollout.worker import ModelStream, RolloutWorker, RolloutWorkerConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
 import faulty_envs
+from marinrl.transfer.endpoints import build_server
 
 LESSON = "echo-warm"
 
@@ -43,8 +44,8 @@ def make_worker(tmp_path, server, make_env, **overrides):
     sampling = SamplingParams(temperature=1.0, max_tokens=48)
     manager = RolloutManager(server, {LESSON: LessonRuntime(make_env, sampling, env_name="echo")})
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
-    publisher = weights.build_server()
-    config = RolloutWorkerConfig(rollout_root=f"{tmp_path}/rollouts", weights=weights, groups_per_batch=3,
+    publisher = build_server(weights)
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=3,
                                  n_generations=3, max_staleness=0, final_step=1, eval_examples=5,
                                  weight_timeout_s=120.0, **overrides)
     tracker = CompileWatch(publisher, server.model)

@@ -111,26 +111,41 @@ def _refuse_if_run_held(config: str, overrides: Sequence[str]) -> None:
         return
 
 
+def _input_error(config: str, overrides: Sequence[str], e: Exception) -> InputError:
+    """A config mistake as the one line `marinrl train` prints: a ConfigError located in the file or flags."""
+    from marinrl.config_errors import ConfigError, ConfigInputError, compose_yaml, locate
+
+    if isinstance(e, ConfigError):
+        return InputError(f"{locate(config, compose_yaml(config), overrides, e.field)}: {e}")
+    if isinstance(e, ConfigInputError):
+        return InputError(str(e))
+    return InputError(f"{config}: {e}")  # a config class's own check, raised outside draccus
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    _refuse_if_run_held(args.config, args.overrides)  # first: the imports below take seconds
-    from marinrl.config_errors import ConfigInputError, compose_yaml, load_job_config, locate
-    from marinrl.job import RLJob, RLJobConfig
-    from marinrl.preflight import ConfigError
+    """Three stages, cheapest first, so a mistake answers before the next stage's cost: the run's lease and
+    the config's fields, ranges and placement arithmetic (no JAX, Levanter or Ray: about a second), then the
+    checks that build environments and read the model's config (`preflight`), then the job."""
+    _refuse_if_run_held(args.config, args.overrides)
+    from marinrl.config_errors import ConfigError, ConfigInputError, load_job_config
+    from marinrl.job_config import RLJobConfig
 
     try:
         config = load_job_config(RLJobConfig, args.config, args.overrides)
-        job = RLJob(config)  # every check that needs no Ray (marinrl.preflight)
-    except ConfigInputError as e:
-        raise InputError(str(e)) from e
-    except ConfigError as e:
-        where = locate(args.config, compose_yaml(args.config), args.overrides, e.field)
-        raise InputError(f"{where}: {e}") from e
-    except ValueError as e:  # a config class's own check, raised outside draccus
-        raise InputError(f"{args.config}: {e}") from e
+        config.validate()
+    except (ConfigInputError, ConfigError, ValueError) as e:
+        raise _input_error(args.config, args.overrides, e) from e
+    from marinrl.job import RLJob  # JAX, Levanter, Ray: seconds
     from marinrl.run_lock import RunLockHeld
 
     try:
+        job = RLJob(config)  # every check that needs no Ray (marinrl.preflight)
+    except (ConfigInputError, ConfigError, ValueError) as e:
+        raise _input_error(args.config, args.overrides, e) from e
+    try:
         result = job.run()
+    except ConfigError as e:  # the placement, checked against the cluster Ray found
+        raise _input_error(args.config, args.overrides, e) from e
     except RunLockHeld as e:  # another job holds this run: one line naming it, exit status 2
         raise InputError(str(e)) from e
     train = result.train
@@ -149,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from marinrl import eval as evaluation
-    from marinrl.inference.server import InferenceServerConfig
+    from marinrl.inference.server_config import InferenceServerConfig
 
     try:
         if args.curriculum:

@@ -21,6 +21,19 @@ from typing import Any, Optional, Sequence
 import yaml
 
 
+class ConfigError(ValueError):
+    """A job config that cannot run. `field` is the dotted path below RLJobConfig (lessons by id:
+    `curriculum.lessons[echo].env`); the message is `RLJobConfig.<field>: <problem>`."""
+
+    def __init__(self, field: str, problem: str):
+        self.field = field
+        self.problem = problem
+        super().__init__(f"RLJobConfig.{field}: {problem}")
+
+    def __reduce__(self):  # picklable across Ray, which re-creates exceptions from their args
+        return type(self), (self.field, self.problem)
+
+
 class ConfigInputError(ValueError):
     """A config or input the user can fix; the message is the whole report (one or two lines)."""
 
@@ -62,7 +75,28 @@ def compose_yaml(path: str) -> yaml.Node:
     if root is not None and not isinstance(root, yaml.MappingNode):
         raise ConfigInputError(f"{path}:{root.start_mark.line + 1}:{root.start_mark.column + 1}: "
                                f"a config must be a YAML mapping of field: value")
+    _refuse_tags(path, root)
     return root
+
+
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq", "merge")}
+
+
+def _refuse_tags(path: str, node: Optional[yaml.Node]) -> None:
+    """A tag (`!!python/object:…`, `!custom`) would make a loader build an object or run code: refused,
+    naming it and where it is, before any loader sees the file."""
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if n.tag not in _PLAIN_TAGS:
+            tag = n.tag.replace("tag:yaml.org,2002:", "!!")
+            raise ConfigInputError(f"{path}:{n.start_mark.line + 1}:{n.start_mark.column + 1}: the tag {tag} is refused: "
+                                   "a config is plain YAML (mappings, lists, strings, numbers, booleans, null), "
+                                   "without tags")
+        if isinstance(n, yaml.MappingNode):
+            stack.extend(x for pair in n.value for x in pair)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
 
 
 def locate(path: str, root: Optional[yaml.Node], overrides: Sequence[str], field: str, key: bool = False) -> str:
@@ -168,6 +202,9 @@ def _unknown_fields_problem(names: list[str], target: Optional[type]) -> str:
     also = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
     if target is None or not dataclasses.is_dataclass(target):
         return f"unknown field{also}"
+    derived = getattr(target, "DERIVED_FIELDS", {})
+    if names[0] in derived:
+        return f"the job sets {names[0]} from {derived[names[0]]}; set that instead"
     valid = [f.name for f in dataclasses.fields(target) if f.init]
     closest = difflib.get_close_matches(names[0], valid, n=1)
     hint = f"did you mean `{closest[0]}`?" if closest else f"valid fields: {', '.join(valid)}"
@@ -179,6 +216,10 @@ def _unrecognized_flags(flags: str, cls: type) -> str:
 
     known = [s for s in ArgumentParser(cls).parser._option_string_actions if s.startswith("--")]
     first = flags.split()[0]
+    *path, name = first.lstrip("-").split(".")
+    derived = getattr(_type_at(cls, path, None), "DERIVED_FIELDS", {}) if path else {}
+    if name in derived:
+        return f"{flags}: the job sets {'.'.join(path + [name])} from {derived[name]}; set that instead"
     closest = difflib.get_close_matches(first, known, n=1)
     hint = f"; did you mean {closest[0]}?" if closest else " (flags are field paths: --loss.kl_beta 0.01)"
     return f"{flags}: unknown flag{'s' if len(flags.split()) > 2 else ''}{hint}"

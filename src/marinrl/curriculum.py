@@ -286,15 +286,3 @@ class Curriculum:
             raise ValueError(f"curriculum state is malformed: {type(e).__name__}: {e}") from e
         self._state, self._step = fresh, step
         self._refresh()
-
-
-_MOVED_TO_ACTOR = ("CurriculumActor", "CurriculumClient", "curriculum_actor", "save_state", "load_state")
-
-
-def __getattr__(name: str):
-    # The Ray actor moved to curriculum_actor.py; docs/curriculum.md's `from marinrl.curriculum import ...` keeps working.
-    if name in _MOVED_TO_ACTOR:
-        from marinrl import curriculum_actor as actor_module
-
-        return getattr(actor_module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

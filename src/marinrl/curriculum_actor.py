@@ -60,7 +60,8 @@ class CurriculumActor:
 
     On (re)start it loads `state_path` if the file exists, so an actor Ray restarts after a crash
     resumes from the last saved state. It saves to `state_path` on `save()` and, if `save_every` > 0,
-    whenever the clock has moved `save_every` steps past the last save."""
+    whenever the clock has moved `save_every` steps from the last save (backwards too: a resumed
+    trainer's clock) and right after a `load` (a trainer's checkpoint restored: its lineage now)."""
 
     def __init__(self, config: CurriculumConfig, state_path: Optional[str] = None, save_every: int = 0,
                  storage_options: Optional[dict] = None):
@@ -122,6 +123,7 @@ class CurriculumActor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._curriculum.load_state_dict(state)
+        self._save_if_automatic()
 
     def save(self, path: Optional[str] = None) -> str:
         """Write the state to `path` (default: `state_path`); returns where it went."""
@@ -139,9 +141,14 @@ class CurriculumActor:
         if state is None:
             raise FileNotFoundError(f"no curriculum state at {path}")
         self._curriculum.load_state_dict(state)
+        self._save_if_automatic()
 
     def _maybe_save(self) -> None:
-        if self._state_path and self._save_every > 0 and self._curriculum.step - self._saved_step >= self._save_every:
+        if self._state_path and self._save_every > 0 and abs(self._curriculum.step - self._saved_step) >= self._save_every:
+            self.save()
+
+    def _save_if_automatic(self) -> None:
+        if self._state_path and self._save_every > 0:
             self.save()
 
 

@@ -9,7 +9,7 @@ import json
 import math
 from typing import Literal, Optional
 
-from marinrl.envs.base import EnvConfig
+from marinrl.env_config import EnvConfig
 from marinrl.inference.context import SamplingParams, stop_sequences
 
 

@@ -33,9 +33,12 @@ import numpy as np
 import yaml
 
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.envs.base import Env, EnvConfig, with_endpoint_if_needed
-from marinrl.inference.server import InferenceServerConfig
-from marinrl.models import MODEL_CONFIG_FILE, ModelConfig
+from marinrl.envs.base import Env, with_endpoint_if_needed
+from marinrl.env_config import EnvConfig
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.models import MODEL_CONFIG_FILE
+from marinrl.model_config import ModelConfig
+from marinrl.envs.base import make_env
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +284,7 @@ def prepare(config: EvalConfig) -> Prepared:
     if checkpoint.kind == "levanter" and config.model is None and not _has_model_config(checkpoint.path):
         raise ValueError(f"{checkpoint.path} has no {MODEL_CONFIG_FILE} (a Trainer's checkpoint): give its "
                          "architecture with --model-config FILE (a ModelConfig YAML, or the run's job config)")
-    envs = {lesson.lesson_id: lesson.env.build() for lesson in config.lessons}
+    envs = {lesson.lesson_id: make_env(lesson.env) for lesson in config.lessons}
     output = None
     if config.output is not None:
         fs, plain = fsspec.core.url_to_fs(config.output)

@@ -11,6 +11,7 @@ host in one placement group, one JAX process group (marinrl/train/trainer_group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -24,17 +25,19 @@ import ray
 
 from marinrl import program_audit
 from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
-from marinrl.envs.base import with_endpoint_if_needed
+from marinrl.envs.base import make_env, with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
 from marinrl.placement import AutoscalerRequest, PlacementConfig, check_cluster
 from marinrl.policies import policy_models, resolve_policies
-from marinrl.preflight import ConfigError, check_job  # noqa: F401  (ConfigError: raised by RLJob(config))
+from marinrl.config_errors import ConfigError  # noqa: F401  (raised by RLJob(config))
+from marinrl.preflight import check_job
 from marinrl.rollout.worker import EnvironmentFailedError
 from marinrl.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 from marinrl.train.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.train.worker import TrainWorkerConfig
+from marinrl.job_plan import rollout_worker_config, train_worker_config
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +171,7 @@ class RolloutActor:
                   else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
         clock.mark("server")
         lessons = {
-            lesson.lesson_id: LessonRuntime(make_env=lesson.env.build,
+            lesson.lesson_id: LessonRuntime(make_env=functools.partial(make_env, lesson.env),
                                             sampling=lesson.sampling_params(tokenizer, "train"),
                                             eval_sampling=lesson.sampling_params(tokenizer, "eval"),
                                             env_name=lesson.env.name)
@@ -176,7 +179,7 @@ class RolloutActor:
         }
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
         manager = RolloutManager(server, lessons, curriculum)
-        self.worker = RolloutWorker(job.rollout_worker_config(index), manager, curriculum,
+        self.worker = RolloutWorker(rollout_worker_config(job, index), manager, curriculum,
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
                                     startup=clock,  # a previous job's weights on this run are not this trainer's:
                                     min_epoch=None if job_started_at is None else int(job_started_at * 1e9))
@@ -250,7 +253,8 @@ class RLJob:
                      namespace=f"marinrl-{self.config.run_id}",
                      object_store_memory=512 * 1024 * 1024,
                      runtime_env={"env_vars": _actor_env(compilation_cache_dir(self.config))},
-                     log_to_driver=False)  # actors log to <run_dir>/logs; errors still reach ray.get
+                     log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                     logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
         else:
             ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
                      runtime_env={"env_vars": _actor_env(compilation_cache_dir(self.config))})
@@ -290,13 +294,14 @@ class RLJob:
                 trainers = []
                 for k, m in enumerate(models):
                     trainers.append(TrainerActor.options(**_actor_options(m.job.ray.trainer, k)).remote(
-                        _one_process(m.train_worker_config(), m.job.ray.trainer), curriculum_name if k == 0 else None, namespace, self._log_dir,
+                        _one_process(train_worker_config(m.job, m.policies), m.job.ray.trainer),
+                        curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)
                 train_refs = [t.run.remote() for t in trainers]
             else:
                 self._group = group
-                group.start(cfg.train_worker_config(), curriculum_name, namespace,
+                group.start(train_worker_config(cfg), curriculum_name, namespace,
                             placement_timeout_s=cfg.ray.placement_timeout_s)
                 trainers, train_refs = [group.leader], group.refs
             self._n_trainers = len(trainers)  # the rollout workers' slots follow the trainers'
@@ -386,9 +391,11 @@ class RLJob:
             print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
+        """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts
+        it) resumes from its last step, not from fresh statistics and statuses (docs/curriculum.md)."""
         name = "curriculum"
         handle = curriculum_actor(self.config.curriculum, name=name, namespace=namespace,
-                                  state_path=f"{self.config.run_dir}/curriculum/latest.json")
+                                  state_path=f"{self.config.run_dir}/curriculum/latest.json", save_every=1)
         self._actors.append(handle)
         return name
 
@@ -460,6 +467,9 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
     if "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
         advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
                   "(`python -m marinrl.run_lock show <run_dir>` names the job holding the run)")
+    elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
+        advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
+                  "the same config again" + (f" (it resumes from {latest})" if latest else ""))
     elif isinstance(cause, _INPUT_ERRORS):
         advice = ("this is a config or input error: fix it, then run the config again"
                   + (f" (it resumes from {latest})" if latest else ""))
@@ -469,6 +479,19 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
                   "running the config again starts from step 0")
     return f"the trainer died: {what}\n{advice}"
+
+
+def _is_disk_full(error: BaseException, what: str) -> bool:
+    """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
+    (tensorstore reports a full disk as a ValueError naming the OS error)."""
+    import errno
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "no space left on device" in what.lower()
 
 
 def _latest_checkpoint(checkpoints: str) -> Optional[str]:

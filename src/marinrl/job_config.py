@@ -9,23 +9,21 @@ import logging
 from typing import Optional
 
 from marinrl.curriculum_config import CurriculumConfig
-from marinrl.inference.inflight import InflightConfig
-from marinrl.inference.server import InferenceServerConfig
-from marinrl.lora import LoraRLConfig
-from marinrl.models import ModelConfig
-from marinrl.policies import PolicyConfig, check_policies, policy_models, policy_names
+from marinrl.inference.inflight_config import InflightConfig
+from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.lora_config import LoraRLConfig
+from marinrl.model_config import ModelConfig
+from marinrl.policies import PolicyConfig, check_policies
 from marinrl.placement import PlacementConfig
-from marinrl.preflight import ConfigError
-from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
-from marinrl.train.batching import BatchingConfig
-from marinrl.train.losses import LossConfig
+from marinrl.config_errors import ConfigError
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
-from marinrl.train.trainer_group import TrainerGroupConfig
-from marinrl.train.trainer_config import (DerivedTrainerFields, JobOptimizerConfig, JobTrainerConfig, RLAdamConfig,
-                                          check_optimizer_ranges, check_trainer_ranges, derive_trainer_config)
-from marinrl.train.worker import TrainWorkerConfig
-from marinrl.transfer.base import WeightTransferConfig
+from marinrl.train.trainer_group_config import TrainerGroupConfig
+from marinrl.train.trainer_config import (JobOptimizerConfig, JobTrainerConfig, RLAdamConfig, check_optimizer_ranges,
+                                          check_trainer_ranges, parse_mp)
+from marinrl.transfer.transfer_config import WeightTransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -193,19 +191,18 @@ class RLJobConfig:
                                     "backend has no chunk boundaries to swap weights at)")
         if self.max_uses > 1 and self.max_staleness < 1:
             bad("max_uses", "replaying rollouts needs max_staleness >= 1 (a reused rollout is older than the weights)")
-        trainer = self.trainer_config()  # a derived field set twice, differently
         devices = self.ray.trainer.devices()
         if devices is None and self.ray.trainer.hosts() > 1 and self.trainer_group.cpu_devices:
             devices = self.trainer_group.cpu_devices
         devices = devices * self.ray.trainer.hosts() if devices is not None else None
-        check_trainer_ranges(trainer, trainer.train_batch_size, self._batch_source(), devices,
+        check_trainer_ranges(self.trainer, self.groups_per_step * self.n_generations, self._batch_source(), devices,
                              f"ray.trainer.{self.ray.trainer.accelerator_field}")
 
     def _check_multihost(self) -> None:
         """What a trainer of several processes cannot do yet, named before anything starts."""
         hosts = self.ray.trainer.hosts()
         self.trainer_group.errors("trainer_group")
-        from marinrl.transfer.ray import RayTransferConfig
+        from marinrl.transfer.transfer_config import RayTransferConfig
 
         if isinstance(self.weights, RayTransferConfig):
             raise ConfigError("weights", f"the Ray object-store transfer needs a model one process holds whole; a "
@@ -219,9 +216,7 @@ class RLJobConfig:
         the trainer's compute dtype (docs/models.md, "Dtypes")."""
         if self.inference.dtype is not None:
             return self.inference.dtype
-        import numpy as np
-
-        return np.dtype(self.trainer.mp.compute_dtype).name
+        return parse_mp(self.trainer.mp)["compute"]
 
     def sampling(self):
         if self.max_uses > 1:
@@ -233,42 +228,10 @@ class RLJobConfig:
     def weights_config(self) -> WeightTransferConfig:
         if self.weights is not None:
             return self.weights
-        from marinrl.transfer.checkpoint import FilesystemTransferConfig
+        from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
         return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
 
     def _batch_source(self) -> str:
         return (f"groups_per_step × n_generations = {self.groups_per_step} × {self.n_generations} = "
                 f"{self.groups_per_step * self.n_generations} rows")
-
-    def trainer_config(self):
-        """`trainer` with what the job derives filled in (marinrl/train/trainer_config.py)."""
-        return derive_trainer_config(self.trainer, DerivedTrainerFields(
-            num_train_steps=self.num_train_steps, train_batch_size=self.groups_per_step * self.n_generations,
-            batch_source=self._batch_source(), run_id=self.run_id, seed=self.seed, run_dir=self.run_dir,
-            require_accelerator=self.ray.trainer.has_accelerator))
-
-    def train_worker_config(self) -> TrainWorkerConfig:
-        run_dir = self.run_dir
-        return TrainWorkerConfig(
-            rollout_root=f"{run_dir}/rollouts", weights=self.weights_config(), model=self.model,
-            trainer=self.trainer_config(), optimizer=self.optimizer, loss=self.loss,
-            replay=dataclasses.replace(self.replay, sampling=self.sampling(), seed=self.seed),
-            batching=self.batching, groups_per_step=self.groups_per_step, sync_interval=self.sync_interval,
-            checkpoint_every=self.checkpoint_every, checkpoint_keep=self.checkpoint_keep,
-            checkpoint_keep_every=self.checkpoint_keep_every, lora=self.lora, policies=policy_names(self),
-            publish_dtype=self.rollout_dtype())
-
-    def rollout_worker_config(self, index: int) -> RolloutWorkerConfig:
-        models = policy_models(self)
-        streams = () if len(models) == 1 else tuple(
-            ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)
-            for m in models)
-        return RolloutWorkerConfig(
-            rollout_root=f"{self.run_dir}/rollouts", weights=self.weights_config(),
-            groups_per_batch=self.groups_per_step // self.n_rollout_workers, n_generations=self.n_generations,
-            max_staleness=self.max_staleness, final_step=self.num_train_steps, eval_every=self.eval_every,
-            eval_examples=self.eval_examples, micro_eval_every=self.micro_eval_every,
-            micro_eval_examples=self.micro_eval_examples, seed=self.seed * 1000 + index,
-            max_consecutive_env_failures=self.max_consecutive_env_failures, warm_up_sampler=self.warm_up_sampler,
-            inflight=self.inflight, lora=self.lora, streams=streams)

@@ -19,10 +19,7 @@ Built on Levanter's `levanter.lora`: `loraize` wraps each targeted `hnn.Linear` 
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 import time
-from typing import Optional
 
 import equinox as eqx
 import haliax as hax
@@ -31,49 +28,20 @@ from levanter.lora import LoraConfig, LoraLinear, filter_lora_params, is_lora_pa
 from levanter.lora import lora_trainable_params_filter
 from levanter.utils.jax_utils import leaf_key_paths
 
-from marinrl.preflight import ConfigError
-from marinrl.transfer.base import WeightTransferConfig, WeightUpdate, cast_for_publish, floating_dtypes
+from marinrl.config_errors import ConfigError
+from marinrl.lora_config import LoraRLConfig
+from marinrl.transfer.transfer_config import WeightTransferConfig
+from marinrl.transfer.base import WeightUpdate, cast_for_publish, floating_dtypes
+from marinrl.transfer.endpoints import build_client
 
 __all__ = ["LoraRLConfig", "AdapterMergingClient", "add_adapters", "adapter_only", "without_adapters",
            "merge_adapters", "trainable_filter", "adapted_modules", "check_targets", "parameter_counts", "describe"]
 
 
-@dataclasses.dataclass(frozen=True)
-class LoraRLConfig:
-    """`lora:` in a job config: train LoRA adapters on a frozen base instead of every weight. Absent:
-    full fine-tuning. Dropout is always 0: the trained policy must be the one the rollouts sampled."""
-
-    rank: int = 8
-    """r, the adapters' inner dimension (>= 1)."""
-    alpha: float = 8.0
-    """The adapter's output is scaled by alpha / rank (alpha = rank: scale 1)."""
-    target_modules: Optional[str] = None
-    """A regex searched in each linear module's dotted path (`transformer.layers.blocks.0.self_attn.q_proj`,
-    `lm_head`; with scan layers `transformer.layers.stacked.mlp.up_proj`), e.g. `q_proj|v_proj`. None:
-    every linear module (the recommendation of the QLoRA paper)."""
-    seed: int = 0
-    """PRNG seed of the adapters' A matrices (B starts at zero)."""
-
-    def errors(self, field: str = "lora") -> None:
-        """Raises ConfigError naming the first bad field under `field`."""
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ConfigError(f"{field}.rank", f"must be an integer >= 1, got {self.rank!r}")
-        if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ConfigError(f"{field}.alpha", f"must be finite and > 0, got {self.alpha!r}")
-        if self.target_modules is not None:
-            try:
-                re.compile(self.target_modules)
-            except re.error as e:
-                raise ConfigError(f"{field}.target_modules", f"{self.target_modules!r} is not a regex: {e}") from e
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-    def levanter(self) -> LoraConfig:
-        """Levanter's config: its `target_modules` regex is matched from the path's start, ours searched."""
-        target = None if self.target_modules is None else f".*(?:{self.target_modules})"
-        return LoraConfig(target_modules=target, r=self.rank, alpha=float(self.alpha), dropout=0.0)
+def levanter_lora(config: LoraRLConfig) -> LoraConfig:
+    """Levanter's config: its `target_modules` regex is matched from the path's start, ours searched."""
+    target = None if config.target_modules is None else f".*(?:{config.target_modules})"
+    return LoraConfig(target_modules=target, r=config.rank, alpha=float(config.alpha), dropout=0.0)
 
 
 # ------------------------------------------------------------------------------------ the model
@@ -86,7 +54,7 @@ def _is_lora_linear(x) -> bool:
 def add_adapters(model, config: LoraRLConfig):
     """`model` with an adapter on every targeted linear module: A random (Levanter's init), B zero, so
     the adapted model computes exactly what `model` does until it is trained."""
-    adapted = loraize(model, config.levanter(), key=jax.random.PRNGKey(config.seed))
+    adapted = loraize(model, levanter_lora(config), key=jax.random.PRNGKey(config.seed))
 
     def zero_b(node):
         if not is_lora_param(node):
@@ -183,7 +151,7 @@ class AdapterMergingClient:
         dtypes = floating_dtypes(base)
         if len(dtypes) == 1:  # versions carry the adapters in the base's (rollout) dtype: docs/weight_transfer.md
             self._adapted = cast_for_publish(self._adapted, dtypes[0])
-        self._inner = weights.build_client(adapter_only(self._adapted))
+        self._inner = build_client(weights, adapter_only(self._adapted))
         self.location = self._inner.location
         self.model = None
         self._merged_version = None

@@ -24,70 +24,19 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, save_checkpoint
-from levanter.models.llama import LlamaConfig
 from levanter.models.lm_model import LmConfig, LmHeadModel
 from transformers import PreTrainedTokenizerBase
 
 from marinrl.hf_checkpoints import default_mesh as _default_mesh
 from marinrl.hf_checkpoints import has_tokenizer as _has_tokenizer
 from marinrl.hf_checkpoints import load_hf_checkpoint
+from marinrl.levanter_configs import to_levanter
+from marinrl.model_config import ModelConfig
 from marinrl.tokenizers import byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 MODEL_CONFIG_FILE = "model_config.json"
-
-
-def _reference_llama() -> LmConfig:
-    return LlamaConfig(
-        seq_len=256,
-        hidden_dim=128,
-        intermediate_dim=512,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=4,
-        gradient_checkpointing=False,
-        scan_layers=False,  # unrolled: the update at this size is 1.35-1.4x faster on CPU (docs/performance.md)
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Where a policy comes from. With neither checkpoint set, the model is built from scratch."""
-
-    model: LmConfig = dataclasses.field(default_factory=_reference_llama)
-    """Levanter architecture (draccus choice, e.g. `type: llama`). For an HF checkpoint its config.json
-    rules instead, except `gradient_checkpointing`, which is taken from here (a Levanter-only knob); for a
-    Levanter checkpoint written by `save_levanter_checkpoint` its `model_config.json` does."""
-    vocab_size: int = 512
-    """Size of the vocabulary axis of a model built from scratch (and of the byte-level tokenizer)."""
-    seed: int = 0
-    """PRNG seed of the from-scratch initialization."""
-    init_std: Optional[float] = None
-    """If set, every weight matrix is initialized N(0, init_std) instead of Levanter's fan-in scaled
-    default (the reference shape of BENCHMARK.md uses 0.02); norms keep their ones, biases their zeros."""
-    levanter_checkpoint: Optional[str] = None
-    """Levanter checkpoint: a `step-N` directory or a run's checkpoint folder (latest step wins)."""
-    hf_checkpoint: Optional[str] = None
-    """Hugging Face checkpoint directory (config.json + safetensors), local or fsspec URL."""
-    tokenizer: Optional[str] = None
-    """HF tokenizer directory; None: the checkpoint's own tokenizer if it has one, else byte-level."""
-    dtype: str = "float32"
-    """Parameter dtype."""
-
-    def __post_init__(self):
-        if self.levanter_checkpoint and self.hf_checkpoint:
-            raise ValueError("ModelConfig: set at most one of levanter_checkpoint and hf_checkpoint")
-        if self.vocab_size < 1:
-            raise ValueError(f"ModelConfig.vocab_size must be >= 1, got {self.vocab_size}")
-        if self.init_std is not None and not (0 < self.init_std < float("inf")):
-            raise ValueError(f"ModelConfig.init_std must be finite and > 0 (or null), got {self.init_std}")
-        try:
-            floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
-        except TypeError:
-            floating = False
-        if not floating:
-            raise ValueError(f"ModelConfig.dtype must be a float dtype (float32, bfloat16, float16), got {self.dtype!r}")
 
 
 def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None, dtype=None) -> LmHeadModel:
@@ -106,10 +55,10 @@ def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None, dtype=None
             axis_mapping=axis_mapping, mesh=mesh,
         )
     if mesh is None and axis_mapping is None:
-        return init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
+        return init_model(to_levanter(config.model), config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
     with _default_mesh(mesh):
         return hax.named_jit(
-            lambda: init_model(config.model, config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype),
+            lambda: init_model(to_levanter(config.model), config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype),
             out_axis_resources=axis_mapping)()
 
 
@@ -130,7 +79,7 @@ def model_architecture(config: ModelConfig) -> tuple[LmConfig, int]:
         saved = _read_model_config(step_dir) if step_dir else None
         if saved:
             return saved
-    return config.model, config.vocab_size
+    return to_levanter(config.model), config.vocab_size
 
 
 def abstract_model(config: ModelConfig, dtype=None) -> LmHeadModel:
@@ -232,7 +181,7 @@ def load_levanter_checkpoint(
         raise FileNotFoundError(f"no Levanter checkpoint (a directory with metadata.json) under {path}")
     saved = _read_model_config(step_dir)
     if model_config is None:
-        model_config = saved[0] if saved else (fallback.model if fallback else None)
+        model_config = saved[0] if saved else (to_levanter(fallback.model) if fallback else None)
     if vocab_size is None:
         vocab_size = saved[1] if saved else (fallback.vocab_size if fallback else None)
     if model_config is None or vocab_size is None:

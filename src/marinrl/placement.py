@@ -28,7 +28,7 @@ import math
 import time
 from typing import Any, Callable, Optional
 
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 
 ROLES = ("trainer", "rollout")
 CURRICULUM_CPUS = 0

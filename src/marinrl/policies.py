@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-from marinrl.lora import LoraRLConfig
-from marinrl.models import ModelConfig
+from marinrl.lora_config import LoraRLConfig
+from marinrl.model_config import ModelConfig
 from marinrl.placement import PlacementConfig
-from marinrl.preflight import ConfigError
-from marinrl.train.losses import LossConfig
-from marinrl.train.replay_ingest import UnknownPolicyError  # noqa: F401  (raised at ingestion)
+from marinrl.config_errors import ConfigError
+from marinrl.train.loss_config import LossConfig
 from marinrl.train.trainer_config import JobOptimizerConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
 from marinrl.types import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -143,9 +143,6 @@ class PolicyModel:
     policies: tuple[str, ...]
     job: "RLJobConfig"
 
-    def train_worker_config(self):
-        return dataclasses.replace(self.job.train_worker_config(), policies=self.policies)
-
 
 def policy_models(job: "RLJobConfig") -> tuple[PolicyModel, ...]:
     """The models the job trains, the first one holding the shared policies (if any) and the curriculum's
@@ -174,9 +171,6 @@ def _model_job(job: "RLJobConfig", name: str, policy: PolicyConfig) -> "RLJobCon
 
 def _weights_of(weights, name: str):
     """The job's `weights:` transfer for one policy model: its own folder, or its own Ray actor."""
-    from marinrl.transfer.checkpoint import FilesystemTransferConfig
-    from marinrl.transfer.ray import RayTransferConfig
-
     if isinstance(weights, FilesystemTransferConfig):
         return dataclasses.replace(weights, root=f"{weights.root.rstrip('/')}/{name}")
     if isinstance(weights, RayTransferConfig):

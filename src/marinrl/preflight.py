@@ -19,27 +19,18 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import fsspec
 
+from marinrl.config_errors import ConfigError
+from marinrl.envs.base import make_env, needs_endpoint
+from marinrl.levanter_configs import to_levanter
+
 if TYPE_CHECKING:
     from marinrl.curriculum_config import CurriculumConfig
     from marinrl.job import RLJobConfig
-    from marinrl.models import ModelConfig
+    from marinrl.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run. `field` is the dotted path below RLJobConfig (lessons by id:
-    `curriculum.lessons[echo].env`); the message is `RLJobConfig.<field>: <problem>`."""
-
-    def __init__(self, field: str, problem: str):
-        self.field = field
-        self.problem = problem
-        super().__init__(f"RLJobConfig.{field}: {problem}")
-
-    def __reduce__(self):  # picklable across Ray, which re-creates exceptions from their args
-        return type(self), (self.field, self.problem)
 
 
 def check_job(config: "RLJobConfig") -> None:
@@ -76,7 +67,7 @@ def check_optimizer(config: "RLJobConfig") -> None:
     """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
     unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
     try:
-        config.optimizer.build(config.num_train_steps)
+        to_levanter(config.optimizer).build(config.num_train_steps)
     except Exception as e:
         raise ConfigError("optimizer", _one_line(e)) from e
 
@@ -90,11 +81,11 @@ def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequen
     for lesson in curriculum.lessons:
         where = f"curriculum.lessons[{lesson.lesson_id}].env"
         try:
-            lesson.env.needs_endpoint()  # resolves the name (registered, or an importable class path)
+            needs_endpoint(lesson.env)  # resolves the name (registered, or an importable class path)
         except Exception as e:
             raise ConfigError(f"{where}.name", _one_line(e)) from e
         try:
-            env = lesson.env.build()
+            env = make_env(lesson.env)
         except Exception as e:
             problem = _one_line(e)
             if lesson.env.name not in problem:
@@ -128,8 +119,26 @@ def check_model(model: "ModelConfig") -> Optional[int]:
     return seq_len
 
 
+def check_gcs_credentials(url: str, field: str) -> None:
+    """A gs:// URL needs Google Cloud credentials: without them gcsfs spends a minute on retries before its
+    error. Asked of google.auth once (about a second), with a message that says what is missing. The GCS
+    emulator (`STORAGE_EMULATOR_HOST`) needs none."""
+    if fsspec.utils.get_protocol(url) not in ("gs", "gcs") or os.environ.get("STORAGE_EMULATOR_HOST"):
+        return
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        google.auth.default()
+    except DefaultCredentialsError as e:
+        raise ConfigError(field, f"{url}: no Google Cloud credentials ({_one_line(e)[:160]}): run `gcloud auth "
+                                 "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service "
+                                 "account key, run on a GCE/TPU VM, or use a local run_root") from None
+
+
 def check_writable(url: str, field: str) -> None:
     """Create `url` (a directory, local or fsspec) and write and delete a probe file in it."""
+    check_gcs_credentials(url, field)
     try:
         fs, path = fsspec.core.url_to_fs(url)
         path = path.rstrip("/")
@@ -160,7 +169,7 @@ def check_lora(config: "RLJobConfig") -> None:
             from marinrl.models import _read_model_config
 
             saved = _read_model_config(discover_latest_checkpoint(model.levanter_checkpoint))
-        lm_config, vocab_size = saved or (model.model, model.vocab_size)
+        lm_config, vocab_size = saved or (to_levanter(model.model), model.vocab_size)
     check_targets(lm_config, vocab_size, config.lora, "lora")
 
 

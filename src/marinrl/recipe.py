@@ -146,7 +146,7 @@ def _use_fake_cpu_devices(n: int) -> None:
 
 def run_recipe(main: Callable, recipe_yaml: str, *, dry_run_defaults=None, argv: Optional[Sequence[str]] = None):
     """A recipe's `__main__`: parse the config (YAML + flags), then `main(config)` or the dry run."""
-    from marinrl.preflight import ConfigError
+    from marinrl.config_errors import ConfigError
 
     dry, shape_values, job_args = _split_dry_run(sys.argv[1:] if argv is None else argv)
     config = parse_recipe(recipe_yaml, job_args)

@@ -35,7 +35,8 @@ class ModelDims:
 
     @classmethod
     def of(cls, model_config, vocab_size: int) -> "ModelDims":
-        head = getattr(model_config, "actual_head_size", None) or model_config.hidden_dim // model_config.num_heads
+        head = (getattr(model_config, "actual_head_size", None) or getattr(model_config, "head_dim", None)
+                or model_config.hidden_dim // model_config.num_heads)
         return cls(hidden=model_config.hidden_dim, intermediate=model_config.intermediate_dim,
                    layers=model_config.num_layers, heads=model_config.num_heads, kv_heads=model_config.num_kv_heads,
                    head_dim=head, vocab=vocab_size,

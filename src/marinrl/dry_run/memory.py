@@ -51,6 +51,10 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from marinrl.dry_run.flops import ModelDims
+from marinrl.inference.levanter_engine import resolved_engine_config
+from marinrl.job_plan import trainer_config
+from marinrl.levanter_configs import to_levanter
+from marinrl.train.trainer_config import parse_mp
 
 Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)
@@ -96,6 +100,8 @@ class MemoryPlan:
 
 def abstract_model(model_config, vocab_size: int, dtype):
     """The model as ShapeDtypeStructs (no weights): its floating leaves in `dtype`."""
+    model_config = to_levanter(model_config)
+
     def init():
         model = model_config.model_type.init(hax.Axis("vocab", vocab_size), model_config, key=jax.random.PRNGKey(0))
         return cast_floats(model, dtype)
@@ -176,7 +182,7 @@ def trainer_mesh(job, n_devices: int) -> dict:
 def rollout_model_axis_size(job, n_devices: int) -> int:
     """`inference.model_axis_size`, else the accelerator's default: the largest divisor of `n_devices` that
     splits the model's heads, KV heads and MLP (marinrl.inference.sharding)."""
-    cfg = job.model.model
+    cfg = to_levanter(job.model.model)
     size = job.inference.model_axis_size
     if size is None:
         size = max(d for d in range(1, n_devices + 1) if n_devices % d == 0 and cfg.num_kv_heads % d == 0
@@ -204,7 +210,7 @@ def engine_sizing(job):
     page = e.page_size or ACCELERATOR_PAGE_SIZE
     pages = e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
     dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
-    return dataclasses.replace(e.resolved(), page_size=page, max_pages=pages, compute_dtype=dtype)
+    return dataclasses.replace(resolved_engine_config(e), page_size=page, max_pages=pages, compute_dtype=dtype)
 
 
 def abstract_engine_state(model, engine_config):
@@ -242,9 +248,9 @@ def train_activation_bytes(job, mesh: dict, length: int) -> float:
     at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
     gradients); without, every layer keeps its working set. The loss's logits and their gradient in
     float32 come on top, over one vocabulary block (`cross_entropy_block_size`, else the vocabulary)."""
-    cfg = job.model.model
+    cfg = to_levanter(job.model.model)
     rows = microbatch_rows_per_device(job, mesh)
-    compute = np.dtype(job.trainer.mp.compute_dtype).itemsize
+    compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
     working = 16 * rows * length * max(cfg.hidden_dim, cfg.intermediate_dim // 2) * compute / mesh["model"]
     checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
     kept = rows * length * cfg.hidden_dim * compute * cfg.num_layers if checkpointing else working * cfg.num_layers
@@ -258,7 +264,7 @@ def rollout_working_set_bytes(job, model_axis_size: int, data_axis_size: int) ->
     logits of every token in the step (compute dtype), the sampled rows' logits in float32 twice
     (softmax and log-softmax), and one layer's activations (hidden, q/k/v, the MLP's hidden units).
     For the scan sampler: one decode step of a call's rows."""
-    dims = ModelDims.of(job.model.model, job.model.vocab_size)
+    dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
     itemsize = np.dtype(job.inference.engine.compute_dtype or job.rollout_dtype()).itemsize
     vocab_shards = model_axis_size if dims.vocab % model_axis_size == 0 else 1
 
@@ -289,12 +295,12 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     from levanter.trainer_state import TrainerState
 
     mesh = trainer_mesh(job, n_devices)
-    trainer_cfg = job.trainer_config()
+    trainer_cfg = trainer_config(job)
     mapping = trainer_cfg.parameter_axis_mapping
-    optimizer = job.optimizer.build(job.num_train_steps)
-    model = abstract_model(job.model.model, job.model.vocab_size, jnp.dtype(job.model.dtype))
+    optimizer = to_levanter(job.optimizer).build(job.num_train_steps)
+    model = abstract_model(to_levanter(job.model.model), job.model.vocab_size, jnp.dtype(job.model.dtype))
     state = eqx.filter_eval_shape(
-        lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=job.trainer.mp), model)
+        lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=to_levanter(job.trainer).mp), model)
     params = shard_bytes(state.model, mapping, mesh)
     grads = shard_bytes(state.trainable_model, mapping, mesh)
     rows = job.groups_per_step * job.n_generations
@@ -311,7 +317,7 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         # XLA:CPU's SPMD program gathers every FSDP-sharded weight whole (in the compute dtype) for the
         # forward and holds whole float32 gradients before their reduce-scatter, per device (measured:
         # docs/scaling.md, "Rehearsal"); an accelerator's gathers stay within the layer scan.
-        compute = jnp.dtype(job.trainer.mp.compute_dtype)
+        compute = jnp.dtype(parse_mp(job.trainer.mp)["compute"])
         components["gathered_parameters"] = total_bytes(cast_floats(state.model, compute)) / mesh["model"]
         components["unsharded_gradients"] = total_bytes(state.trainable_model) / mesh["model"] - grads
         estimated += ("gathered_parameters", "unsharded_gradients")
@@ -327,7 +333,7 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     model_axis = rollout_model_axis_size(job, n_devices)
     mesh = {"data": n_devices // model_axis, "model": model_axis}
     mapping = rollout_mapping(job, model_axis)
-    model = abstract_model(job.model.model, job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+    model = abstract_model(to_levanter(job.model.model), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
     if job.inference.backend == "engine":
         with hax.axis_mapping(mapping):
             cache = shard_bytes(abstract_engine_state(model, engine_sizing(job)), mapping, mesh)
@@ -354,7 +360,7 @@ def scan_cache_bytes(job, prompt_tokens: int, response_tokens: int) -> tuple[flo
     cache exceeds `inference.scan_max_cache_bytes` is split into equal calls, as `sampler.sample` does."""
     from marinrl.inference.sampler import _floor_bucket, bucket
 
-    dims = ModelDims.of(job.model.model, job.model.vocab_size)
+    dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
     prompts = max(1, job.groups_per_step // job.n_rollout_workers)
     p_len, t_len = bucket(prompt_tokens, 16), bucket(response_tokens, 16)
     itemsize = np.dtype(job.rollout_dtype()).itemsize
@@ -368,7 +374,7 @@ def scan_cache_shards(job, mesh: dict, chunk: int) -> int:
     model."""
     rows = chunk * job.n_generations
     return (mesh["data"] if rows % mesh["data"] == 0 else 1) * \
-        (mesh["model"] if job.model.model.num_kv_heads % mesh["model"] == 0 else 1)
+        (mesh["model"] if to_levanter(job.model.model).num_kv_heads % mesh["model"] == 0 else 1)
 
 
 def default_response_tokens(job) -> int:

@@ -35,6 +35,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marinrl.dry_run.memory import abstract_engine_state, abstract_model, engine_sizing, rollout_mapping
+from marinrl.job_plan import trainer_config
+from marinrl.levanter_configs import to_levanter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +120,12 @@ def check_train_step(job, layers: int, rows: int, length: int) -> ProgramCheck:
     from marinrl.train.worker import StepInput, _step_loss
 
     started = time.perf_counter()
-    trainer_cfg = dataclasses.replace(job.trainer_config(), tracker=NoopConfig(), require_accelerator=False)
-    optimizer = job.optimizer.build(job.num_train_steps)
+    trainer_cfg = dataclasses.replace(trainer_config(job), tracker=NoopConfig(), require_accelerator=False)
+    optimizer = to_levanter(job.optimizer).build(job.num_train_steps)
     trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=job.loss), add_default_hooks=False)
     with trainer:
         mesh = trainer.device_mesh
-        model = abstract_model(with_layers(job.model.model, layers), job.model.vocab_size, jnp.dtype(job.model.dtype))
+        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.model.dtype))
         state = eqx.filter_eval_shape(
             lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=trainer.mp), model)
         state = _sharded(state, trainer.parameter_axis_mapping, mesh)
@@ -191,7 +193,7 @@ def check_engine(job, layers: int, n_devices: int, model_axis_size: int) -> list
     checks = []
     with sharding.using(where):
         started = time.perf_counter()
-        model = abstract_model(with_layers(job.model.model, layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
         model = _sharded(model, where.axis_mapping, where.mesh)
         state = _sharded(abstract_engine_state(model, sizing), where.axis_mapping, where.mesh)
         work = _sharded(_prefill_work(state, sizing), where.axis_mapping, where.mesh)
@@ -212,7 +214,7 @@ def check_scan_sampler(job, layers: int, n_devices: int, model_axis_size: int, p
 
     where = rollout_mesh(job, n_devices, model_axis_size)
     started = time.perf_counter()
-    model = abstract_model(with_layers(job.model.model, layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+    model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
     model = _sharded(model, where.axis_mapping, where.mesh)
     replicated = NamedSharding(where.mesh, PartitionSpec())
 

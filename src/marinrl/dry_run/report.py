@@ -15,6 +15,7 @@ import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
 import marinrl.dry_run.programs as programs
 from marinrl.dry_run.memory import GiB
+from marinrl.levanter_configs import to_levanter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,10 +95,10 @@ class DryRunReport:
 def step_flops(job, shapes: DryRunShapes) -> tuple[flops.TrainFlops, flops.GenerationFlops]:
     """One train step's FLOPs and the generation FLOPs of its rollouts (every worker's), at `shapes`."""
     response = shapes.response_tokens or memory.default_response_tokens(job)
-    dims = flops.ModelDims.of(job.model.model, job.model.vocab_size)
+    dims = flops.ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
     rows = job.groups_per_step * job.n_generations
     length = memory.train_row_length(job, shapes.prompt_tokens, response)
-    passes = flops.recomputed_forward_passes(getattr(job.model.model, "gradient_checkpointing", False))
+    passes = flops.recomputed_forward_passes(getattr(to_levanter(job.model.model), "gradient_checkpointing", False))
     return (flops.train_flops(dims, rows, length, passes),
             flops.generation_flops(dims, job.groups_per_step, job.n_generations, shapes.prompt_tokens, response))
 
@@ -113,7 +114,7 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
                            f"--xla_force_host_platform_device_count={want} before JAX loads)")
     started = time.perf_counter()
     response = shapes.response_tokens or memory.default_response_tokens(job)
-    full = job.model.model
+    full = to_levanter(job.model.model)
     layers = min(shapes.layers, full.num_layers)
     trainer = memory.predicted_memory(job, "trainer", want, prompt_tokens=shapes.prompt_tokens,
                                       response_tokens=response)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
+from marinrl.env_config import EnvConfig
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, chat_prompt_tokens
 from marinrl.logs import ENV_ERRORS
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, Rollout, RolloutGroup, RolloutMetadata
@@ -118,29 +119,16 @@ def _resolve(name: str) -> type:
     return obj
 
 
-@dataclasses.dataclass(frozen=True)
-class EnvConfig:
-    """Which environment a lesson runs, as configuration (draccus/YAML friendly)."""
-
-    name: str
-    """A registered short name (`echo`, `parity`, `arithmetic`, `math`) or a dotted class path
-    (`my_package.envs.MyEnv` or `my_package.envs:MyEnv`)."""
-    args: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Keyword arguments of the environment's constructor."""
-
-    def build(self) -> Env:
-        return make_env(self)
-
-    def needs_endpoint(self) -> bool:
-        """Whether the environment talks to the OpenAI-compatible endpoint (class attribute
-        `needs_endpoint`), so the server that runs it must serve HTTP."""
-        return bool(getattr(_resolve(self.name), "needs_endpoint", False))
+def needs_endpoint(config: EnvConfig) -> bool:
+    """Whether the environment talks to the OpenAI-compatible endpoint (class attribute `needs_endpoint`),
+    so the server that runs it must serve HTTP."""
+    return bool(getattr(_resolve(config.name), "needs_endpoint", False))
 
 
 def with_endpoint_if_needed(inference, envs):
     """`inference` (an InferenceServerConfig) with `serve_http` turned on when one of `envs` (EnvConfigs)
     drives the OpenAI endpoint: a lesson of such an environment never fails for a missing flag."""
-    if inference.serve_http or not any(env.needs_endpoint() for env in envs):
+    if inference.serve_http or not any(needs_endpoint(env) for env in envs):
         return inference
     logger.info("serving the OpenAI endpoint: a lesson's environment drives it")
     return dataclasses.replace(inference, serve_http=True)

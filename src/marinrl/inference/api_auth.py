@@ -13,7 +13,6 @@ import ipaddress
 import secrets
 from typing import Optional
 
-from fastapi.responses import JSONResponse
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key: a liveness probe, which tells nothing but the served model's name."""
@@ -43,9 +42,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def openai_error(status: int, message: str, *, code: Optional[str] = None, headers=None) -> JSONResponse:
+def openai_error(status: int, message: str, *, code: Optional[str] = None, headers=None):
     """An error in OpenAI's format, so that OpenAI clients show the message."""
     kind = "invalid_request_error" if status < 500 else "server_error"
+    from fastapi.responses import JSONResponse  # the checks above are imported by the config, which must not load fastapi
+
     return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": kind, "param": None, "code": code}})
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
 from levanter.inference.jit_scheduler import SeqDecodingParams
 
-from marinrl.config_checks import require_at_least
+from marinrl.inference.server_config import EngineConfig
 logger = logging.getLogger(__name__)
 
 
@@ -32,54 +32,30 @@ def on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    """Sizing of the Levanter engine. `None` means the platform's default: on CPU float32, page 64 and an
-    explicit page budget (max_seqs full-length sequences); on TPU/GPU Levanter's bfloat16, page 128 and
-    a page budget sized from free device memory."""
-
-    max_seqs: int = 64
-    """Concurrent sequences (samples) per engine call; larger requests are split into several calls."""
-    max_seq_len: int = 512
-    """Longest prompt + generated tokens of one sequence."""
-    max_prefill_tokens: int = 2048
-    """Prompt tokens prefilled together (the prefill buffer; prompts beyond it go to another call)."""
-    max_rounds: int = 32
-    """Decode steps per device loop before the host collects tokens."""
-    max_stop_tokens: int = 4
-    """Single-token stops (EOS included) the engine checks on device; more are matched on the host."""
-    page_size: Optional[int] = None
-    max_pages: Optional[int] = None
-    compute_dtype: Optional[str] = None
-    hbm_utilization: float = 0.5
-    """Accelerators only: share of free device memory for the KV cache when max_pages is None."""
-
-    def __post_init__(self):
-        require_at_least(self, 1, "max_seqs", "max_seq_len", "max_prefill_tokens", "max_rounds", "max_stop_tokens")
-
-    def resolved(self) -> InferenceEngineConfig:
-        cpu = on_cpu()
-        page_size = self.page_size or (64 if cpu else 128)
-        pages_per_seq = -(-self.max_seq_len // page_size)
-        max_pages = self.max_pages
-        if max_pages is None and cpu:
-            max_pages = self.max_seqs * pages_per_seq
-        dtype = jnp.dtype(self.compute_dtype) if self.compute_dtype else (jnp.float32 if cpu else jnp.bfloat16)
-        return InferenceEngineConfig(
-            max_seq_len=self.max_seq_len,
-            max_seqs=self.max_seqs,
-            page_size=page_size,
-            max_pages=max_pages,
-            hbm_utilization=self.hbm_utilization,
-            compute_dtype=dtype,
-            max_rounds=self.max_rounds,
-            max_stop_seqs=self.max_stop_tokens,
-            max_stop_tokens=1,
-            max_seqs_in_prefill=self.max_seqs,
-            max_prefill_size=self.max_prefill_tokens,
-            max_queued_tokens=max(512, self.max_seqs),
-            enable_logprobs=True,
-        )
+def resolved_engine_config(config: EngineConfig) -> InferenceEngineConfig:
+    """Levanter's engine config for `config` on this platform (its `None`s filled in)."""
+    cpu = on_cpu()
+    page_size = config.page_size or (64 if cpu else 128)
+    pages_per_seq = -(-config.max_seq_len // page_size)
+    max_pages = config.max_pages
+    if max_pages is None and cpu:
+        max_pages = config.max_seqs * pages_per_seq
+    dtype = jnp.dtype(config.compute_dtype) if config.compute_dtype else (jnp.float32 if cpu else jnp.bfloat16)
+    return InferenceEngineConfig(
+        max_seq_len=config.max_seq_len,
+        max_seqs=config.max_seqs,
+        page_size=page_size,
+        max_pages=max_pages,
+        hbm_utilization=config.hbm_utilization,
+        compute_dtype=dtype,
+        max_rounds=config.max_rounds,
+        max_stop_seqs=config.max_stop_tokens,
+        max_stop_tokens=1,
+        max_seqs_in_prefill=config.max_seqs,
+        max_prefill_size=config.max_prefill_tokens,
+        max_queued_tokens=max(512, config.max_seqs),
+        enable_logprobs=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +94,7 @@ class LevanterEngine:
 
     def __init__(self, model, tokenizer, config: EngineConfig):
         self.config = config
-        self.engine_config = config.resolved()
+        self.engine_config = resolved_engine_config(config)
         self._lock = threading.Lock()
         self.engine = InferenceEngine.from_model_with_config(model, tokenizer, self.engine_config)
         cfg = self.engine.config

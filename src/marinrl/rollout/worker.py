@@ -26,17 +26,20 @@ import numpy as np
 from marinrl.config_checks import require_at_least
 from marinrl.envs.base import COUNTERS
 from marinrl.fs import RolloutStorageError
-from marinrl.inference.inflight import InflightConfig
+from marinrl.inference.inflight_config import InflightConfig
 from marinrl.logs import ENV_ERRORS
-from marinrl.lora import AdapterMergingClient, LoraRLConfig
+from marinrl.lora import AdapterMergingClient
+from marinrl.lora_config import LoraRLConfig
 from marinrl.rollout.policy_router import split_by_model
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutWriter
 from marinrl.train.staleness import version_spread_metrics
-from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferConfig, WeightWaitTimeout
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightWaitTimeout
+from marinrl.transfer.transfer_config import WeightTransferConfig
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import RolloutBatch
+from marinrl.transfer.endpoints import build_client
 
 logger = logging.getLogger(__name__)
 
@@ -54,21 +57,30 @@ class EnvironmentFailedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelStream:
-    """One policy model's weights and rollout files, for a job of several (docs/policies.md)."""
+    """One policy model a worker samples: where its weights come from and its rollout files go
+    (docs/policies.md for a job of several)."""
 
     name: str
     policies: tuple[str, ...]
-    """The policies this model plays: their turns are sampled by its server and written to its files."""
+    """The policies this model plays: their turns are sampled by its server and written to its files (empty:
+    every policy, for a job of one model)."""
     rollout_root: str
     weights: WeightTransferConfig
     lora: Optional[LoraRLConfig] = None
+    """The job's `LoraRLConfig` when it trains LoRA adapters: versions then carry the adapters only, and the
+    worker merges each into the base model it started with (`marinrl/lora.py`)."""
+
+
+def _default_streams() -> tuple[ModelStream, ...]:
+    return (ModelStream("policy", (), "runs/default/rollouts", FilesystemTransferConfig(root="runs/default/weights")),)
 
 
 @dataclasses.dataclass
 class RolloutWorkerConfig:
-    rollout_root: str = "runs/default/rollouts"
-    weights: WeightTransferConfig = dataclasses.field(
-        default_factory=lambda: FilesystemTransferConfig(root="runs/default/weights"))
+    streams: tuple[ModelStream, ...] = dataclasses.field(default_factory=_default_streams)
+    """The policy models this worker samples: each one's weights (and adapters), rollout files and the
+    policies it plays. One for most jobs; several (docs/policies.md) make the manager's server a
+    `PolicyRouter` with a server per model."""
     groups_per_batch: int = 8
     """Prompts per batch this worker writes (the trainer's groups_per_step divided among workers)."""
     n_generations: int = 8
@@ -99,17 +111,10 @@ class RolloutWorkerConfig:
     between batches. Evaluations never swap."""
     seed: int = 0
     storage_options: dict = dataclasses.field(default_factory=dict)
-    lora: Optional[LoraRLConfig] = None
-    """The job's `LoraRLConfig` when it trains LoRA adapters: versions then carry the adapters only, and
-    the worker merges each into the base model it started with (`marinrl/lora.py`)."""
-    streams: tuple[ModelStream, ...] = ()
-    """Several policy models: one stream each, in the job's order (the manager's server is then a
-    `PolicyRouter` with a server per model). Empty: one model, from `rollout_root`, `weights`, `lora`."""
-
-    def model_streams(self) -> tuple[ModelStream, ...]:
-        return self.streams or (ModelStream("policy", (), self.rollout_root, self.weights, self.lora),)
 
     def __post_init__(self):
+        if not self.streams:
+            raise ValueError("RolloutWorkerConfig.streams: a worker samples at least one policy model")
         require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
                          "max_consecutive_env_failures")
         require_at_least(self, 0, "max_staleness", "micro_eval_every", "eval_every", "final_step")
@@ -164,7 +169,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.tracker = tracker
         self.counters = _Counters()
-        streams = config.model_streams()
+        streams = config.streams
         self.weight_steps: dict[str, int | None] = {s.name: None for s in streams}
         """Each policy model's weight step now (one model: `policy`)."""
         self._epochs: dict[str, int | None] = {s.name: None for s in streams}
@@ -173,7 +178,7 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._writers = {s.name: RolloutWriter(s.rollout_root, storage_options=config.storage_options)
                          for s in streams}
-        servers = ({s.name: manager.server.server_of(s.name) for s in streams} if config.streams
+        servers = ({s.name: manager.server.server_of(s.name) for s in streams} if len(streams) > 1
                    else {streams[0].name: manager.server})
         self._clients = {s.name: self._weight_client(s, servers[s.name].model) for s in streams}
         self._model_of = {p: s.name for s in streams for p in s.policies}
@@ -187,7 +192,7 @@ class RolloutWorker:
     def _weight_client(stream: ModelStream, model):
         """Full versions into `model`'s skeleton; with LoRA, adapter versions merged into `model` (the base)."""
         if stream.lora is None:
-            return stream.weights.build_client(model)
+            return build_client(stream.weights, model)
         return AdapterMergingClient(stream.weights, stream.lora, model)
 
     @property

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from levanter.trainer import Trainer
 
 from marinrl import lora as lora_rl
-from marinrl.models import ModelConfig, build_model, init_model, model_architecture
+from marinrl.model_config import ModelConfig
+from marinrl.models import build_model, init_model, model_architecture
 
 
 class CheckpointWeights:

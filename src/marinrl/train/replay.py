@@ -59,7 +59,7 @@ class ReplayIngestionError(RuntimeError):
 class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
     """Rollout groups waiting to be trained on. Thread-safe: one ingestion thread, one trainer.
 
-    Lifecycle: build (`ReplayConfig.build(reader)`), optionally `load_state_dict(state)`, `start()`
+    Lifecycle: build (`ReplayBuffer(config, reader)`), optionally `load_state_dict(state)`, `start()`
     the ingestion thread (or call `poll()` / `ingest()` yourself), `sample()` once per step,
     `state_dict()` at checkpoints, `stop()`.
     """

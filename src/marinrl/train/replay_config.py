@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import TYPE_CHECKING, Callable, Collection
+from typing import Callable
 
 import numpy as np
 
 from marinrl.config_checks import require_at_least
-from marinrl.train.advantages import AdvantageKind, overlong_shaping
+from marinrl.train.advantages import overlong_shaping
 from marinrl.train.group_filters import GroupFilterConfig, ZeroVarianceFilter
 from marinrl.train.sampling import OffPolicyConfig, SamplingConfig
 from marinrl.train.staleness import TOKEN_VERSION_REDUCTIONS, TokenVersionReduction
 from marinrl.types import RolloutGroup
 
-if TYPE_CHECKING:
-    from marinrl.train.replay import ReplayBuffer
 
 RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 """Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
@@ -74,19 +71,11 @@ class ReplayConfig:
     def for_loss(self, loss) -> ReplayConfig:
         """This config with a `zero_variance` filter first when the loss (`losses.LossConfig`) sets
         `drop_zero_variance_groups`. The loss also decides the buffer's `advantage` (pass
-        `loss.advantage` to `build`) and its overlong shaping (`overlong_reward_fn(loss)`)."""
+        `loss.advantage` to `ReplayBuffer`) and its overlong shaping (`overlong_reward_fn(loss)`)."""
         filters = list(self.filters)
         if loss.drop_zero_variance_groups and not any(isinstance(f, ZeroVarianceFilter) for f in filters):
             filters.insert(0, ZeroVarianceFilter())
         return dataclasses.replace(self, filters=filters)
-
-    def build(self, reader=None, *, advantage: AdvantageKind = "group_std", reward_fn: RewardFn | None = None,
-              max_tokens: int | None = None, clock: Callable[[], float] = time.time,
-              start_step: int = 0, policies: Collection[str] | None = None) -> ReplayBuffer:
-        from marinrl.train.replay import ReplayBuffer  # the buffer module imports this one
-
-        return ReplayBuffer(self, reader, advantage=advantage, reward_fn=reward_fn, max_tokens=max_tokens,
-                            clock=clock, start_step=start_step, policies=policies)
 
 
 def overlong_reward_fn(loss) -> RewardFn | None:

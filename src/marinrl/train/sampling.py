@@ -7,13 +7,15 @@ one registered dataclass (docs/replay.md, "Sampling strategies").
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import draccus
 import numpy as np
 
 from marinrl.config_checks import require_at_least
-from marinrl.train.replay_groups import BufferedGroup
+
+if TYPE_CHECKING:  # the strategies only order and pick groups: the config layer stays free of JAX
+    from marinrl.train.replay_groups import BufferedGroup
 
 
 def oldest_first(candidates: Sequence[BufferedGroup]) -> list[BufferedGroup]:

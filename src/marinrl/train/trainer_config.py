@@ -1,157 +1,241 @@
-"""The job's Levanter knobs: `RLJobConfig.trainer` is Levanter's `TrainerConfig` and
-`RLJobConfig.optimizer` its `OptimizerConfig`, with marinrl's defaults and one place per knob.
+"""The job's Levanter knobs, `trainer:` and `optimizer:` of a job config, as plain dataclasses: mirrors of
+Levanter's `TrainerConfig`, its trackers and its AdamW with the same field names and Levanter's defaults
+except where marked, so a config parses and is checked without importing Levanter (seconds and hundreds
+of MB). `levanter_configs.levanter_config` makes Levanter's objects when the trainer starts;
+tests/test_layers.py checks every mirrored field against Levanter's class.
 
-draccus builds a nested config that a YAML file or a flag touches from its *class* defaults (a
-field's `default_factory` is then ignored), so the defaults live on classes:
-
-- `JobTrainerConfig` is `TrainerConfig` with the CPU defaults of `cpu_trainer_config` (no accelerator
-  required unless the trainer's placement asks for one, JSON + TensorBoard trackers, no Ray of
-  Levanter's own, no jaxpr/HLO logging, no watch hooks) and the fields the job derives left empty:
-  `num_train_steps`, `train_batch_size`, `id`, `seed`, `log_dir`, the checkpointer's path. The job
-  fills them; a value a user sets that disagrees is refused naming both fields.
-- `RLAdamConfig` (`type: rl_adam`, what an `optimizer:` block without `type:` is) is Levanter's AdamW
-  with marinrl's defaults: lr 1e-4 constant, no warmup, no weight decay, betas (0.9, 0.999), clip 1.0.
-  Any Levanter optimizer works by its `type:` (`adam`, `lion`, …) with Levanter's own defaults.
+- `JobTrainerConfig` exposes the mesh, microbatching, mixed precision, profiler, tracker and compile
+  cache knobs. The fields the job derives (`num_train_steps`, `train_batch_size`, `id`, `seed`,
+  `log_dir`, the checkpointer) are not here: the job sets them (`levanter_configs.levanter_trainer`).
+- `RLAdamConfig` (`type: rl_adam`, what an `optimizer:` block without `type:` is) is Levanter's AdamW with
+  marinrl's defaults: lr 1e-4 constant, no warmup, no weight decay, betas (0.9, 0.999), clip 1.0;
+  `type: adam` is the same optimizer with Levanter's defaults. Python may pass any Levanter
+  `OptimizerConfig` (Lion, Muon, …) as `optimizer`; it is used as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-from typing import Optional, Tuple, Union
+from typing import ClassVar, Optional, Tuple, Union
 
 import draccus
-from levanter.callbacks.watch import WatchConfig
-from levanter.checkpoint import CheckpointerConfig
-from levanter.distributed import RayConfig
-from levanter.optim import AdamConfig, OptimizerConfig
-from levanter.optim.config import LrSchedule
-from levanter.tracker import TrackerConfig
-from levanter.tracker.json_logger import JsonLoggerConfig
-from levanter.tracker.tensorboard import TensorboardConfig
-from levanter.trainer import TrainerConfig
 
-from marinrl.preflight import ConfigError
+from marinrl.config_errors import ConfigError
 
-_LEVANTER_CHECKPOINTER = CheckpointerConfig()
-_LEVANTER_TENSORBOARD_LOGDIR = TensorboardConfig().logdir
+MP_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f16": "float16", "float16": "float16", "full": "float32",
+             "f32": "float32", "float32": "float32", "f64": "float64", "float64": "float64"}
+"""jmp's dtype names (`half` is refused: it means bfloat16 on a TPU and float16 elsewhere)."""
+
+
+def parse_mp(mp: str) -> dict[str, str]:
+    """`{"params", "compute", "output"}` dtype names of a mixed-precision string as jmp reads it
+    (`p=f32,c=bfloat16`: compute follows params and output follows compute unless named; `bf16` alone:
+    all three). ValueError naming the part it cannot read."""
+    def dtype(name: str) -> str:
+        if name not in MP_DTYPES:
+            raise ValueError(f"unknown dtype {name!r} in {mp!r}: use one of {', '.join(sorted(MP_DTYPES))}")
+        return MP_DTYPES[name]
+
+    if "=" not in mp:
+        d = dtype(mp)
+        return {"params": d, "compute": d, "output": d}
+    got: dict[str, Optional[str]] = {"params": "float32", "compute": None, "output": None}
+    for part in mp.split(","):
+        key, _, value = part.partition("=")
+        full = {"p": "params", "c": "compute", "o": "output"}.get(key, key)
+        if full not in got:
+            raise ValueError(f"unknown key {key!r} in {mp!r}: use p/params, c/compute, o/output")
+        got[full] = dtype(value)
+    got["compute"] = got["compute"] or got["params"]
+    got["output"] = got["output"] or got["compute"]
+    return got  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------ trackers
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerConfig(draccus.ChoiceRegistry):
+    """Where the trainer's metrics go, by `type:` (Levanter's trackers)."""
+
+    LEVANTER: ClassVar[str] = ""
+
+
+@TrackerConfig.register_subclass("json_logger")
+@dataclasses.dataclass(frozen=True)
+class JsonLoggerTracker(TrackerConfig):
+    """JSON lines through Python logging (read by `marinrl report`)."""
+
+    LEVANTER: ClassVar[str] = "levanter.tracker.json_logger:JsonLoggerConfig"
+    logger_name: str = "levanter.json_logger"
+    level: int = 20
+
+
+@TrackerConfig.register_subclass("tensorboard")
+@dataclasses.dataclass(frozen=True)
+class TensorboardTracker(TrackerConfig):
+    """TensorBoard event files; left at `tblogs`, the job writes them to `<run_dir>/tensorboard/trainer`."""
+
+    LEVANTER: ClassVar[str] = "levanter.tracker.tensorboard:TensorboardConfig"
+    logdir: str = "tblogs"
+    comment: Optional[str] = ""
+    purge_step: Optional[int] = None
+    max_queue: Optional[int] = 10
+    flush_secs: Optional[int] = 120
+    filename_suffix: Optional[str] = ""
+    write_to_disk: Optional[bool] = True
+
+
+@TrackerConfig.register_subclass("wandb")
+@dataclasses.dataclass(frozen=True)
+class WandbTracker(TrackerConfig):
+    """Weights & Biases: online unless `mode: offline` or `WANDB_MODE` says otherwise."""
+
+    LEVANTER: ClassVar[str] = "levanter.tracker.wandb:WandbConfig"
+    entity: Optional[str] = None
+    project: Optional[str] = "levanter"
+    name: Optional[str] = None
+    tags: list[str] = dataclasses.field(default_factory=list)
+    id: Optional[str] = None
+    group: Optional[str] = None
+    mode: Optional[str] = None
+    resume: Optional[Union[bool, str]] = "allow"
+    save_code: Union[bool, str] = True
+    save_xla_dumps: bool = False
+
+
+@TrackerConfig.register_subclass("noop")
+@dataclasses.dataclass(frozen=True)
+class NoopTracker(TrackerConfig):
+    """No metrics."""
+
+    LEVANTER: ClassVar[str] = "levanter.tracker:NoopConfig"
+
+
+# ------------------------------------------------------------------------------------------ trainer
 
 
 @dataclasses.dataclass
-class JobTrainerConfig(TrainerConfig):
-    """Levanter's `TrainerConfig` with marinrl's CPU defaults; the fields the job derives are None
-    (filled by `derive_trainer_config`). Every other Levanter knob works as in Levanter: the mesh
+class JobTrainerConfig:
+    """Levanter's `TrainerConfig` knobs a job sets (Levanter's defaults unless marked): the mesh
     (`model_axis_size`, `replica_ici_axis_size`, `tensor_parallel_axes`, `fsdp_axis`, `axis_resources`),
-    `per_device_parallelism` (gradient accumulation), `mp` (e.g. `p=f32,c=bf16`), `tracker`,
-    `jax_compilation_cache_dir`, `checkpointer` (its path is the job's)."""
+    `per_device_parallelism` (gradient accumulation), `mp` (e.g. `p=f32,c=bfloat16`), `tracker`,
+    `jax_compilation_cache_dir`, the profiler."""
 
-    seed: Optional[int] = None  # type: ignore[assignment]
-    """Derived: the job's `seed`."""
-    log_dir: Optional[pathlib.Path] = None  # type: ignore[assignment]
-    """Derived: `<run_dir>/logs`."""
+    LEVANTER: ClassVar[str] = "levanter.trainer:TrainerConfig"
+    DERIVED_FIELDS: ClassVar[dict[str, str]] = {
+        "num_train_steps": "num_train_steps", "train_batch_size": "groups_per_step × n_generations", "id": "run_id",
+        "seed": "seed", "log_dir": "run_root and run_id (<run_dir>/logs)",
+        "checkpointer": "run_root, run_id, checkpoint_every, checkpoint_keep and checkpoint_keep_every",
+        "ray": "ray (the job owns Ray)", "watch": "nothing: no watch hooks (they compile a second train step)"}
+    """Levanter's fields the job derives, for the error that names where to set them."""
+
+    mp: str = "f32"
+    """Mixed precision as jmp reads it: `p=f32,c=bfloat16` keeps float32 masters and computes in bfloat16."""
     tracker: Union[TrackerConfig, Tuple[TrackerConfig, ...]] = dataclasses.field(
-        default_factory=lambda: (JsonLoggerConfig(), TensorboardConfig()))
-    """JSON (read by `marinrl report`) and TensorBoard under `<run_dir>/tensorboard/trainer` (a
-    TensorBoard tracker left at Levanter's default logdir gets that one). Add `{type: wandb, project: …}`
-    for Weights & Biases: online unless `mode: offline` or `WANDB_MODE` says otherwise."""
-    watch: WatchConfig = dataclasses.field(default_factory=lambda: WatchConfig(watch_targets=[]))
-    """No watch hooks: they compile a second train step."""
+        default_factory=lambda: (JsonLoggerTracker(), TensorboardTracker()))
+    """marinrl: JSON (read by `marinrl report`) and TensorBoard under `<run_dir>/tensorboard/trainer`. Add
+    `{type: wandb, project: …}` for Weights & Biases."""
+    profiler: bool = False
+    """Write a `jax.profiler` trace of steps `profiler_start_step` .. + `profiler_num_steps`."""
+    profiler_start_step: int = 5
+    profiler_num_steps: int = 100
+    profiler_perfetto_link: bool = False
     log_jaxprs: bool = False
+    """marinrl: off (Levanter: on)."""
     log_xla_hlo: bool = False
-    train_batch_size: Optional[int] = None  # type: ignore[assignment]
-    """Derived: `groups_per_step × n_generations` rows (the batch is whole groups)."""
-    num_train_steps: Optional[int] = None  # type: ignore[assignment]
-    """Derived: the job's `num_train_steps`."""
-    ray: RayConfig = dataclasses.field(default_factory=lambda: RayConfig(auto_start_cluster=False))
-    """marinrl owns Ray: Levanter starts none of its own."""
+    """marinrl: off (Levanter: on)."""
+    crash_on_nan: bool = True
+    crash_on_inf: bool = True
+    batch_axis: str = "batch"
+    fsdp_axis: Optional[Union[str, list[str]]] = "embed"
+    tensor_parallel_axes: Optional[list[str]] = None
+    axis_resources: dict[str, Union[str, list[str]]] = dataclasses.field(default_factory=dict)
+    parameter_axis_resources: dict[str, Union[str, list[str]]] = dataclasses.field(default_factory=dict)
+    replica_ici_axis_size: int = 1
+    model_axis_size: int = 1
+    replica_dcn_axis_size: int = 1
+    per_device_parallelism: int = -1
+    """Rows per device per microbatch; -1: the whole batch at once (no gradient accumulation)."""
+    per_device_eval_parallelism: int = -1
+    allow_nondivisible_batch_size: bool = False
+    jax_config: dict[str, Union[str, int, float, bool, None]] = dataclasses.field(
+        default_factory=lambda: {"jax_threefry_partitionable": True, "jax_softmax_custom_jvp": True})
+    jax_compilation_cache_dir: Optional[str] = None
     require_accelerator: Optional[bool] = None
-    """None: required exactly when `ray.trainer` asks for GPUs or a TPU (a JAX that falls back to the CPU
-    there fails instead of training slowly)."""
+    """marinrl: None means required exactly when `ray.trainer` asks for GPUs or a TPU (a JAX that falls back
+    to the CPU there fails instead of training slowly)."""
 
 
-@OptimizerConfig.register_subclass("rl_adam")
-@dataclasses.dataclass(frozen=True)
-class RLAdamConfig(AdamConfig):
-    """Levanter's AdamW (`type: adam`) with marinrl's defaults (BENCHMARK.md's reference)."""
-
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    warmup: Union[int, float] = 0.0
-    """Fraction of the steps (< 1) or number of steps of linear warmup."""
-    lr_schedule: Union[LrSchedule, str] = "constant"
-    """`constant`, `cosine`, `linear`, `inv_sqrt`, … (Levanter's schedules), after the warmup."""
-    beta2: float = 0.999
+MARINRL_TRAINER_DEFAULTS = ("tracker", "log_jaxprs", "log_xla_hlo")
+"""The fields whose defaults are marinrl's, not Levanter's (tests/test_layers.py checks the others)."""
 
 
-class JobOptimizerConfig(OptimizerConfig, draccus.ChoiceRegistry):
-    """The declared type of `RLJobConfig.optimizer`: any registered Levanter optimizer by `type:`;
-    without `type:`, `rl_adam`. (draccus treats a class as a choice type only when `ChoiceRegistry` is
-    among its direct bases; the registry itself is OptimizerConfig's.)"""
+# ------------------------------------------------------------------------------------------ optimizer
+
+
+class JobOptimizerConfig(draccus.ChoiceRegistry):
+    """`optimizer:` of a job config, by `type:`; without `type:`, `rl_adam`."""
 
     @classmethod
     def default_choice_name(cls) -> Optional[str]:
         return "rl_adam"
 
 
+@JobOptimizerConfig.register_subclass("adam")
 @dataclasses.dataclass(frozen=True)
-class DerivedTrainerFields:
-    """What the job sets in the TrainerConfig, and the job fields they come from."""
+class AdamConfig(JobOptimizerConfig):
+    """Levanter's AdamW with Levanter's defaults."""
 
-    num_train_steps: int
-    train_batch_size: int
-    batch_source: str
-    """How `train_batch_size` is derived, for the error message."""
-    run_id: str
-    seed: int
-    run_dir: str
-    require_accelerator: bool
+    LEVANTER: ClassVar[str] = "levanter.optim:AdamConfig"
 
-
-def derive_trainer_config(trainer: TrainerConfig, d: DerivedTrainerFields) -> TrainerConfig:
-    """`trainer` with the job's fields filled in. A field the user set to another value than the job's
-    raises ConfigError naming both; Levanter's own defaults count as unset."""
-
-    def agree(field: str, value, derived, source: str, shown: str):
-        if value is not None and value != derived:
-            raise ConfigError(f"trainer.{field}", f"{value!r} disagrees with RLJobConfig.{shown}: the job sets "
-                                                  f"trainer.{field} from {source}; set only {source} (or both to the "
-                                                  "same value)")
-
-    agree("num_train_steps", trainer.num_train_steps, d.num_train_steps, "num_train_steps",
-          f"num_train_steps={d.num_train_steps}")
-    agree("train_batch_size", trainer.train_batch_size, d.train_batch_size, "groups_per_step and n_generations",
-          d.batch_source)
-    agree("id", trainer.id, d.run_id, "run_id", f"run_id={d.run_id!r}")
-    agree("seed", trainer.seed, d.seed, "seed", f"seed={d.seed}")
-    log_dir = pathlib.Path(d.run_dir) / "logs"
-    agree("log_dir", None if trainer.log_dir is None else str(pathlib.Path(trainer.log_dir)), str(log_dir),
-          "run_root and run_id",
-          f"run_root/run_id (logs go to {log_dir})")
-    checkpoints = f"{d.run_dir}/checkpoints"
-    cp = trainer.checkpointer
-    agree("checkpointer.base_path",
-          None if cp.base_path == _LEVANTER_CHECKPOINTER.base_path else str(cp.base_path).rstrip("/"), checkpoints,
-          "run_root and run_id", f"run_root/run_id (checkpoints go to {checkpoints})")
-    if cp.keep != _LEVANTER_CHECKPOINTER.keep or cp.save_interval != _LEVANTER_CHECKPOINTER.save_interval:
-        raise ConfigError("trainer.checkpointer", "the job decides when to checkpoint (RLJobConfig.checkpoint_every) "
-                                                  "and what to keep (checkpoint_keep, checkpoint_keep_every); "
-                                                  "trainer.checkpointer.keep and save_interval would not be used")
-    trackers = trainer.tracker if isinstance(trainer.tracker, (tuple, list)) else (trainer.tracker,)
-    trackers = tuple(dataclasses.replace(t, logdir=f"{d.run_dir}/tensorboard/trainer")
-                     if isinstance(t, TensorboardConfig) and t.logdir == _LEVANTER_TENSORBOARD_LOGDIR else t
-                     for t in trackers)
-    return dataclasses.replace(
-        trainer, num_train_steps=d.num_train_steps, train_batch_size=d.train_batch_size, id=d.run_id, seed=d.seed,
-        log_dir=log_dir, tracker=trackers if len(trackers) != 1 else trackers[0],
-        checkpointer=dataclasses.replace(cp, base_path=checkpoints, append_run_id_to_base_path=False),
-        require_accelerator=(d.require_accelerator if trainer.require_accelerator is None
-                             else trainer.require_accelerator))
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.1
+    min_lr_ratio: float = 0.1
+    warmup: Union[int, float] = 0.01
+    """Fraction of the steps (< 1) or number of steps of linear warmup."""
+    decay: Optional[Union[int, float]] = None
+    rewarmup: Union[int, float] = 0.0
+    cooldown: Optional[float] = None
+    cycle_length: Optional[Union[int, float]] = None
+    cycles: Optional[int] = None
+    lr_schedule: str = "cosine"
+    """`constant`, `cosine`, `linear`, `inv_sqrt`, … (Levanter's schedules), after the warmup."""
+    haps: Optional[list[int]] = None
+    weight_decay_modules: Optional[Union[list[str], str]] = None
+    default_weight_decay_mask: Optional[bool] = None
+    beta1: float = 0.9
+    beta2: float = 0.95
+    epsilon: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0
+    nesterov: bool = False
+    update_rms_clipping: Optional[float] = None
+    adamc_weight_decay: bool = False
 
 
-def check_trainer_ranges(trainer: TrainerConfig, batch_rows: int, batch_source: str,
+@JobOptimizerConfig.register_subclass("rl_adam")
+@dataclasses.dataclass(frozen=True)
+class RLAdamConfig(AdamConfig):
+    """Levanter's AdamW (`type: adam`) with marinrl's defaults (the reference of docs/performance.md)."""
+
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    warmup: Union[int, float] = 0.0
+    lr_schedule: str = "constant"
+    beta2: float = 0.999
+
+
+# ------------------------------------------------------------------------------------------ checks
+
+
+def check_trainer_ranges(trainer: JobTrainerConfig, batch_rows: int, batch_source: str,
                          devices: Optional[int], devices_source: str) -> None:
     """The mesh and microbatch knobs: ranges, and divisibility where the trainer's device count is known
     from its placement (`devices`, None on the CPU)."""
+    try:
+        parse_mp(trainer.mp)
+    except ValueError as e:
+        raise ConfigError("trainer.mp", str(e)) from None
     for name in ("model_axis_size", "replica_ici_axis_size", "replica_dcn_axis_size"):
         if getattr(trainer, name) < 1:
             raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(trainer, name)}")
@@ -181,7 +265,7 @@ def check_trainer_ranges(trainer: TrainerConfig, batch_rows: int, batch_source: 
                           f"{batch_source}")
 
 
-def check_optimizer_ranges(optimizer: OptimizerConfig) -> None:
+def check_optimizer_ranges(optimizer) -> None:
     """The learning rate and the common knobs' ranges; `preflight` then builds the optimizer once."""
     import math
 

@@ -23,7 +23,6 @@ import equinox as eqx
 import fsspec
 import haliax as hax
 import jax
-import jax.numpy as jnp
 import levanter
 import levanter.tracker
 import psutil
@@ -35,20 +34,28 @@ from levanter.trainer import Trainer, TrainerConfig
 from marinrl import multihost, program_audit
 from marinrl import lora as lora_rl
 from marinrl.config_checks import require_at_least
-from marinrl.models import ModelConfig
+from marinrl.levanter_configs import to_levanter
+from marinrl.model_config import ModelConfig
 from marinrl.startup import StartupClock
 from marinrl.storage import RolloutReader
-from marinrl.train.batching import BatchingConfig, TrainingBatch
+from marinrl.train.audit import AuditTrail, new_trainer_id
+from marinrl.train.batching_config import BatchingConfig
+from marinrl.train.batching import TrainingBatch, row_alignment
+from marinrl.train.cohort_batch import next_batch
 from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
                                            is_initial_policy, resume_model_init)
 from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
                                        read_sidecar, release_host_memory, remove_folder)
-from marinrl.train.losses import LossConfig, describe, rl_loss, token_logprobs
+from marinrl.train.loss_config import LossConfig
+from marinrl.train.losses import describe, rl_loss, token_logprobs
+from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
 from marinrl.train.trainer_config import RLAdamConfig
-from marinrl.transfer.base import WeightTransferConfig, cast_for_publish
-from marinrl.transfer.checkpoint import FilesystemTransferConfig
+from marinrl.transfer.transfer_config import WeightTransferConfig
+from marinrl.transfer.base import cast_for_publish
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import DEFAULT_POLICY
+from marinrl.transfer.endpoints import build_server
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +86,7 @@ def cpu_trainer_config(**overrides) -> TrainerConfig:
 
 def _default_optimizer() -> OptimizerConfig:
     # BENCHMARK.md's reference: AdamW, lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0.
-    return RLAdamConfig()
+    return to_levanter(RLAdamConfig())
 
 
 @dataclasses.dataclass
@@ -120,6 +127,9 @@ class TrainWorkerConfig:
     """The dtype weight versions carry: the rollout workers' (`RLJobConfig.rollout_dtype()`). Floating
     weights are cast to it once per publish on the trainer's devices (`transfer.base.cast_for_publish`);
     the master weights and optimizer state stay as trained. None: publish the weights as they are."""
+    audit_root: Optional[str] = None
+    """Where the trained-groups audit trail goes (`<run_dir>/trained` in a job): per step, the group ids
+    trained, written before that step's checkpoint (`marinrl/train/audit.py`). None: no trail."""
 
     def __post_init__(self):
         if self.lora is not None:
@@ -133,16 +143,6 @@ class TrainWorkerConfig:
             raise ValueError(
                 f"TrainWorkerConfig.sync_interval={self.sync_interval} publishes weights less often than "
                 f"max_staleness={self.replay.sampling.max_staleness} allows rollouts to lag: the trainer would starve")
-
-
-def row_alignment(trainer_config: TrainerConfig) -> dict[str, int | None]:
-    """`make_training_batch`'s row arguments for this trainer: rows in multiples of the data-parallel size (each
-    device gets whole rows) and, only when Levanter accumulates gradients (its microbatch is smaller than the
-    batch), of the microbatch past one. Levanter fills an unset `per_device_parallelism` with the whole batch,
-    so its `microbatch_size` alone would pad every packed batch back to `train_batch_size` rows."""
-    mbs = trainer_config.microbatch_size
-    accumulating = mbs is not None and mbs < trainer_config.train_batch_size
-    return {"row_multiple": trainer_config.data_axis_size, "microbatch_rows": mbs if accumulating else None}
 
 
 class CurriculumHandle(Protocol):
@@ -221,6 +221,9 @@ class TrainWorker:
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[list[str]] = []
         self._resumed_from: StepFolder | None = None
+        self._parent: str | None = None  # the incarnation that wrote the checkpoint resumed from
+        self.trainer_id = new_trainer_id()
+        """This incarnation's name in the audit trail and in the sidecars of its checkpoints."""
         self._checkpoints_deleted = 0
         self.model = None
         """The trained model once `run()` returns (with LoRA: base and adapters)."""
@@ -239,7 +242,7 @@ class TrainWorker:
         bound_restore_memory()  # a restore holds the state, not twice the state
         clock.mark("init")
         num_steps = trainer_cfg.num_train_steps
-        optimizer = cfg.optimizer.build(num_steps)
+        optimizer = to_levanter(cfg.optimizer).build(num_steps)
         header = describe(cfg.loss)
         logger.info("loss: %s", header)
         print(f"[marinrl] {header}", flush=True)
@@ -259,6 +262,10 @@ class TrainWorker:
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
+            trail = None
+            if cfg.audit_root is not None and cohort.is_leader:
+                trail = AuditTrail(cfg.audit_root, self.trainer_id, cfg.storage_options)
+                trail.start(first_step, self._resumed_from.path if self._resumed_from else None, self._parent)
 
             reference = None
             if cfg.loss.uses_reference and cfg.lora is None:  # with LoRA: the base, `_reference_of(state)`
@@ -267,7 +274,7 @@ class TrainWorker:
             source.release()
             clock.mark("reference")
             ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
-            server = cfg.weights.build_server()
+            server = build_server(cfg.weights)
             if cfg.lora is not None:
                 print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}", flush=True)
             server.publish(self._published(state.model), first_step)  # the weights rollouts for `first_step` need
@@ -283,7 +290,7 @@ class TrainWorker:
                 while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):  # several: stop is shared
                     t0 = time.perf_counter()
                     if cohort.multiprocess:
-                        got = multihost.next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
+                        got = next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
                         if got is None:
                             break
                         sample, batch, group_ids = got
@@ -318,6 +325,8 @@ class TrainWorker:
                                                ("first_update", t3 - t2), ("first_publish", t4 - t3)):
                             clock.mark(phase, seconds)
                         clock.log(logger, "trainer")
+                    if trail is not None and sample is not None:  # before the step's checkpoint commits
+                        trail.record(self.step, [(g.group.group_id, g.weight_step) for g in sample.groups])
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         last_ckpt = self._checkpoint(checkpointer, info, replay)
                     metrics = {
@@ -405,6 +414,7 @@ class TrainWorker:
                 replay.load_state_dict(sidecar["replay"])
             if self._curriculum is not None and sidecar.get("curriculum"):
                 self._curriculum.load(sidecar["curriculum"])
+            self._parent = sidecar.get("trainer")
             return state, replay
 
         resumed = load_newest(trainer.checkpoint_path, load) if cfg.trainer.load_checkpoint is not False else None
@@ -441,9 +451,9 @@ class TrainWorker:
         if not multihost.current_cohort().is_leader:
             return None
         reader = RolloutReader(cfg.rollout_root, storage_options=cfg.storage_options)
-        return cfg.replay.for_loss(cfg.loss).build(reader, start_step=start_step, advantage=cfg.loss.advantage,
-                                                   reward_fn=overlong_reward_fn(cfg.loss),
-                                                   max_tokens=cfg.batching.max_length, policies=cfg.policies)
+        return ReplayBuffer(cfg.replay.for_loss(cfg.loss), reader, start_step=start_step, advantage=cfg.loss.advantage,
+                            reward_fn=overlong_reward_fn(cfg.loss), max_tokens=cfg.batching.max_length,
+                            policies=cfg.policies)
 
     def _checkpoint_metrics(self, skipped: list[str]) -> dict[str, float]:
         return {"checkpoint/skipped_on_resume": float(len(skipped)),
@@ -467,7 +477,8 @@ class TrainWorker:
             if fs.exists(path):
                 remove_folder(folder, "replaced by a new checkpoint of the same step")
             fs.makedirs(path, exist_ok=True)
-            sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step)}
+            sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step),
+                                       "trainer": self.trainer_id}
             if self._curriculum is not None:
                 target = f"{folder}/curriculum.json"
                 self._curriculum.save(target)

@@ -21,7 +21,6 @@ import threading
 import time
 from typing import Any, NamedTuple, Sequence
 
-import draccus
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -380,24 +379,3 @@ class WeightTransferClient(abc.ABC):
 
     def close(self) -> None:
         """Releases what the client holds besides its model (a no-op where it holds nothing)."""
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightTransferConfig(draccus.ChoiceRegistry, abc.ABC):
-    """How weights travel from the trainer to the rollout workers; YAML picks one with `type:`."""
-
-    @classmethod
-    def default_choice_name(cls) -> str | None:
-        return "filesystem"
-
-    @abc.abstractmethod
-    def build_server(self) -> WeightTransferServer:
-        """The trainer's side."""
-
-    @abc.abstractmethod
-    def build_client(self, skeleton) -> WeightTransferClient:
-        """The rollout side; `skeleton` is a model of the right structure and placement (e.g. the
-        current model) or a ModelSkeleton of one."""

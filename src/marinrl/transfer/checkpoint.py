@@ -19,7 +19,6 @@ committed itself, and the chain the pointer names.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -29,7 +28,6 @@ import uuid
 from collections import deque
 
 import equinox as eqx
-import fsspec
 import jax
 import numpy as np
 from jax.experimental.array_serialization.serialization import GlobalAsyncCheckpointManager
@@ -37,12 +35,12 @@ from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
 
 from marinrl import multihost
 from marinrl.fs import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
+from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,
     WeightPublishError,
     WeightTransferClient,
-    WeightTransferConfig,
     WeightTransferServer,
     host_leaves,
     is_fully_addressable,
@@ -50,11 +48,9 @@ from marinrl.transfer.base import (
 )
 from marinrl.transfer.delta import (
     DELTA,
-    FULL_EVERY_DEFAULT,
     SNAPSHOT,
     DeltaPublisher,
     Link,
-    check_delta_config,
     delta_metrics,
     receive_model,
 )
@@ -69,10 +65,8 @@ SNAPSHOT_REQUEST_PREFIX = "want-snapshot-"
 POINTER_FORMAT_VERSION = 3
 """2: a pointer may carry a delta chain (readers of 1 refuse it); 3: its deltas may use the `ulps`
 encoding (readers of 2 refuse it rather than fall back to a snapshot at every delta)."""
-FORMATS = ("auto", "packed", "tensorstore")
 _VERSION_DIR = re.compile(r"^step-(\d+)-e(\d+)$")
 _LOCAL_PROTOCOLS = {"file", "local"}
-_TENSORSTORE_PROTOCOLS = _LOCAL_PROTOCOLS | {"gs", "gcs"}
 
 
 def version_dir_name(version: VersionId) -> str:
@@ -82,48 +76,6 @@ def version_dir_name(version: VersionId) -> str:
 def parse_version_dir(name: str) -> VersionId | None:
     m = _VERSION_DIR.match(name)
     return VersionId(int(m.group(2)), int(m.group(1))) if m else None
-
-
-@WeightTransferConfig.register_subclass("filesystem")
-@dataclasses.dataclass(frozen=True)
-class FilesystemTransferConfig(WeightTransferConfig):
-    root: str
-    """Where versions go: gs://bucket/prefix, file:///path (or a bare path) or memory://name."""
-    keep_last: int = 2
-    """Versions the server keeps after each commit (the newest and the ones before it, for slow readers)."""
-    format: str = "auto"
-    """packed: one object, NumPy views (fastest for models one host can hold); tensorstore: a Levanter
-    checkpoint, each host writing its own shards (needed for models sharded over several hosts;
-    gs:// or local only); auto: packed unless the model is not fully addressable from one process."""
-    storage_options: dict = dataclasses.field(default_factory=dict)
-    """fsspec options (e.g. {"token": "anon"}). tensorstore takes its credentials from the environment."""
-    delta: bool = False
-    """Publish each version as the elements that changed since the previous one, with a full snapshot
-    every `full_every` versions (packed format only; checked per array by CRC-32 on the client). Pays
-    off for bf16 weights at small learning rates; fp32 weights change almost everywhere every step, so
-    off by default (docs/weight_transfer.md, docs/performance.md)."""
-    full_every: int = FULL_EVERY_DEFAULT
-    """With `delta`: every how many versions a full snapshot is written (a client that is further
-    behind, or new, loads the snapshot and the deltas after it)."""
-
-    def __post_init__(self):
-        if not self.root:
-            raise ValueError("FilesystemTransferConfig.root must be set")
-        if self.keep_last < 1:
-            raise ValueError(f"FilesystemTransferConfig.keep_last must be >= 1, got {self.keep_last}")
-        if self.format not in FORMATS:
-            raise ValueError(f"FilesystemTransferConfig.format must be one of {FORMATS}, got {self.format!r}")
-        if self.format == "tensorstore" and fsspec.utils.get_protocol(self.root) not in _TENSORSTORE_PROTOCOLS:
-            raise ValueError(f"format='tensorstore' needs a gs:// or local root, got {self.root!r}")
-        check_delta_config("FilesystemTransferConfig", self.delta, self.full_every)
-        if self.delta and self.format == "tensorstore":
-            raise ValueError("FilesystemTransferConfig.delta needs format 'packed' or 'auto', not 'tensorstore'")
-
-    def build_server(self) -> "FilesystemWeightServer":
-        return FilesystemWeightServer(self)
-
-    def build_client(self, skeleton) -> "FilesystemWeightClient":
-        return FilesystemWeightClient(self, skeleton)
 
 
 class _Root:

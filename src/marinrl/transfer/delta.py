@@ -49,17 +49,8 @@ ESCAPE = 0
 DATA_LEAVES = {"elements": ("cnt", "idx", "val"), "ulps": ("gap", "ulp", "val"), "blocks": ("idx", "val"),
                "dense": ("val",), "same": ()}
 """The data leaves of each encoding, named `<leaf>#<part>`, in this order."""
-FULL_EVERY_DEFAULT = 10
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def check_delta_config(owner: str, delta: bool, full_every: int) -> None:
-    """The delta fields' validation, shared by the transfer configs; errors name the field."""
-    if not isinstance(delta, bool):
-        raise ValueError(f"{owner}.delta must be true or false, got {delta!r}")
-    if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
-        raise ValueError(f"{owner}.full_every must be an integer >= 1, got {full_every!r}")
 
 
 def _bits(a: np.ndarray) -> np.ndarray:

@@ -18,7 +18,6 @@ the version it holds, or the whole chain when it holds none of it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -26,12 +25,12 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
+from marinrl.transfer.transfer_config import RayTransferConfig
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,
     WeightPublishError,
     WeightTransferClient,
-    WeightTransferConfig,
     WeightTransferError,
     WeightTransferServer,
     host_leaves,
@@ -39,11 +38,9 @@ from marinrl.transfer.base import (
 )
 from marinrl.transfer.delta import (
     DELTA,
-    FULL_EVERY_DEFAULT,
     SNAPSHOT,
     DeltaPublisher,
     Link,
-    check_delta_config,
     delta_metrics,
     receive_model,
 )
@@ -93,41 +90,6 @@ class WeightCoordinator:
         if self._version is None:
             return None
         return self._version[0], self._version[1], [self._ref], self._nbytes, self._chain
-
-
-@WeightTransferConfig.register_subclass("ray")
-@dataclasses.dataclass(frozen=True)
-class RayTransferConfig(WeightTransferConfig):
-    name: str = "marinrl-weights"
-    """Name of the coordinator actor: one per run (runs sharing a Ray cluster need distinct names)."""
-    namespace: str | None = None
-    """Ray namespace of the actor; None: the namespace of the process's Ray connection."""
-    timeout_s: float = 60.0
-    """Limit in seconds for one call to the coordinator and for one fetch of the weights."""
-    delta: bool = False
-    """Publish each version as the elements that changed since the previous one, with a full snapshot
-    every `full_every` versions (checked per array by CRC-32 on the client). Pays off for bf16 weights
-    at small learning rates; off by default (docs/weight_transfer.md, docs/performance.md)."""
-    full_every: int = FULL_EVERY_DEFAULT
-    """With `delta`: every how many versions a full snapshot is published; the actor holds the chain
-    from it (a client that holds none of the chain, e.g. a new one, fetches all of it)."""
-
-    def __post_init__(self):
-        if not self.name:
-            raise ValueError("RayTransferConfig.name must be set")
-        if self.timeout_s <= 0:
-            raise ValueError(f"RayTransferConfig.timeout_s must be > 0, got {self.timeout_s}")
-        check_delta_config("RayTransferConfig", self.delta, self.full_every)
-
-    @property
-    def location(self) -> str:
-        return f"ray actor {self.namespace + '/' if self.namespace else ''}{self.name}"
-
-    def build_server(self) -> "RayWeightServer":
-        return RayWeightServer(self)
-
-    def build_client(self, skeleton) -> "RayWeightClient":
-        return RayWeightClient(self, skeleton)
 
 
 def _require_ray(location: str) -> None:

@@ -1,0 +1,69 @@
+"""Levanter's config objects for marinrl's mirrors of them. The job's config layer (model_config.py,
+train/trainer_config.py) declares the Levanter knobs it exposes as plain dataclasses named `LEVANTER =
+"module:Class"`, so a config parses and is checked without importing Levanter (seconds and hundreds of
+MB); the runtime asks for the real object here. A field keeps its name; the few whose YAML form differs
+from Levanter's Python type are converted below (docs/architecture.md, "Layers")."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+
+def to_levanter(config: Any) -> Any:
+    """Levanter's config for `config`, a marinrl mirror; anything else (Levanter's own object, None) is
+    returned as it is."""
+    target = getattr(type(config), "LEVANTER", "")
+    if not target:
+        return config
+    module, name = target.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(**{f.name: _converted(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)})
+
+
+def _converted(field: str, value: Any) -> Any:
+    if field == "mp" and isinstance(value, str):
+        import jmp
+
+        return jmp.get_policy(value)
+    if field == "activation_function" and isinstance(value, str):
+        from levanter.utils.activation import ActivationFunctionEnum
+
+        return ActivationFunctionEnum(value)
+    if getattr(type(value), "LEVANTER", ""):  # a nested mirror (the rope of an architecture, a tracker)
+        return to_levanter(value)
+    if field == "tracker" and isinstance(value, (tuple, list)):
+        return tuple(to_levanter(t) for t in value)
+    if field in ("axis_resources", "parameter_axis_resources"):
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return list(value)
+    return value
+
+
+def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, run_id: str, seed: int, run_dir: str,
+                     require_accelerator: bool):
+    """Levanter's `TrainerConfig` for a job's `trainer` (train/trainer_config.py) with what the job derives:
+    the steps, the batch, the run's id and seed, logs and checkpoints under the run directory, no Ray and
+    no watch hooks of Levanter's own, TensorBoard left at its default logdir moved under the run."""
+    import pathlib
+
+    from levanter.callbacks.watch import WatchConfig
+    from levanter.checkpoint import CheckpointerConfig
+    from levanter.distributed import RayConfig
+    from levanter.tracker.tensorboard import TensorboardConfig
+
+    config = to_levanter(trainer)
+    if config is trainer:  # Levanter's own TrainerConfig, handed in from Python
+        return config
+    trackers = config.tracker if isinstance(config.tracker, (tuple, list)) else (config.tracker,)
+    trackers = tuple(dataclasses.replace(t, logdir=f"{run_dir}/tensorboard/trainer")
+                     if isinstance(t, TensorboardConfig) and t.logdir == TensorboardConfig().logdir else t
+                     for t in trackers)
+    return dataclasses.replace(
+        config, num_train_steps=num_train_steps, train_batch_size=train_batch_size, id=run_id, seed=seed,
+        log_dir=pathlib.Path(run_dir) / "logs", tracker=trackers if len(trackers) != 1 else trackers[0],
+        checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False),
+        ray=RayConfig(auto_start_cluster=False), watch=WatchConfig(watch_targets=[]),
+        require_accelerator=require_accelerator if trainer.require_accelerator is None else trainer.require_accelerator)

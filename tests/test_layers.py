@@ -1,0 +1,209 @@
+"""The package's layers (docs/architecture.md, "Layers"): no import cycle anywhere (function-level imports
+count: a cycle through one still ties two modules together), and the config layer parses and checks a job
+config without JAX, Levanter, Ray, torch or transformers. The config layer mirrors the Levanter configs a
+job sets (model architecture, trainer, trackers, AdamW); every mirrored field must exist in Levanter's class
+with Levanter's default unless marinrl's own is declared, and convert to the object Levanter builds."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jmp
+import pytest
+
+import marinrl
+from marinrl.levanter_configs import to_levanter
+from marinrl.model_config import DefaultRope, Llama3Rope, LlamaArchitecture, Qwen3Architecture, YarnRope
+from marinrl.train.trainer_config import (MARINRL_TRAINER_DEFAULTS, AdamConfig, JobTrainerConfig, JsonLoggerTracker,
+                                          NoopTracker, RLAdamConfig, TensorboardTracker, WandbTracker, parse_mp)
+
+PACKAGE = pathlib.Path(marinrl.__file__).parent
+QUICKSTART = pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml"
+HEAVY = ("jax", "levanter", "ray", "torch", "transformers", "haliax", "equinox", "fastapi", "openai", "optax")
+
+
+def _module_name(path: pathlib.Path, package: pathlib.Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its body (type-checking-only imports aside)."""
+    modules = {_module_name(p, package): p for p in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_lines(tree)
+        edges = set()
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges.update(t for t in targets if t in modules and t != name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_has_no_import_cycle():
+    graph = import_graph()
+    assert len(graph) > 50 and "marinrl.job" in graph  # the walk found the package
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg import a\n")
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+def test_a_job_config_parses_and_checks_without_jax_levanter_ray_or_torch(tmp_path):
+    """What `marinrl train` does before anything heavy: parse the YAML, check every range and the placement
+    arithmetic. Run in a fresh interpreter: this process imported everything long ago."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        from marinrl.config_errors import load_job_config
+        from marinrl.job_config import RLJobConfig
+        job = load_job_config(RLJobConfig, {str(QUICKSTART)!r}, ["--ray.trainer.num_gpus", "8",
+                                                                 "--trainer.model_axis_size", "3"])
+        try:
+            job.validate()
+            error = None
+        except Exception as e:
+            error = str(e)
+        print(json.dumps(dict(error=error, loaded=[m for m in {HEAVY!r} if m in sys.modules])))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"].startswith("RLJobConfig.trainer.model_axis_size: model_axis_size=3")
+    assert got["loaded"] == []
+
+
+# ----------------------------------------------------------------------------- mirrors of Levanter's configs
+
+
+def _levanter_defaults(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+MIRRORS = [  # (mirror, fields whose default is marinrl's)
+    (LlamaArchitecture, ()),
+    (Qwen3Architecture, ()),
+    (DefaultRope, ()),
+    (Llama3Rope, ()),
+    (YarnRope, ()),
+    (JobTrainerConfig, MARINRL_TRAINER_DEFAULTS + ("require_accelerator",)),
+    (AdamConfig, ()),
+    (JsonLoggerTracker, ()),
+    (TensorboardTracker, ()),
+    (WandbTracker, ()),
+    (NoopTracker, ()),
+]
+
+
+@pytest.mark.parametrize("mirror, ours", MIRRORS, ids=[m.__name__ for m, _ in MIRRORS])
+def test_a_mirror_has_levanters_fields_and_defaults(mirror, ours):
+    levanter = type(to_levanter(mirror()))
+    theirs = _levanter_defaults(levanter)
+    mine = to_levanter(mirror())
+    for f in dataclasses.fields(mirror):
+        assert f.name in theirs, f"{mirror.__name__}.{f.name} is not a field of {levanter.__name__}"
+        if f.name not in ours:
+            assert getattr(mine, f.name) == theirs[f.name], f"{mirror.__name__}.{f.name}: default differs from Levanter's"
+
+
+def test_marinrls_adam_and_trainer_convert_to_levanters_objects():
+    adam = to_levanter(RLAdamConfig(learning_rate=3e-4, warmup=10))
+    assert type(adam).__name__ == "AdamConfig" and adam.learning_rate == 3e-4 and adam.warmup == 10
+    assert (adam.beta2, adam.weight_decay, adam.lr_schedule) == (0.999, 0.0, "constant")
+    trainer = to_levanter(JobTrainerConfig(mp="p=f32,c=bfloat16", tracker=(WandbTracker(project="p", mode="offline"),),
+                                           axis_resources={"mlp": ["data", "model"]}))
+    assert trainer.mp == jmp.get_policy("p=f32,c=bfloat16")
+    (wandb,) = trainer.tracker
+    assert type(wandb).__name__ == "WandbConfig" and (wandb.project, wandb.mode) == ("p", "offline")
+    assert trainer.axis_resources == {"mlp": ("data", "model")}
+    llama = to_levanter(LlamaArchitecture(hidden_dim=64, num_heads=4, num_kv_heads=2, activation_function="gelu"))
+    assert type(llama).__name__ == "LlamaConfig" and llama.hidden_dim == 64
+    assert llama.activation_function.value == "gelu"
+
+
+@pytest.mark.parametrize("mp", ["f32", "bf16", "p=f32,c=bfloat16", "c=f16", "params=float32,compute=bf16,output=f32",
+                                "p=bf16"])
+def test_parse_mp_reads_a_policy_as_jmp_does(mp):
+    policy = jmp.get_policy(mp)
+    import numpy as np
+
+    assert parse_mp(mp) == {"params": np.dtype(policy.param_dtype).name, "compute": np.dtype(policy.compute_dtype).name,
+                            "output": np.dtype(policy.output_dtype).name}
+
+
+@pytest.mark.parametrize("mp, problem", [("p=f33", "unknown dtype 'f33'"), ("x=f32", "unknown key 'x'"),
+                                         ("half", "unknown dtype 'half'")])
+def test_parse_mp_names_what_it_cannot_read(mp, problem):
+    with pytest.raises(ValueError, match=problem):
+        parse_mp(mp)
