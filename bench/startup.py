@@ -6,8 +6,10 @@ Rows, each a fresh interpreter, repeated `--repeats` times in alternating order:
 - `unknown field`: `--trainer.num_train_steps 3` (a field the job derives: refused while parsing);
 - `valid config, checked`: the quickstart parsed and checked (`RLJobConfig.validate`), what a job whose checks
   need no model build costs the driver before anything heavy;
-- `runtime imported first`: the same parse and check after `import marinrl.job` (JAX, Levanter, Ray,
-  transformers), which is what every `marinrl train` did before the config layer: the paired baseline.
+- `runtime imported first`: the same parse and check after importing the trainer's and the rollout worker's
+  modules with Ray (JAX, Levanter, transformers), which is what `import marinrl.job` did before the config
+  layer and every `marinrl train` paid before its first check: the paired baseline;
+- `driver imported`: the same after `import marinrl.job` as it is now (Ray, no JAX).
 - `preflight error`: `--model.hf_checkpoint /nonexistent` (needs the runtime: answered after the imports).
 
 Prints one line per row (median seconds and peak RSS of the process) and the paired ratio of `valid config,
@@ -35,7 +37,8 @@ ROWS = {
     "range error": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--max_staleness", "-1"],
     "unknown field": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--trainer.num_train_steps", "3"],
     "valid config, checked": ["-c", CHECK],
-    "runtime imported first": ["-c", "import marinrl.job; " + CHECK],
+    "runtime imported first": ["-c", "import ray, marinrl.train.worker, marinrl.rollout.worker; " + CHECK],
+    "driver imported": ["-c", "import marinrl.job; " + CHECK],
     "preflight error": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--model.hf_checkpoint", "/nonexistent"],
 }
 

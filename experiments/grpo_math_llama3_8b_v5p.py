@@ -6,9 +6,9 @@ slice (8 hosts × 4 chips, one trainer process per host, docs/multihost.md), rol
         --run_root gs://MY_BUCKET/runs --model.hf_checkpoint gs://MY_BUCKET/models/Llama-3.1-8B-Instruct
 
 The cluster is `infra/tpu-v5p-multihost.yaml` (trainer `v5p-64` with `{"trainer": 1}` on each host,
-rollout `v5p-8` hosts with `{"rollout": 1}`). The job starts one trainer actor per host of the slice
-once the multi-host job side is in (issue 10 §3, branch `multihost-job`); until then `RLJobConfig`
-refuses `ray.trainer.tpu: v5p-64` naming the field, and so does this recipe, `--dry_run` included.
+rollout `v5p-8` hosts with `{"rollout": 1}`; the commands from nothing to this job: infra/README.md, "A
+v5p-64 slice plus rollout hosts"). The job reserves the slice through its head resource and starts one
+trainer actor per host, 8 processes in one JAX mesh (docs/multihost.md).
 
 Inputs (nothing downloads at run time), copied to your bucket once:
 - the model (gated: accept Meta's license on Hugging Face first): `huggingface-cli download

@@ -6,8 +6,9 @@ What `ray up` itself checks before it calls GCP runs first, with Ray's own code:
 ships in the ray package (`ray/autoscaler/ray-schema.json`, so a misspelled field anywhere Ray knows
 the fields fails), then `prepare_config` + `validate_config`. Ray leaves `node_config` free-form, so
 the GCP part is checked here: the fields each node kind accepts (a Compute VM or a TPU VM), TPU types
-and chips per host from Ray's own TPU tables, GPUs per machine type, and that the `resources` a node
-type declares are what the hardware has. Last, the placement marinrl asks for (`metadata.marinrl`:
+and chips per host from Ray's own TPU tables, GPUs per machine type, that the `resources` a node
+type declares are what the hardware has, and a GPU VM's network interface (gVNIC on A3) and image (a
+Deep Learning VM family with a CUDA 12 driver, installed on first boot). Last, the placement marinrl asks for (`metadata.marinrl`:
 `RLJobConfig.ray.trainer` / `.rollout`, marinrl/placement.py) must fit a node type with an
 accelerator, and the trainer and the rollout workers on different node types.
 
@@ -51,6 +52,14 @@ GPU_MACHINE_TYPES = {
     "a3-megagpu-8g": ("H100", 8),
     "a3-ultragpu-8g": ("H200", 8),
 }
+# GPU machine families whose VMs take only gVNIC network interfaces (Ray's default interface has no
+# nicType: GCP then picks VIRTIO_NET, which these refuse). https://cloud.google.com/compute/docs/gpus
+GVNIC_ONLY_PREFIXES = ("a3-",)
+# Where a GPU VM's NVIDIA driver comes from: a Deep Learning VM image that installs it on first boot
+# (metadata install-nvidia-driver), of a CUDA 12 family: `jax[cuda12]` (infra/setup-node.sh) brings
+# CUDA 12 itself and needs only a driver that runs it.
+DLVM_IMAGES = "projects/deeplearning-platform-release/global/images/family/"
+DLVM_CUDA_FAMILY = "common-cu12"
 # guestAccelerators types on N1 machines → Ray's accelerator_type name.
 GUEST_GPU_TYPES = {"nvidia-tesla-t4": "T4", "nvidia-tesla-v100": "V100", "nvidia-tesla-p100": "P100",
                    "nvidia-tesla-p4": "P4", "nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100"}
@@ -181,7 +190,39 @@ def _node_type_errors(name: str, node_type: dict, errors: list[str]) -> dict:
             if not isinstance(scheduling, dict) or scheduling.get("onHostMaintenance") != "TERMINATE":
                 errors.append(f"{where}.scheduling.onHostMaintenance: GCP requires TERMINATE on a VM with GPUs "
                               f"(got {scheduling!r})")
+            _gpu_vm_errors(node_config, where, errors)
     return offered
+
+
+def gpu_image_family(node_config: dict) -> str | None:
+    """The Deep Learning VM image family of a Compute VM's boot disk (None: another image, or none)."""
+    for disk in node_config.get("disks") or []:
+        if isinstance(disk, dict) and disk.get("boot"):
+            image = str((disk.get("initializeParams") or {}).get("sourceImage", ""))
+            return image.removeprefix(DLVM_IMAGES) if image.startswith(DLVM_IMAGES) else None
+    return None
+
+
+def _gpu_vm_errors(node_config: dict, where: str, errors: list[str]) -> None:
+    """What a GPU VM needs beyond its GPUs: its machine family's network interface, and an image whose
+    NVIDIA driver runs the CUDA that `jax[cuda12]` installs."""
+    machine = node_config["machineType"]
+    if machine.startswith(GVNIC_ONLY_PREFIXES):
+        interfaces = node_config.get("networkInterfaces")
+        if not isinstance(interfaces, list) or not interfaces or not all(
+                isinstance(i, dict) and i.get("nicType") == "GVNIC" for i in interfaces):
+            errors.append(f"{where}.networkInterfaces: machine type {machine} takes only gVNIC interfaces: give each "
+                          f"interface nicType: GVNIC (got {interfaces!r}; Ray's default interface is not gVNIC)")
+    family = gpu_image_family(node_config)
+    if family is None or not family.startswith(DLVM_CUDA_FAMILY):
+        errors.append(f"{where}.disks[boot].initializeParams.sourceImage: a GPU VM needs an NVIDIA driver for CUDA "
+                      f"12 (jax[cuda12]): use a Deep Learning VM image family {DLVM_IMAGES}{DLVM_CUDA_FAMILY}* "
+                      f"(got family {family!r})")
+    items = ((node_config.get("metadata") or {}).get("items") or [])
+    if not any(isinstance(i, dict) and i.get("key") == "install-nvidia-driver" and str(i.get("value")).lower() == "true"
+               for i in items):
+        errors.append(f"{where}.metadata.items: a Deep Learning VM installs its NVIDIA driver on first boot only "
+                      "with {key: install-nvidia-driver, value: 'True'}")
 
 
 def _fits(request: dict, offered: dict) -> bool:

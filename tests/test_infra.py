@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import importlib.util
 import pathlib
+import re
+import runpy
+import subprocess
 
 import pytest
 import yaml
@@ -113,6 +116,16 @@ BREAKAGES = {
                             "the slice head resource of a v5p-64 is TPU-v5p-64-head"),
     "GPU count": ("gpu.yaml", lambda c: _node(c, "trainer_h100x8", "resources").update(GPU=4),
                   "trainer_h100x8.resources.GPU: machine type a3-highgpu-8g has 8 H100 GPU(s), the config says 4"),
+    "gVNIC on A3": ("gpu.yaml", lambda c: _node(c, "trainer_h100x8", "node_config").pop("networkInterfaces"),
+                    "trainer_h100x8.node_config.networkInterfaces: machine type a3-highgpu-8g takes only gVNIC"),
+    "GPU image": ("gpu.yaml",
+                  lambda c: _node(c, "rollout_a100", "node_config")["disks"][0]["initializeParams"].update(
+                      sourceImage="projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts"),
+                  "rollout_a100.node_config.disks[boot].initializeParams.sourceImage: a GPU VM needs an NVIDIA driver "
+                  "for CUDA 12"),
+    "GPU driver on first boot": ("gpu.yaml", lambda c: _node(c, "rollout_a100", "node_config").pop("metadata"),
+                                 "rollout_a100.node_config.metadata.items: a Deep Learning VM installs its NVIDIA "
+                                 "driver on first boot only with"),
     "role resource on the node": ("gpu.yaml",
                                   lambda c: _rename(_node(c, "rollout_a100", "resources"),
                                                     "rollout", "rollouts"),
@@ -162,3 +175,163 @@ def test_check_script_exit_status(tmp_path, capsys):
     assert check.main([str(INFRA / "tpu-v5e.yaml")]) == 0
     assert check.main([str(bad)]) == 1
     assert f"{bad}: available_node_types.rollout_v5e_4: Additional properties" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ infra/README.md's commands
+
+PATHS = ("One TPU VM", "One GPU node", "A v5p-64 slice plus rollout hosts")
+"""The paths from nothing to a running job that infra/README.md documents, each under a `### ` heading."""
+
+
+def _readme_blocks() -> dict[str, list[str]]:
+    """infra/README.md's ```bash blocks by the heading they are under (dedented)."""
+    blocks: dict[str, list[str]] = {}
+    heading, block = "", None
+    for line in (INFRA / "README.md").read_text().splitlines():
+        if block is None and line.startswith("#"):
+            heading = line.lstrip("#").strip()
+        elif block is None and line.strip() == "```bash":
+            block, indent = [], len(line) - len(line.lstrip())
+        elif block is not None and line.strip() == "```":
+            blocks.setdefault(heading, []).append("\n".join(block))
+            block = None
+        elif block is not None:
+            block.append(line[indent:])
+    return blocks
+
+
+def _commands(block: str) -> list[list[str]]:
+    """Each command of a bash block as words: continuation lines joined, comments dropped, split at
+    `&&`, `;` and `&`."""
+    import shlex
+
+    commands = []
+    for line in block.replace("\\\n", " ").splitlines():
+        lexer = shlex.shlex(line, posix=True, punctuation_chars="&;")
+        lexer.whitespace_split, lexer.commenters = True, "#"
+        words: list[str] = []
+        for word in lexer:
+            if word in ("&&", "&", ";"):
+                commands.append(words)
+                words = []
+            else:
+                words.append(word)
+        commands.append(words)
+    return [c for c in commands if c]
+
+
+def _options(words: list[str]) -> dict[str, str]:
+    return dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w)
+
+
+def _check_command(words: list[str]):
+    """Checks one command offline; returns what kind of step it is and, for a job, its config; for a VM,
+    the resources Ray would list for it."""
+    import draccus
+
+    from marinrl.job import RLJobConfig
+    from marinrl.recipe import parse_recipe
+
+    if words[:3] == ["ray", "job", "submit"]:
+        return _check_command(words[words.index("--") + 1:])
+    if words[0] == "marinrl" and words[1] == "train":
+        flags = words[3:]
+        config = draccus.parse(RLJobConfig, config_path=str(REPO / words[2]), args=flags)
+        config.validate()
+        return "job", config
+    if words[0] == "python" and words[1].startswith("experiments/"):
+        config = parse_recipe(runpy.run_path(str(REPO / words[1]), run_name="recipe")["RECIPE"], words[2:])
+        config.validate()
+        return "job", config
+    if words[0] == "bash" and words[1].endswith("infra/setup-node.sh"):
+        accepted = re.search(r'case "\$accelerator" in(.*?)esac', (INFRA / "setup-node.sh").read_text(), re.S)
+        assert words[2] in re.findall(r"^\s*(\w+)\)", accepted.group(1), re.M), words
+        return f"setup {words[2]}", None
+    configs = [w for w in words if w.startswith("infra/") and w.endswith(".yaml")]
+    for config in configs:
+        check.check_file(REPO / config)
+    if words[:2] == ["ray", "up"]:
+        return "cluster", None
+    if words[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]:  # its version: test_readme_tpu_vm_types…
+        accelerator = _options(words)["accelerator-type"]
+        from marinrl.placement import tpu_chips_per_host, tpu_head_resource
+
+        return "tpu vm", {"CPU": 96, "TPU": tpu_chips_per_host(accelerator), tpu_head_resource(accelerator): 1}
+    if words[:4] == ["gcloud", "compute", "instances", "create"]:
+        options = _options(words)
+        _check_gpu_vm(options)
+        return "gpu vm", {"CPU": 96, "GPU": check.GPU_MACHINE_TYPES[options["machine-type"]][1]}
+    return "other", None
+
+
+def _check_gpu_vm(options: dict[str, str]) -> None:
+    """`gcloud compute instances create`'s flags as the node_config `ray up` would send, through the checks
+    of `gpu.yaml`'s node types, with the image family of gpu.yaml's trainer."""
+    nic = dict(kv.split("=", 1) for kv in options["network-interface"].split(","))
+    image = f"projects/{options['image-project']}/global/images/family/{options['image-family']}"
+    node_config = {
+        "machineType": options["machine-type"], "networkInterfaces": [{"nicType": nic.get("nic-type")}],
+        "scheduling": {"onHostMaintenance": options.get("maintenance-policy")},
+        "disks": [{"boot": True, "initializeParams": {"sourceImage": image}}],
+        "metadata": {"items": [dict(zip(("key", "value"), kv.split("=", 1)))
+                               for kv in options.get("metadata", "").split(",") if kv]}}
+    gpus = check.GPU_MACHINE_TYPES[options["machine-type"]][1]
+    errors: list[str] = []
+    check._node_type_errors("readme", {"resources": {"GPU": gpus}, "node_config": node_config}, errors)
+    assert not errors, errors
+    trainer = _config("gpu.yaml")["available_node_types"]["trainer_h100x8"]["node_config"]
+    assert options["image-family"] == check.gpu_image_family(trainer)
+
+
+def test_readme_commands_parse_and_check():
+    """Each path's commands: bash parses every block, and what can be checked offline is (the cluster
+    configs they name, the setup script's argument, the VM flags, every job command line)."""
+    blocks = _readme_blocks()
+    for heading, texts in blocks.items():
+        for text in texts:
+            syntax = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
+            assert syntax.returncode == 0, f"{heading}: {syntax.stderr}\n{text}"
+    from marinrl.placement import placement_problem
+
+    steps = {heading: [_check_command(c) for text in blocks.get(heading, []) for c in _commands(text)]
+             for heading in [*PATHS, "Any cluster config here"]}
+    kinds = {heading: {kind for kind, _ in found} for heading, found in steps.items()}
+    assert {"tpu vm", "setup tpu", "job"} <= kinds["One TPU VM"], kinds
+    assert {"gpu vm", "setup cuda12", "job"} <= kinds["One GPU node"], kinds
+    assert {"cluster", "job"} <= kinds["A v5p-64 slice plus rollout hosts"], kinds
+    assert "job" in kinds["Any cluster config here"]
+    for heading, vm in (("One TPU VM", "tpu vm"), ("One GPU node", "gpu vm")):  # each job fits the machine made
+        (host,) = [detail for kind, detail in steps[heading] if kind == vm]
+        for config in [detail for kind, detail in steps[heading] if kind == "job"]:
+            assert config.ray.address is None  # its own Ray on the machine
+            node = {"NodeManagerAddress": heading, "Alive": True, "Resources": host}
+            problem = placement_problem(config.ray.trainer, config.ray.rollout, config.n_rollout_workers, [node])
+            assert problem is None, f"{heading}: {problem}"
+
+
+def test_readme_tpu_vm_types_are_the_configs():
+    """Every `--accelerator-type=… --version=…` in infra/README.md (commands and prose) is a TPU type Ray
+    knows with the runtime version the cluster configs give that generation."""
+    from ray._private.accelerators import tpu
+
+    versions = {}
+    for path in CONFIGS:
+        for node_type in _config(path.name)["available_node_types"].values():
+            nc = node_type["node_config"]
+            if "acceleratorType" in nc:
+                versions[nc["acceleratorType"].rpartition("-")[0]] = nc["runtimeVersion"]
+    pairs = re.findall(r"--accelerator-type=(\S+) --version=([\w.-]+)", (INFRA / "README.md").read_text())
+    assert {t for t, _ in pairs} >= {"v5litepod-8", "v6e-8"}, pairs
+    for accelerator, version in pairs:
+        errors: list[str] = []
+        assert check._tpu_host({"acceleratorType": accelerator, "runtimeVersion": version}, "readme", errors)
+        assert not errors and tpu.get_num_tpu_visible_chips_per_host(accelerator) == 8
+        assert version == versions[accelerator.rpartition("-")[0]], (accelerator, version, versions)
+
+
+def test_readme_says_no_stale_thing():
+    """What infra/ once said and is no longer true: the v5p-64 trainer refused, the runtime-env cache tip."""
+    for path in [INFRA / "README.md", *CONFIGS, REPO / "experiments" / "grpo_math_llama3_8b_v5p.py"]:
+        text = " ".join(path.read_text().split())
+        assert "refuses `ray.trainer.tpu: v5p-64`" not in text and "until the multi-host trainer lands" not in text, path
+        assert "--runtime-env-json '{\"env_vars\": {\"JAX_COMPILATION_CACHE_DIR\"" not in text, path

@@ -17,7 +17,10 @@ from marinrl.train.trainer_config import parse_mp
 from marinrl.envs.base import make_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p", "grpo_reasoning_gym_qwen3_0p6b"]
+RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p", "grpo_reasoning_gym_qwen3_0p6b",
+           "grpo_math_qwen3_0p6b_one_tpu_host", "grpo_math_qwen3_0p6b_one_gpu_node"]
+ONE_HOST = {"grpo_math_qwen3_0p6b_one_tpu_host", "grpo_math_qwen3_0p6b_one_gpu_node"}
+"""Variants whose job runs on one machine: its own local Ray, the host's accelerators split between the roles."""
 
 
 def _recipe(name: str) -> dict:
@@ -46,11 +49,11 @@ def test_recipe_yaml_merges_mappings_and_the_recipe_wins():
 
     merged = recipe_yaml("a: {b: 1, c: [1, 2]}\nd: 3\n", "a: {c: [9]}\ne: 4\n")
     assert merged == "a:\n  b: 1\n  c:\n  - 9\nd: 3\ne: 4\n"
-    for name in RECIPES:  # both recipes keep the shared base under their own values
+    for name in RECIPES:  # every recipe keeps the shared base under its own values
         config = parse_recipe(_recipe(name)["RECIPE"], [])
         assert config.optimizer.learning_rate == 1.0e-6 and config.loss.kl_beta == 0.0
         assert config.batching.min_bucket == 256 and config.max_staleness == 1
-        assert config.ray.address == "auto" and config.trainer.model_axis_size == 1
+        assert config.ray.address == (None if name in ONE_HOST else "auto") and config.trainer.model_axis_size == 1
     assert "gradient_checkpointing: true" in GRPO_AT_SCALE
 
 
@@ -87,6 +90,27 @@ def test_the_reasoning_gym_recipe_is_the_0p6b_recipe_with_a_curriculum_of_genera
     pytest.importorskip("reasoning_gym")
     for lesson in lessons:
         make_env(lesson.env)
+
+
+def test_one_host_variants_split_one_host_and_keep_the_rest():
+    """The one-host variants are the 0.6B recipe with a local Ray and one machine's accelerators split between
+    the roles (no role resources, no slice head resource), and fit that machine."""
+    from marinrl.placement import placement_problem
+    from marinrl.recipe import parse_recipe
+
+    base = parse_recipe(_recipe("grpo_math_qwen3_0p6b")["RECIPE"], [])
+    hosts = {"grpo_math_qwen3_0p6b_one_tpu_host": {"CPU": 224, "TPU": 8, "TPU-v5litepod-8-head": 1},  # a v5e-8
+             "grpo_math_qwen3_0p6b_one_gpu_node": {"CPU": 208, "GPU": 8}}  # an a3-highgpu-8g
+    for name, host in hosts.items():
+        config = parse_recipe(_recipe(name)["RECIPE"], [])
+        assert config.model == base.model and config.curriculum == base.curriculum and config.loss == base.loss
+        trainer, rollout = config.ray.trainer, config.ray.rollout
+        assert not trainer.resources and not rollout.resources and trainer.tpu is None and rollout.tpu is None
+        node = [{"NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": host}]
+        assert placement_problem(trainer, rollout, config.n_rollout_workers, node) is None
+        accelerators = {"TPU": "tpu_chips", "GPU": "num_gpus"}[next(k for k in ("TPU", "GPU") if k in host)]
+        used = getattr(trainer, accelerators) + config.n_rollout_workers * getattr(rollout, accelerators)
+        assert used == host.get("TPU", host.get("GPU"))  # every chip or GPU of the host has a role
 
 
 def _dry_run(name: str) -> dict:

@@ -28,7 +28,7 @@ from marinrl.curriculum_actor import CurriculumClient, curriculum_actor
 from marinrl.envs.base import make_env, with_endpoint_if_needed
 from marinrl.job_config import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
 from marinrl.logs import local_log_dir, log_actor_to_file, log_to_file
-from marinrl.placement import check_cluster
+from marinrl.placement import AutoscalerRequest, PlacementConfig, check_cluster
 from marinrl.policies import policy_models, resolve_policies
 from marinrl.config_errors import ConfigError  # noqa: F401  (raised by RLJob(config))
 from marinrl.preflight import check_job
@@ -47,12 +47,41 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------- the actors
 
 
-def _audited(options: dict) -> dict:
-    """`options` plus the program audit's switch when the driver has it (`marinrl.program_audit`): on a Ray
-    the job did not start, the actors' environment is the cluster's, so the switch travels per actor."""
-    if not program_audit.auditing():
-        return options
-    return {**options, "runtime_env": {"env_vars": {program_audit.AUDIT_ENV: os.environ[program_audit.AUDIT_ENV]}}}
+def _actor_options(placement: PlacementConfig, slot: int) -> dict:
+    """`ActorClass.options(...)` for one actor of a role: its resources, and the environment it needs beyond
+    the job's (Ray merges an actor's `env_vars` into the job's): its share of a host's accelerators
+    (`PlacementConfig.actor_env`; `slot` numbers the job's trainers, then its rollout workers), and the
+    program audit's switch when the driver has it (`marinrl.program_audit`: on a Ray the job did not
+    start, the actors' environment is the cluster's, so the switch travels per actor)."""
+    options = placement.ray_options()
+    env = placement.actor_env(slot)
+    if program_audit.auditing():
+        env[program_audit.AUDIT_ENV] = os.environ[program_audit.AUDIT_ENV]
+    return {**options, "runtime_env": {"env_vars": env}} if env else options
+
+
+_ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_PORT",
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def _accelerators() -> dict[str, str]:
+    """The accelerators this actor was given (as Ray and `_actor_options` set them), for its result."""
+    return {k: os.environ[k] for k in _ACCELERATOR_ENV if k in os.environ}
+
+
+def compilation_cache_dir(config: RLJobConfig) -> str:
+    """Where every actor's JAX keeps compiled programs: the driver's `JAX_COMPILATION_CACHE_DIR`, else
+    `trainer.jax_compilation_cache_dir`, else on a cluster with a remote `run_root` (`gs://…`)
+    `<run_root>/jax_cache`, which every host reads (a path on the driver's disk would be a different,
+    empty cache on each host), else `.jax_cache` under the driver's working directory."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    if config.trainer.jax_compilation_cache_dir:
+        return str(config.trainer.jax_compilation_cache_dir)
+    root = str(config.run_root)
+    if config.ray.address is not None and "://" in root and not root.startswith("file://"):
+        return f"{root.rstrip('/')}/jax_cache"
+    return str(pathlib.Path(".jax_cache").resolve())
 
 
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
@@ -64,14 +93,16 @@ _PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_
                 "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
 
 
-def _actor_env() -> dict[str, str]:
+def _actor_env(compilation_cache: Optional[str] = None) -> dict[str, str]:
+    """What every actor of the job runs with (`compilation_cache`: `compilation_cache_dir(config)`; None:
+    the driver's `JAX_COMPILATION_CACHE_DIR`, else `.jax_cache` here)."""
     # USE_TORCH=0: `import levanter` imports transformers, which imports torch when it finds it: 250 MB
     # of resident memory and seconds of CPU per actor for nothing (docs/performance.md, "Memory").
     # Levanter's reader of pytorch_model.bin checkpoints imports torch itself and still works; set
     # USE_TORCH=1 in the driver's environment for an environment that needs transformers' torch models.
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}
-    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
+    cache = compilation_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for passthrough in _PASSTHROUGH:
         if os.environ.get(passthrough):
@@ -99,7 +130,8 @@ class TrainerActor:
 
     def run(self) -> dict:
         result = self.worker.run()
-        return {**dataclasses.asdict(result), "node_id": ray.get_runtime_context().get_node_id()}
+        return {**dataclasses.asdict(result), "node_id": ray.get_runtime_context().get_node_id(),
+                "accelerators": _accelerators()}
 
     def progress(self) -> dict:
         return {"step": self.worker.step, **(self.worker.history[-1] if self.worker.history else {})}
@@ -164,6 +196,7 @@ class RolloutActor:
     def run(self) -> dict:
         try:
             return {**self.worker.run(), "node_id": ray.get_runtime_context().get_node_id(),
+                    "accelerators": _accelerators(),
                     "process": program_audit.process_stats(self._rss_before_model, self._program_constants)}
         finally:
             self.worker.tracker.finish()  # flush its event files: the actor is killed once the job ends
@@ -208,6 +241,8 @@ class RLJob:
         self._actors: list[Any] = []
         self._group: Optional[TrainerGroup] = None
         self._lock: Optional[RunLock] = None
+        self._autoscaler = AutoscalerRequest()  # cleared when the job ends: see shutdown()
+        self._n_trainers = 1
 
     def _init_ray(self) -> Optional[str]:
         cfg = self.config.ray
@@ -219,12 +254,13 @@ class RLJob:
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
                      namespace=f"marinrl-{self.config.run_id}",
-                     object_store_memory=512 * 1024 * 1024, runtime_env={"env_vars": _actor_env()},
+                     object_store_memory=512 * 1024 * 1024,
+                     runtime_env={"env_vars": _actor_env(compilation_cache_dir(self.config))},
                      log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
                      logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
         else:
             ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
-                     runtime_env={"env_vars": _actor_env()})
+                     runtime_env={"env_vars": _actor_env(compilation_cache_dir(self.config))})
         self._started_ray = True
         return ray.get_runtime_context().namespace
 
@@ -252,15 +288,17 @@ class RLJob:
             for placement in [p for i, p in enumerate(placements) if p not in placements[:i]]:  # each model's trainer
                 check_cluster(placement, cfg.ray.rollout, cfg.n_rollout_workers,
                               wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
-                              spread=group is not None and group.strategy == "STRICT_SPREAD")
+                              spread=group is not None and group.strategy == "STRICT_SPREAD",
+                              autoscaler=self._autoscaler)
             curriculum_name = self._start_curriculum(namespace)
             curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
             if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
                 trainers = []
                 for k, m in enumerate(models):
-                    trainers.append(TrainerActor.options(**_audited(m.job.ray.trainer.ray_options())).remote(
-                        functools.partial(train_worker_config, m.job, m.policies), curriculum_name if k == 0 else None, namespace, self._log_dir,
+                    trainers.append(TrainerActor.options(**_actor_options(m.job.ray.trainer, k)).remote(
+                        functools.partial(train_worker_config, m.job, m.policies),
+                        curriculum_name if k == 0 else None, namespace, self._log_dir,
                         started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
                 self._actors.extend(trainers)
                 train_refs = [t.run.remote() for t in trainers]
@@ -269,6 +307,7 @@ class RLJob:
                 group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
                             placement_timeout_s=cfg.ray.placement_timeout_s)
                 trainers, train_refs = [group.leader], group.refs
+            self._n_trainers = len(trainers)  # the rollout workers' slots follow the trainers'
             trainer = trainers[0]
             waited = dict(zip(train_refs, range(len(trainers))))  # a trainer's result ref -> its index
             results: dict[int, dict] = {}
@@ -365,7 +404,8 @@ class RLJob:
 
     def _rollout_actor(self, i: int, curriculum_name, namespace, restart: bool = False):
         cfg = self.config
-        actor = RolloutActor.options(**_audited(cfg.ray.rollout.ray_options())).remote(  # a restart's clock starts at its own start
+        options = _actor_options(cfg.ray.rollout, self._n_trainers + i)  # a restart takes its worker's slot
+        actor = RolloutActor.options(**options).remote(  # a restart's clock starts at its own start
             cfg, i, curriculum_name, namespace, self._log_dir, None if restart else self._started)
         self._actors.append(actor)
         return actor
@@ -392,6 +432,10 @@ class RLJob:
             except Exception:  # already gone
                 pass
         self._actors.clear()
+        try:  # before disconnecting: the request lives in the cluster, not in this process
+            self._autoscaler.clear()
+        except Exception as e:  # the cluster is gone: so is its request
+            logger.warning("could not withdraw the job's autoscaler request: %s", e)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

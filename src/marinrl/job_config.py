@@ -36,8 +36,9 @@ class RayJobConfig:
     """Logical CPUs of the local Ray; None: what the trainer and the rollout workers ask for, plus one."""
     trainer: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """What the trainer needs of each of its hosts: `num_cpus`, `num_gpus`, `tpu` (a slice type; a
-    multi-host slice makes a trainer of one process per host), `accelerator_type`, custom `resources`,
-    `num_hosts` (marinrl/placement.py, docs/scaling.md, docs/multihost.md)."""
+    multi-host slice makes a trainer of one process per host) or `tpu_chips` (part of one host),
+    `memory_fraction`, `accelerator_type`, custom `resources`, `num_hosts` (marinrl/placement.py,
+    docs/scaling.md, docs/multihost.md)."""
     rollout: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     """What each rollout worker needs of its node (the same fields)."""
     placement_timeout_s: float = 600.0
@@ -195,8 +196,7 @@ class RLJobConfig:
             devices = self.trainer_group.cpu_devices
         devices = devices * self.ray.trainer.hosts() if devices is not None else None
         check_trainer_ranges(self.trainer, self.groups_per_step * self.n_generations, self._batch_source(), devices,
-                             f"ray.trainer.num_gpus={self.ray.trainer.num_gpus}" if self.ray.trainer.num_gpus
-                             else f"ray.trainer.tpu={self.ray.trainer.tpu}")
+                             f"ray.trainer.{self.ray.trainer.accelerator_field}")
 
     def _check_multihost(self) -> None:
         """What a trainer of several processes cannot do yet, named before anything starts."""

@@ -3,12 +3,17 @@ cluster has it, checked before any actor starts.
 
 Each role declares its needs as a `PlacementConfig` (`RayJobConfig.trainer`, `RayJobConfig.rollout`):
 CPUs, GPUs, a TPU slice (Ray's TPU resources: the slice's head resource `TPU-<type>-head` and each
-host's `TPU` chips), Ray's accelerator label, custom resources, and for the trainer how many hosts it
-spans (one process per host: `num_hosts`, or a multi-host `tpu` slice's hosts). An actor
-that asks for no GPU or TPU may still see every accelerator of its node (Ray narrows
-`CUDA_VISIBLE_DEVICES` / `TPU_VISIBLE_CHIPS` only for actors that ask for them), so on an accelerator
-node each role should ask for its accelerators. Colocated placement (the trainer and the rollout
-workers taking turns on the same accelerators) is not supported.
+host's `TPU` chips) or some chips of one TPU host (`tpu_chips`), Ray's accelerator label, custom
+resources, and for the trainer how many hosts it spans (one process per host: `num_hosts`, or a
+multi-host `tpu` slice's hosts). An actor that asks for no GPU or TPU may still see every accelerator
+of its node (Ray narrows `CUDA_VISIBLE_DEVICES` / `TPU_VISIBLE_CHIPS` only for actors that ask for
+them), so on an accelerator node each role should ask for its accelerators.
+
+One host split between the roles (docs/scaling.md, "One host"): `num_gpus` per role on one GPU node, or
+`tpu_chips` per role on one TPU VM (no slice head resource, so both roles fit the host). Ray gives each
+actor its own GPUs or chips; `actor_env` adds what libtpu needs to run a process on part of a host.
+Colocated placement (the trainer and the rollout workers taking turns on the same accelerators) is
+not supported.
 
 A request Ray cannot satisfy leaves the actor pending forever; `check_cluster` turns that into one
 error naming the field and what the cluster has, from `ray.nodes()`: the trainer must fit one node
@@ -45,6 +50,15 @@ class PlacementConfig:
     chip of its host (`TPU`), the first also the slice's head resource `TPU-<type>-head`. A multi-host
     slice (`v5p-64`: 8 hosts) is a trainer of one process per host (docs/multihost.md); a rollout worker
     is one host."""
+    tpu_chips: Optional[int] = None
+    """Some chips of one TPU host, without the slice head resource, so that the roles share a host
+    (e.g. trainer 4 + rollout 4 on one v5e-8 / v6e-8): 1, 2, 4 or 8, the counts Ray gives a TPU actor.
+    Ray picks the chips (`TPU_VISIBLE_CHIPS`); the actor also gets the process bounds and a libtpu port
+    of its own (`actor_env`). One JAX device per chip (v4 and later)."""
+    memory_fraction: Optional[float] = None
+    """`XLA_PYTHON_CLIENT_MEM_FRACTION` for this role's actors: the share of each visible GPU's memory
+    JAX preallocates (JAX's default 0.75). Set it where roles share a GPU (e.g. one GPU and `num_gpus`
+    0: trainer 0.5, rollout 0.3); None: JAX's default."""
     accelerator_type: Optional[str] = None
     """Ray's accelerator label of the node (e.g. `H100`, `A100`, `TPU-V6E`); None: any."""
     resources: dict = dataclasses.field(default_factory=dict)
@@ -66,6 +80,21 @@ class PlacementConfig:
                 raise ConfigError(f"{field}.tpu", f"{self.tpu!r} and num_gpus={self.num_gpus}: ask for one kind "
                                                   "of accelerator")
             tpu_hosts(self.tpu, f"{field}.tpu")
+        if self.tpu_chips is not None:
+            from ray._private.accelerators.tpu import TPU_VALID_CHIP_OPTIONS
+
+            if self.tpu is not None or self.num_gpus:
+                raise ConfigError(f"{field}.tpu_chips", f"{self.tpu_chips} chips of one host and "
+                                                        f"{'tpu=' + repr(self.tpu) if self.tpu else f'num_gpus={self.num_gpus}'}: "
+                                                        "ask for one kind of accelerator")
+            if self.tpu_chips not in TPU_VALID_CHIP_OPTIONS or isinstance(self.tpu_chips, bool):
+                raise ConfigError(f"{field}.tpu_chips", f"must be one of {list(TPU_VALID_CHIP_OPTIONS)} (the chip "
+                                                        f"counts Ray gives a TPU actor), got {self.tpu_chips!r}")
+            if self.num_hosts not in (None, 1):
+                raise ConfigError(f"{field}.num_hosts", f"{self.num_hosts} hosts with tpu_chips: a trainer over "
+                                                        "several TPU hosts takes whole hosts (set tpu to the slice type)")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"{field}.memory_fraction", f"must be in (0, 1] or null, got {self.memory_fraction}")
         if self.num_hosts is not None:
             if not isinstance(self.num_hosts, int) or self.num_hosts < 1:
                 raise ConfigError(f"{field}.num_hosts", f"must be a whole number >= 1 or null, got {self.num_hosts!r}")
@@ -90,6 +119,8 @@ class PlacementConfig:
             request["TPU"] = float(tpu_chips_per_host(self.tpu))
             if head:
                 request[tpu_head_resource(self.tpu)] = 1.0
+        if self.tpu_chips is not None:
+            request["TPU"] = float(self.tpu_chips)
         if self.accelerator_type:
             request[f"accelerator_type:{self.accelerator_type}"] = _LABEL_AMOUNT
         request.update({k: float(v) for k, v in self.resources.items()})
@@ -102,6 +133,8 @@ class PlacementConfig:
             resources["TPU"] = tpu_chips_per_host(self.tpu)
             if head:
                 resources[tpu_head_resource(self.tpu)] = 1
+        if self.tpu_chips is not None:
+            resources["TPU"] = self.tpu_chips
         options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus,
                                    "resources": resources or None}
         if self.accelerator_type:
@@ -118,6 +151,27 @@ class PlacementConfig:
         """One placement-group bundle per host: the per-host request, the slice head resource on the first."""
         return [self.request(head=i == 0) for i in range(self.hosts())]
 
+    def actor_env(self, slot: int) -> dict[str, str]:
+        """Environment variables one actor of this role needs beyond the job's (`slot`: the actor's number
+        among the job's actors that may share a host, which picks its libtpu port).
+
+        `tpu_chips`: a process on part of a TPU host is a one-process slice of its chips' shape
+        (`TPU_CHIPS_PER_PROCESS_BOUNDS`, `TPU_PROCESS_BOUNDS=1,1,1`, under both the current and the older
+        `*_HOST_BOUNDS` names; Ray sets the chips, and the bounds only for 1 or 2 of them), with a libtpu
+        port of its own and libtpu's one-process-per-host lock lifted (`ALLOW_MULTIPLE_LIBTPU_LOAD`), as
+        JAX's own multi-process tests run processes on one host (jax/_src/test_multiprocess.py).
+        `TPU_PROCESS_ADDRESSES` stays unset: JAX would take it for a multi-host GKE slice."""
+        env: dict[str, str] = {}
+        if self.tpu_chips is not None:
+            bounds, port = TPU_CHIP_BOUNDS[self.tpu_chips], str(SUBHOST_TPU_PORT + slot)
+            env.update(TPU_CHIPS_PER_PROCESS_BOUNDS=bounds, TPU_CHIPS_PER_HOST_BOUNDS=bounds,
+                       TPU_PROCESS_BOUNDS="1,1,1", TPU_HOST_BOUNDS="1,1,1", TPU_PROCESS_PORT=port,
+                       TPU_MESH_CONTROLLER_ADDRESS=f"localhost:{port}", TPU_MESH_CONTROLLER_PORT=port,
+                       ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+        if self.memory_fraction is not None:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{self.memory_fraction:g}"
+        return env
+
     @property
     def hosts_field(self) -> str:
         """The field that sets `hosts()`."""
@@ -125,12 +179,21 @@ class PlacementConfig:
 
     @property
     def has_accelerator(self) -> bool:
-        return bool(self.num_gpus or self.tpu)
+        return bool(self.num_gpus or self.tpu or self.tpu_chips)
+
+    @property
+    def accelerator_field(self) -> str:
+        """The field that sets this role's accelerators, as `field=value` (for messages)."""
+        if self.tpu_chips is not None:
+            return f"tpu_chips={self.tpu_chips}"
+        return f"num_gpus={self.num_gpus}" if self.num_gpus else f"tpu={self.tpu}"
 
     def devices(self) -> Optional[int]:
         """JAX devices one host's process will see, when the placement fixes them (None on CPU)."""
         if self.num_gpus:
             return self.num_gpus
+        if self.tpu_chips is not None:
+            return self.tpu_chips
         if self.tpu is not None:
             from ray._private.accelerators import tpu
 
@@ -141,6 +204,12 @@ class PlacementConfig:
 
 _FIELD_OF = {"GPU": "num_gpus", "TPU": "tpu", "CPU": "num_cpus"}
 _UNITS = {"GPU": "GPUs", "CPU": "CPUs", "TPU": "TPU chips"}
+TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+"""`tpu_chips` → the chips' shape (x,y,z) libtpu is told a process holds (what JAX's multi-process tests
+use: 4 chips are a 2x2 block, 8 the 2x4 of a v5e-8 / v6e-8 host)."""
+SUBHOST_TPU_PORT = 8490
+"""The libtpu port of the first actor on part of a TPU host; actor `slot` takes this + slot (libtpu's
+own defaults, 8471 and 8476, and JAX's coordinator, 8482, stay below it)."""
 
 
 # ------------------------------------------------------------------------------------ TPU slices
@@ -200,6 +269,8 @@ def _field_of(role: str, key: str, placement: PlacementConfig) -> str:
         return f"ray.{role}.num_cpus"
     if key == "GPU":
         return f"ray.{role}.num_gpus"
+    if key == "TPU" and placement.tpu_chips is not None:
+        return f"ray.{role}.tpu_chips"
     if key == "TPU" or (placement.tpu and key == tpu_head_resource(placement.tpu)):
         return f"ray.{role}.tpu"
     if key.startswith("accelerator_type:"):
@@ -213,6 +284,8 @@ def _what(key: str, amount: float, role: str, placement: PlacementConfig) -> str
         return f"{amount:g} GPUs {per}"
     if key == "CPU":
         return f"{amount:g} CPUs {per}"
+    if key == "TPU" and placement.tpu_chips is not None:
+        return f"{amount:g} TPU chips {per} (part of one host)"
     if key == "TPU":
         return f"{amount:g} TPU chips {per} (one host of a {placement.tpu})"
     if placement.tpu and key == tpu_head_resource(placement.tpu):
@@ -293,12 +366,38 @@ def _fmt(request: dict[str, float]) -> str:
     return "{" + ", ".join(f"{k}: {v:g}" for k, v in request.items()) + "}"
 
 
+class AutoscalerRequest:
+    """The job's standing request to the cluster's autoscaler (`ray.autoscaler.sdk.request_resources`),
+    made while the cluster lacks the nodes the job needs. Ray keeps a request until another replaces it,
+    and the autoscaler keeps nodes up for it after the job is gone: `clear` replaces it with an empty one
+    when the job ends (idle nodes then go after the cluster's `idle_timeout_minutes`)."""
+
+    def __init__(self):
+        self.bundles: Optional[list[dict[str, float]]] = None
+        """What this job asked for, while its request stands; None: none."""
+
+    def make(self, bundles: list[dict[str, float]]) -> None:
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+        self.bundles = bundles
+
+    def clear(self) -> None:
+        """Withdraws this job's request (nothing if it made none: another job's request stays)."""
+        if self.bundles is None:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=[])
+        self.bundles = None
+
+
 def check_cluster(trainer: PlacementConfig, rollout: PlacementConfig, n_rollout_workers: int, *,
                   wait_s: float = 0.0, nodes: Optional[Callable[[], list[dict]]] = None,
-                  spread: bool = True) -> None:
+                  spread: bool = True, autoscaler: Optional[AutoscalerRequest] = None) -> None:
     """Raises the ConfigError of `placement_problem` against the connected Ray's nodes. With `wait_s`
-    > 0 (a cluster with an autoscaler) it first asks the autoscaler for the actors' resources and
-    waits that long for nodes that hold them."""
+    > 0 (a cluster with an autoscaler) it first asks the autoscaler for the actors' resources (through
+    `autoscaler`, which the caller clears when its job ends) and waits that long for nodes that hold them."""
     import ray
 
     list_nodes = nodes or ray.nodes
@@ -311,9 +410,7 @@ def check_cluster(trainer: PlacementConfig, rollout: PlacementConfig, n_rollout_
         if problem is not None:
             raise problem
         return
-    from ray.autoscaler.sdk import request_resources
-
-    request_resources(bundles=trainer.bundles() + [rollout.request()] * n_rollout_workers)
+    (autoscaler or AutoscalerRequest()).make(trainer.bundles() + [rollout.request()] * n_rollout_workers)
     deadline = time.monotonic() + wait_s
     while problem is not None and time.monotonic() < deadline:
         time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))

@@ -50,9 +50,10 @@ checkpointing, FSDP, no KL term, the engine backend, an existing Ray cluster. A 
 (`recipe_yaml(GRPO_AT_SCALE, ...)`); docs/models.md, "Dtypes"."""
 
 
-def recipe_yaml(base: str, recipe: str) -> str:
+def recipe_yaml(base: str, recipe: str, *, replace: Sequence[str] = ()) -> str:
     """YAML of `recipe` over `base`: mappings merge key by key (the recipe's value wins), anything else
-    (lists included) is the recipe's."""
+    (lists included) is the recipe's; a top-level key in `replace` takes the recipe's value whole (e.g.
+    `ray`, for a variant whose placement drops the base's role resources)."""
     import yaml
 
     def merge(under, over):
@@ -60,7 +61,10 @@ def recipe_yaml(base: str, recipe: str) -> str:
             return {**under, **{k: merge(under[k], v) if k in under else v for k, v in over.items()}}
         return over
 
-    return yaml.safe_dump(merge(yaml.safe_load(base) or {}, yaml.safe_load(recipe) or {}), sort_keys=False)
+    under, over = yaml.safe_load(base) or {}, yaml.safe_load(recipe) or {}
+    merged = merge(under, over)
+    merged.update({k: over[k] for k in replace if k in over})
+    return yaml.safe_dump(merged, sort_keys=False)
 
 
 def run_job(config):
