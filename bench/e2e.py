@@ -76,7 +76,8 @@ from machine import machine  # noqa: E402  (bench/machine.py)
 from marinrl.curriculum_config import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.env_config import EnvConfig  # noqa: E402
 from marinrl.inference.inflight_config import InflightConfig  # noqa: E402
-from marinrl.job import RLJob, RLJobConfig, _actor_env  # noqa: E402
+from marinrl.job import RLJob, RLJobConfig  # noqa: E402
+from marinrl.job_actors import actor_env  # noqa: E402
 from marinrl.lora_config import LoraRLConfig  # noqa: E402
 from marinrl.policies import PolicyConfig  # noqa: E402
 from marinrl.model_config import ModelConfig  # noqa: E402
@@ -196,7 +197,7 @@ def run_mode(mode: str, steps: int, root: str, shape: str = "reference", max_tok
     trainers = 2 if shape == "roles" and policies != "one" else 1
     ray.init(address="local", num_cpus=cfg.n_rollout_workers + trainers + 1, include_dashboard=False,
              namespace=f"marinrl-{cfg.run_id}", object_store_memory=512 * 1024 * 1024,
-             runtime_env={"env_vars": _actor_env()}, log_to_driver=False)
+             runtime_env={"env_vars": actor_env()}, log_to_driver=False)
     try:
         with RssWatcher() as rss:
             result = RLJob(cfg).run()

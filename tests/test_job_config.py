@@ -19,7 +19,8 @@ from levanter.tracker.tensorboard import TensorboardConfig
 from levanter.tracker.wandb import WandbConfig
 
 from marinrl.config_errors import ConfigInputError, load_job_config
-from marinrl.job import ConfigError, RLJobConfig, _actor_env
+from marinrl.job import ConfigError, RLJobConfig
+from marinrl.job_actors import actor_env
 from marinrl.train.trainer_config import RLAdamConfig
 from marinrl.train.worker import cpu_trainer_config
 from marinrl.job_plan import rollout_worker_config, train_worker_config
@@ -164,10 +165,10 @@ def test_the_accelerator_is_required_where_the_placement_asks_for_one(tmp_path):
 
 def test_wandb_mode_is_the_users(monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    assert "WANDB_MODE" not in _actor_env()  # online when the tracker asks for wandb and nothing says otherwise
+    assert "WANDB_MODE" not in actor_env()  # online when the tracker asks for wandb and nothing says otherwise
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "p")
-    env = _actor_env()
+    env = actor_env()
     assert env["WANDB_MODE"] == "offline" and env["WANDB_PROJECT"] == "p"
 
 

@@ -262,7 +262,7 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
 def test_two_node_cluster_places_trainer_and_rollout_worker_by_resource(tmp_path):
     script = _TWO_NODE_SCRIPT.format(tests=os.path.dirname(__file__), root=str(tmp_path))
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

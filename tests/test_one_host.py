@@ -15,11 +15,14 @@ import textwrap
 
 import pytest
 
-from marinrl.job import ConfigError, RLJob, compilation_cache_dir
+from marinrl.job import ConfigError, RLJob
+from marinrl.job_actors import compilation_cache_dir
 from marinrl.job_config import RayJobConfig
 from marinrl.placement import TPU_CHIP_BOUNDS, PlacementConfig, placement_problem
 
 from test_job import job_config
+
+pytestmark = pytest.mark.timeout(1200)  # whole jobs on a local Ray: the suite's job-file limit (pyproject.toml)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -101,7 +104,7 @@ def test_what_a_role_on_part_of_a_host_asks_for():
 _ENV_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray
-    from marinrl.job import _actor_options
+    from marinrl.job_actors import actor_options
     from marinrl.placement import PlacementConfig, check_cluster
 
     ray.init(num_cpus=4, num_gpus=8, resources={"TPU": 8}, include_dashboard=False, log_to_driver=False)
@@ -118,8 +121,8 @@ _ENV_SCRIPT = textwrap.dedent("""
             ("gpu 4+4", PlacementConfig(num_cpus=0, num_gpus=4, memory_fraction=0.9),
              PlacementConfig(num_cpus=0, num_gpus=4), 1)]:
         check_cluster(trainer, rollout, workers)
-        actors = [Probe.options(**_actor_options(trainer, 0)).remote()]
-        actors += [Probe.options(**_actor_options(rollout, 1 + i)).remote() for i in range(workers)]
+        actors = [Probe.options(**actor_options(trainer, 0)).remote()]
+        actors += [Probe.options(**actor_options(rollout, 1 + i)).remote() for i in range(workers)]
         out[name] = ray.get([a.env.remote() for a in actors], timeout=120)
         for a in actors:
             ray.kill(a)
@@ -132,7 +135,7 @@ def test_each_actor_on_one_host_gets_its_own_accelerators():
     """A real local Ray with 8 fake TPU chips and 8 fake GPUs: the job's actor options give each role's
     actors disjoint chips (Ray's TPU_VISIBLE_CHIPS) with libtpu's bounds and a port each, or disjoint GPUs
     (CUDA_VISIBLE_DEVICES) with the role's memory fraction."""
-    proc = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=240,
+    proc = subprocess.run([sys.executable, "-c", _ENV_SCRIPT], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
@@ -193,7 +196,7 @@ def test_a_two_role_job_runs_on_one_host(tmp_path):
     """RLJob on a one-node Ray that looks like one v5e-8 TPU VM: the trainer on 4 chips and a rollout
     worker on the other 4, each told its chips' shape, trains to the end."""
     script = _ONE_HOST_JOB.format(tests=TESTS, root=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
@@ -226,18 +229,18 @@ def test_the_compile_cache_is_shared_storage_on_a_cluster(tmp_path, monkeypatch)
 
 def test_jax_fills_the_cluster_compile_cache_on_gcs(tmp_path, gcs_root, monkeypatch):
     """The cache a cluster job picks for a `gs://` run_root is one JAX writes to: a JAX process with it
-    (as the job's actors get it, `_actor_env`) stores its compiled programs in the bucket (the GCS
+    (as the job's actors get it, `actor_env`) stores its compiled programs in the bucket (the GCS
     emulator, through JAX's own epath/gcsfs path)."""
     import fsspec
 
-    from marinrl.job import _actor_env
+    from marinrl.job_actors import actor_env
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     config = dataclasses.replace(job_config(tmp_path), run_root=f"{gcs_root}/runs", ray=RayJobConfig(address="auto"))
     cache = compilation_cache_dir(config)
-    env = {**os.environ, **_actor_env(cache), "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    env = {**os.environ, **actor_env(cache), "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(7)).sum()))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fs = fsspec.filesystem("gcs", token="anon")
     assert cache == f"{gcs_root}/runs/jax_cache"
@@ -289,7 +292,7 @@ def test_the_autoscaler_request_is_withdrawn_when_the_job_ends(tmp_path):
     which `ray up`'s autoscaler reads; no autoscaler runs here to act on it): while the job waits, the
     request holds its actors' bundles; once the job has ended, an empty request replaced it."""
     script = _AUTOSCALER_SCRIPT.format(tests=TESTS, root=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

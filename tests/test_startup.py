@@ -9,7 +9,7 @@ import sys
 
 import equinox as eqx
 
-from marinrl.job import _actor_env
+from marinrl.job_actors import actor_env
 
 _CHILD = """
 import sys, tempfile
@@ -28,9 +28,9 @@ print("torch importable:", hasattr(torch, "tensor"))
 
 def test_actors_run_with_use_torch_0_unless_the_driver_sets_it(monkeypatch):
     monkeypatch.delenv("USE_TORCH", raising=False)
-    assert _actor_env()["USE_TORCH"] == "0"
+    assert actor_env()["USE_TORCH"] == "0"
     monkeypatch.setenv("USE_TORCH", "1")
-    assert _actor_env()["USE_TORCH"] == "1"
+    assert actor_env()["USE_TORCH"] == "1"
 
 
 def test_an_actor_logs_to_tensorboard_without_importing_torch():
