@@ -366,6 +366,7 @@ def _sigkill_and_wait_for_restart(ray_session, client):
         assert time.monotonic() < deadline, "the actor did not restart within 60 s"
 
 
+@pytest.mark.timeout(1200)  # a whole job: the suite's job-file limit
 def test_a_jobs_curriculum_actor_killed_mid_run_resumes_from_its_last_trainer_step(ray_session, tmp_path):
     """The job's actor (RLJob._start_curriculum) saves at every trainer step: SIGKILLed, Ray's restart
     has the lessons' statistics and statuses as of the last step, not fresh ones (a dependent lesson

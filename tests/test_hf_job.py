@@ -22,6 +22,8 @@ from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_by
 from marinrl.tokenizers import byte_tokenizer
 from test_job import job_config
 
+pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
+
 VOCAB = 512
 
 

@@ -119,6 +119,16 @@ def _resolve(name: str) -> type:
     return obj
 
 
+def optional_package(module: str, env_name: str, distribution: str, extra: str):
+    """`module` of an optional extra, or an ImportError naming the environment and the extra to install:
+    adapters import their package only when a lesson builds them (docs/environments.md)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"environment {env_name!r} needs the {distribution} package: "
+                          f"pip install 'marinrl[{extra}]'") from e
+
+
 def needs_endpoint(config: EnvConfig) -> bool:
     """Whether the environment talks to the OpenAI-compatible endpoint (class attribute `needs_endpoint`),
     so the server that runs it must serve HTTP."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
 import logging
 import random
@@ -38,7 +37,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from marinrl.config_checks import require_above, require_at_least
-from marinrl.envs.base import Mode, check_sample_args, completion_text, encode_prompt, new_group_id, register_env
+from marinrl.envs.base import Mode, check_sample_args, completion_text, encode_prompt, new_group_id, optional_package, register_env
 from marinrl.envs.episode import EpisodeRecord, episode_metrics, episode_rollout
 from marinrl.envs.openai_env import _run_coroutine
 from marinrl.inference.context import InferenceContext, SamplingParams
@@ -50,10 +49,7 @@ logger = logging.getLogger(__name__)
 
 def import_openenv_client():
     """openenv-core's `GenericEnvClient`, or an error that says how to install it."""
-    try:
-        return importlib.import_module("openenv.core.generic_client").GenericEnvClient
-    except ImportError as e:
-        raise ImportError("environment 'openenv' needs the openenv-core package: pip install 'marinrl[openenv]'") from e
+    return optional_package("openenv.core.generic_client", "openenv", "openenv-core", "openenv").GenericEnvClient
 
 
 @dataclasses.dataclass(frozen=True)

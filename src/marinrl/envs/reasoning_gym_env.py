@@ -23,12 +23,11 @@ optional extra `marinrl[reasoning_gym]`).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
-from marinrl.envs.base import Grade, Mode, Problem, SingleTurnEnv, encode_prompt, register_env
+from marinrl.envs.base import Grade, Mode, Problem, SingleTurnEnv, encode_prompt, optional_package, register_env
 from marinrl.inference.context import chat_prompt_tokens
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -39,11 +38,7 @@ MAX_REDRAWS = 64
 
 def import_reasoning_gym():
     """The reasoning_gym package, or an error that says how to install it."""
-    try:
-        return importlib.import_module("reasoning_gym")
-    except ImportError as e:
-        raise ImportError("environment 'reasoning_gym' needs the reasoning-gym package: "
-                          "pip install 'marinrl[reasoning_gym]'") from e
+    return optional_package("reasoning_gym", "reasoning_gym", "reasoning-gym", "reasoning_gym")
 
 
 @dataclasses.dataclass(frozen=True)

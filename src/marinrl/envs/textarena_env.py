@@ -31,8 +31,8 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from marinrl.envs.base import Mode, Problem, check_sample_args, completion_text, encode_prompt, make_rollout, \
-    new_group_id, register_env
+from marinrl.envs.base import (Mode, Problem, check_sample_args, completion_text, encode_prompt, make_rollout,
+                               new_group_id, optional_package, register_env)
 from marinrl.envs.multiagent import Agent
 from marinrl.inference.context import InferenceContext, SamplingParams
 from marinrl.rollout.policy_router import policy_context
@@ -47,11 +47,7 @@ EVAL_SEEDS = 1 << 30
 
 def import_textarena():
     """The textarena package, or an error that says how to install it."""
-    try:
-        return importlib.import_module("textarena")
-    except ImportError as e:
-        raise ImportError("environment 'textarena' needs the textarena package: "
-                          "pip install 'marinrl[textarena]'") from e
+    return optional_package("textarena", "textarena", "textarena", "textarena")
 
 
 def network_use(module_name: str) -> Optional[str]:
