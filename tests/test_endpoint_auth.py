@@ -9,6 +9,7 @@ shapes are tests/test_openai_env.py's, so compiled shapes come from the persiste
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 
@@ -33,6 +34,7 @@ from marinrl.models import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
+from marinrl.envs.base import make_env
 
 ARCH = LlamaConfig(
     seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -165,7 +167,7 @@ def test_a_job_rollout_worker_path_serves_openai_agent_lessons_behind_a_key(mode
     with InferenceServer(config, model, tokenizer) as srv:
         _error_of(httpx.post(f"{srv.url}/chat/completions", json=CHAT, timeout=60))
         assert config.api_key is None and len(srv.api_key) >= 32  # generated for this start
-        manager = RolloutManager(srv, {"echo": LessonRuntime(lesson.build, SAMPLING)})
+        manager = RolloutManager(srv, {"echo": LessonRuntime(functools.partial(make_env, lesson), SAMPLING)})
         batch, m = manager.sample_batch("echo", 2, 2, "train", np.random.default_rng(0), weight_step=0,
                                         worker_id="rollout-0")
     assert m["echo/env_failures"] == 0 and m["echo/episodes_ok"] == 4 and m["echo/requests"] == 4

@@ -139,8 +139,8 @@ def test_two_call_episodes_are_stitched_or_split(server, tokenizer):
     """A random model's first answer (one token) survives the text round trip of the chat template iff
     it is ASCII or EOS: then the episode is one sequence with the template tokens masked; otherwise the
     second call starts a new segment (group `#1`)."""
-    env = EnvConfig(name="openai_agent", args={"agent": "marinrl.envs.openai_agents:TwoTurnEchoAgent",
-                                               "agent_args": {"alphabet_size": 4}, "max_concurrency": 8}).build()
+    env = make_env(EnvConfig(name="openai_agent", args={"agent": "marinrl.envs.openai_agents:TwoTurnEchoAgent",
+                                                        "agent_args": {"alphabet_size": 4}, "max_concurrency": 8}))
     sampling = SamplingParams(temperature=1.0, max_tokens=1)
     groups, m = _sample(env, server, 4, 8, sampling)
     assert m["l/malformed_groups"] == 0 and m["l/episodes_ok"] == 32 and m["l/requests"] == 64
