@@ -110,7 +110,8 @@ from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E
 from marinrl.train.loss_config import LossConfig  # noqa: E402
 from marinrl.train.losses import describe, token_logprobs  # noqa: E402
 from marinrl.train.batching import row_alignment  # noqa: E402
-from marinrl.train.worker import StepInput, _default_optimizer, _step_loss, cpu_trainer_config  # noqa: E402
+from marinrl.train.worker import StepInput, _step_loss  # noqa: E402
+from marinrl.train.worker_config import _default_optimizer, cpu_trainer_config  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512

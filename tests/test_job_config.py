@@ -22,7 +22,7 @@ from marinrl.config_errors import ConfigInputError, load_job_config
 from marinrl.job import ConfigError, RLJobConfig
 from marinrl.job_actors import actor_env
 from marinrl.train.trainer_config import RLAdamConfig
-from marinrl.train.worker import cpu_trainer_config
+from marinrl.train.worker_config import cpu_trainer_config
 from marinrl.job_plan import rollout_worker_config, train_worker_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

@@ -51,7 +51,8 @@ from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OnPolicyConfig
-from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
+from marinrl.train.worker import TrainWorker
+from marinrl.train.worker_config import TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import Rollout
 from marinrl.transfer.endpoints import build_client

@@ -151,7 +151,7 @@ def test_retention_counts_only_committed_checkpoints_and_spares_the_protected_on
 
 
 def test_retention_settings_are_checked():
-    from marinrl.train.worker import TrainWorkerConfig
+    from marinrl.train.worker_config import TrainWorkerConfig
 
     with pytest.raises(ValueError, match="checkpoint_keep must be >= 1, got 0"):
         TrainWorkerConfig(checkpoint_keep=0)

@@ -67,7 +67,7 @@ def test_the_job_derives_the_rollout_and_publish_dtype_from_the_compute_dtype():
 
 
 def test_a_bad_publish_dtype_is_refused_naming_the_field():
-    from marinrl.train.worker import TrainWorkerConfig
+    from marinrl.train.worker_config import TrainWorkerConfig
 
     with pytest.raises(ValueError, match="publish_dtype"):
         TrainWorkerConfig(publish_dtype="int8")

@@ -57,7 +57,8 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
     from marinrl.train.loss_config import LossConfig
     from marinrl.train.initial_weights import CheckpointWeights, build_reference
     from marinrl.train.initial_weights import is_initial_policy as _is_initial_policy
-    from marinrl.train.worker import _step_loss, cpu_trainer_config
+    from marinrl.train.worker import _step_loss
+    from marinrl.train.worker_config import cpu_trainer_config
     from test_train_worker import TINY
 
     cfg = cpu_trainer_config(num_train_steps=1, train_batch_size=4, log_dir=tmp_path / "logs", tracker=(), id="ref",

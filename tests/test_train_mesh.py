@@ -29,7 +29,8 @@ from marinrl.train.batching import make_training_batch
 from marinrl.train.loss_config import LossConfig
 from marinrl.train.losses import rl_loss, token_logprobs
 from marinrl.train.batching import row_alignment
-from marinrl.train.worker import StepInput, _step_loss, cpu_trainer_config
+from marinrl.train.worker import StepInput, _step_loss
+from marinrl.train.worker_config import cpu_trainer_config
 from test_train_worker import TINY, make_rollout_batch
 
 LOSS = LossConfig.preset("grpo", kl_beta=0.04)

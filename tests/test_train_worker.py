@@ -22,7 +22,8 @@ from marinrl.train.loss_config import LossConfig
 from marinrl.train.replay import ReplayBuffer
 from marinrl.train.replay_config import ReplayConfig
 from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
-from marinrl.train.worker import TrainWorker, TrainWorkerConfig, cpu_trainer_config
+from marinrl.train.worker import TrainWorker
+from marinrl.train.worker_config import TrainWorkerConfig, cpu_trainer_config
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 from marinrl.transfer.endpoints import build_client

@@ -25,7 +25,7 @@ from marinrl.policies import policy_models
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 
 if TYPE_CHECKING:
-    from marinrl.train.worker import TrainWorkerConfig
+    from marinrl.train.worker_config import TrainWorkerConfig
 
 
 

@@ -15,7 +15,7 @@ from marinrl.policies import policy_models, policy_names
 
 if TYPE_CHECKING:
     from marinrl.rollout.worker import RolloutWorkerConfig
-    from marinrl.train.worker import TrainWorkerConfig
+    from marinrl.train.worker_config import TrainWorkerConfig
 
 
 def trainer_config(job: RLJobConfig):
@@ -35,7 +35,7 @@ def trainer_config(job: RLJobConfig):
 
 def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> "TrainWorkerConfig":
     """The trainer's config; `policies`: those its model plays (default: every policy of the job)."""
-    from marinrl.train.worker import TrainWorkerConfig
+    from marinrl.train.worker_config import TrainWorkerConfig
 
     return TrainWorkerConfig(
         rollout_root=f"{job.run_dir}/rollouts", weights=job.weights_config(), model=job.model,
