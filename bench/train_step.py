@@ -32,9 +32,12 @@ unrolled layers (`scan_layers=False`, as `model_config.reference_llama`). Varian
 (BatchingConfig.layout: one rollout per row as before packing, rollouts packed into rows, and each group's
 prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)), `bf16` (`trainer.mp: p=f32,c=bfloat16`: float32
 master weights and AdamW state, bfloat16 matmuls; XLA:CPU uses AVX-512 BF16 where the CPU has it) and `scanned` (LlamaConfig
-scan_layers=True, Levanter's default). The first mode is the reference of the paired ratios. For example:
+scan_layers=True, Levanter's default) and `levanter_dots` (the projections' dots as Levanter writes them, 3-D: what
+ran before marinrl/train/flat_dots.py merged the token axes on the CPU). The first mode is the reference of the paired
+ratios. For example:
 
     python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
+    python bench/train_step.py --modes kl_0.04+levanter_dots,kl_0.04,kl_0.04+bf16   # the update's levers
     python bench/train_step.py --modes kl_0.04+padded,kl_0.04+packed,kl_0.04+shared
     python bench/train_step.py --shape realistic --steps 6 --modes kl_0.04+padded,kl_0.04+packed,kl_0.04+shared
 
@@ -91,11 +94,13 @@ import pathlib  # noqa: E402
 import resource  # noqa: E402
 import uuid  # noqa: E402
 
+import equinox as eqx  # noqa: E402
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jmp  # noqa: E402
 import levanter  # noqa: E402
 import numpy as np  # noqa: E402
+from haliax.quantization import DefaultDotGeneralOp  # noqa: E402
 from levanter.checkpoint import CheckpointerConfig  # noqa: E402
 from levanter.layers.attention import AttentionBackend  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
@@ -193,6 +198,8 @@ class Mode:
     batching: BatchingConfig
     mp: str = "f32"
     """The precision policy (`bf16` variant: p=f32,c=bfloat16: float32 masters, bfloat16 compute)."""
+    levanter_dots: bool = False
+    """`levanter_dots` variant: the projections' dots as Levanter writes them (3-D, before flat_dots.py)."""
     trainer: Trainer | None = None
     state: object = None
     reference: object = None
@@ -212,6 +219,7 @@ class Mode:
             raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")
         _, _, max_length, min_bucket = SHAPES[args.shape]
         batching, scan_layers, mp = BatchingConfig(max_length=max_length, min_bucket=min_bucket), False, "f32"
+        levanter_dots = False
         for v in variants:
             if v.startswith("bucket") and v[6:].isdigit():
                 batching = dataclasses.replace(batching, min_bucket=int(v[6:]))
@@ -221,16 +229,18 @@ class Mode:
                 scan_layers = True
             elif v == "bf16":
                 mp = "p=f32,c=bfloat16"
+            elif v == "levanter_dots":
+                levanter_dots = True
             else:
                 raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected padded, packed, shared, "
-                                 "bucket<N>, scanned or bf16")
+                                 "bucket<N>, scanned, bf16 or levanter_dots")
         model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers,
                                        seq_len=max(256, max_length))
         if args.shape == "quickstart":  # experiments/quickstart.yaml's model
             llama = dataclasses.replace(model.model, seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2)
             model = dataclasses.replace(model, model=llama, init_std=None)
         batching = batching.for_model(model.model.hidden_dim)  # as the worker does
-        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching, mp)
+        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching, mp, levanter_dots)
 
     def setup(self, trainer_cfg, optimizer) -> None:
         """What `TrainWorker.run` does before its loop (minus the replay buffer and the weight server)."""
@@ -238,9 +248,12 @@ class Mode:
         self.trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=self.loss),
                                add_default_hooks=False)
         self.trainer.__enter__()
-        self.state = self.trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed),
-                                                model_init=lambda: build_model(self.model))
-        self.reference = build_model(self.model) if self.loss.uses_reference else None
+        def model_init():
+            model = build_model(self.model)
+            return _levanter_dots(model) if self.levanter_dots else model
+
+        self.state = self.trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed), model_init=model_init)
+        self.reference = model_init() if self.loss.uses_reference else None
         self.ref_fn = hax.named_jit(token_logprobs, axis_resources=self.trainer.compute_axis_mapping)
 
     def step(self, batch: TrainingBatch) -> tuple[_Timer, _Timer, float]:
@@ -274,6 +287,19 @@ class Mode:
                 "padding_fraction": float(np.mean(self.padding)),
                 "rows": sorted({b.Batch.size for b in self.batches}), "positions": sorted({b.Pos.size for b in self.batches}),
                 "devices": jax.device_count()}
+
+
+class _PlainDot(eqx.Module):
+    """`jax.lax.dot_general` as haliax's default op calls it, under a type `flat_token_dots` leaves alone."""
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def _levanter_dots(model):
+    """The model with its projections' dots as Levanter writes them (what ran before flat_dots.py)."""
+    default = lambda x: isinstance(x, DefaultDotGeneralOp)  # noqa: E731
+    return jax.tree_util.tree_map(lambda x: _PlainDot() if default(x) else x, model, is_leaf=default)
 
 
 def _summary(mode: Mode, r: dict) -> str:

@@ -18,6 +18,7 @@ from levanter.models.lm_model import LmHeadModel
 from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
 
 from marinrl.train.batching import BATCH, POSITION, TrainingBatch
+from marinrl.train.flat_dots import flat_token_dots
 
 KEY_POSITION = "key_position"
 """Levanter's name for the attended-to position axis (`LlamaConfig.KeyPos`)."""
@@ -86,6 +87,7 @@ def policy_forward(
     model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool
 ) -> tuple[NamedArray, NamedArray | None, jax.Array | float]:
     """(log π(target_ids) at the batch temperature, entropy or None, auxiliary model loss)."""
+    model = flat_token_dots(model)  # 2-D projections on the CPU: docs/performance.md, "The update"
     out = model.activations(batch.input_ids, attention_mask(batch), key=key, pos_ids=batch.position_ids)
     aux: jax.Array | float = 0.0
     if isinstance(out, tuple):  # mixture-of-experts models return (activations, load-balancing loss)
