@@ -75,6 +75,43 @@ def test_registry_builds_by_short_name_and_by_dotted_path():
     assert isinstance(make_env(EnvConfig("arithmetic", {"difficulty": 2})), ArithmeticEnv)
 
 
+def test_each_builtin_name_is_registered_by_the_module_the_lazy_table_names():
+    """`base.BUILTIN_ENVS` is what makes a built-in name importable on demand: a module that registers a
+    name the table lacks (or under another module) would make that name unknown to a fresh process."""
+    import importlib
+
+    from marinrl.envs import base
+
+    registered_by: dict[str, str] = {}
+    for module in sorted(set(base.BUILTIN_ENVS.values())):
+        importlib.import_module(f"marinrl.envs.{module}")
+    for name, cls in base._REGISTRY.items():
+        if cls.__module__.startswith("marinrl.envs."):
+            registered_by[name] = cls.__module__.removeprefix("marinrl.envs.")
+    assert registered_by == base.BUILTIN_ENVS
+
+
+def test_a_fresh_process_imports_only_the_environment_it_builds():
+    """Every actor imports marinrl.envs (job_actors); the task modules come only with a config naming them."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys\n"
+        "import marinrl.job_actors, marinrl.envs\n"
+        "before = sorted(m for m in sys.modules if m.startswith('marinrl.envs.') or m in ('openai', 'sympy'))\n"
+        "from marinrl.envs import EnvConfig, make_env\n"
+        "make_env(EnvConfig('echo', {}))\n"
+        "after = sorted(m for m in sys.modules if m.startswith('marinrl.envs.') or m in ('openai', 'sympy'))\n"
+        "print(json.dumps([before, after]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    before, after = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before == ["marinrl.envs.base"]
+    assert "marinrl.envs.toy" in after and "marinrl.envs.openai_env" not in after and "openai" not in after
+
+
 def test_registry_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match=r"unknown environment 'nope'.*echo"):
         make_env(EnvConfig("nope"))
