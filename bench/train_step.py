@@ -94,13 +94,11 @@ import pathlib  # noqa: E402
 import resource  # noqa: E402
 import uuid  # noqa: E402
 
-import equinox as eqx  # noqa: E402
 import haliax as hax  # noqa: E402
 import jax  # noqa: E402
 import jmp  # noqa: E402
 import levanter  # noqa: E402
 import numpy as np  # noqa: E402
-from haliax.quantization import DefaultDotGeneralOp  # noqa: E402
 from levanter.checkpoint import CheckpointerConfig  # noqa: E402
 from levanter.layers.attention import AttentionBackend  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
@@ -111,6 +109,7 @@ from marinrl.model_config import ModelConfig  # noqa: E402
 from marinrl.models import build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
 from marinrl.train.batching_config import BatchingConfig  # noqa: E402
+from marinrl.train.flat_dots import levanter_dots  # noqa: E402
 from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
 from marinrl.train.loss_config import LossConfig  # noqa: E402
 from marinrl.train.losses import describe, token_logprobs  # noqa: E402
@@ -250,7 +249,7 @@ class Mode:
         self.trainer.__enter__()
         def model_init():
             model = build_model(self.model)
-            return _levanter_dots(model) if self.levanter_dots else model
+            return levanter_dots(model) if self.levanter_dots else model
 
         self.state = self.trainer.initial_state(jax.random.PRNGKey(trainer_cfg.seed), model_init=model_init)
         self.reference = model_init() if self.loss.uses_reference else None
@@ -287,19 +286,6 @@ class Mode:
                 "padding_fraction": float(np.mean(self.padding)),
                 "rows": sorted({b.Batch.size for b in self.batches}), "positions": sorted({b.Pos.size for b in self.batches}),
                 "devices": jax.device_count()}
-
-
-class _PlainDot(eqx.Module):
-    """`jax.lax.dot_general` as haliax's default op calls it, under a type `flat_token_dots` leaves alone."""
-
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-
-
-def _levanter_dots(model):
-    """The model with its projections' dots as Levanter writes them (what ran before flat_dots.py)."""
-    default = lambda x: isinstance(x, DefaultDotGeneralOp)  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: _PlainDot() if default(x) else x, model, is_leaf=default)
 
 
 def _summary(mode: Mode, r: dict) -> str:

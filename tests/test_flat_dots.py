@@ -14,7 +14,7 @@ import pytest
 from haliax.quantization import DefaultDotGeneralOp
 
 from marinrl.train.batching import TrainingBatch
-from marinrl.train.flat_dots import TokenFlatDot, flat_token_dots
+from marinrl.train.flat_dots import TokenFlatDot, flat_token_dots, levanter_dots
 from marinrl.train.loss_config import LossConfig
 from marinrl.train.losses import rl_loss
 from test_packing import _init_llama, arrays_for, bound, make_rollouts
@@ -85,18 +85,8 @@ def test_the_policy_forward_runs_its_projections_as_2d_matmuls():
     assert ranks.count(2) >= 7 * 2
 
 
-class _PlainDot(eqx.Module):
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-
-
-def _levanter_dots(model):
-    default = lambda x: isinstance(x, DefaultDotGeneralOp)  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: _PlainDot() if default(x) else x, model, is_leaf=default)
-
-
 def _plain_loss(model, batch, config):
-    return _loss_fn(_levanter_dots(model), batch, config)
+    return _loss_fn(levanter_dots(model), batch, config)
 
 
 @eqx.filter_jit

@@ -49,3 +49,16 @@ def flat_token_dots(model):
         return model
     return jax.tree_util.tree_map(lambda x: TokenFlatDot() if _is_default_dot(x) else x, model,
                                   is_leaf=_is_default_dot)
+
+
+class PlainDot(eqx.Module):
+    """`jax.lax.dot_general` as haliax's default op calls it, under a type `flat_token_dots` leaves alone."""
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+
+
+def levanter_dots(model):
+    """`model` whose projections keep Levanter's 3-D dots even inside `policy_forward`: the baseline that
+    `bench/train_step.py --modes kl_0.04+levanter_dots` and the tests compare the flat dots against."""
+    return jax.tree_util.tree_map(lambda x: PlainDot() if _is_default_dot(x) else x, model, is_leaf=_is_default_dot)
