@@ -22,7 +22,7 @@ from marinrl.inference.server import InferenceServer
 from marinrl.inference.server_config import InferenceServerConfig
 from marinrl.model_config import ModelConfig
 from marinrl.models import build_model
-from marinrl.rollout.worker import RolloutWorkerConfig
+from marinrl.rollout.worker_config import RolloutWorkerConfig
 from marinrl.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 

@@ -123,6 +123,7 @@ def test_a_job_config_parses_and_checks_without_jax_levanter_ray_or_torch(tmp_pa
         import json, sys
         from marinrl.config_errors import load_job_config
         from marinrl.job_config import RLJobConfig
+        from marinrl.rollout.worker_config import RolloutWorkerConfig
         job = load_job_config(RLJobConfig, {str(QUICKSTART)!r}, ["--ray.trainer.num_gpus", "8",
                                                                  "--trainer.model_axis_size", "3"])
         try:

@@ -16,7 +16,7 @@ from marinrl.lora_config import LoraRLConfig
 from marinrl.model_config import ModelConfig
 from marinrl.placement import PlacementConfig
 from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
-from marinrl.rollout.worker import ModelStream
+from marinrl.rollout.worker_config import ModelStream
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 from marinrl.transfer.transfer_config import RayTransferConfig
 from marinrl.storage import RolloutWriter

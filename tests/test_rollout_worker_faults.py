@@ -14,7 +14,8 @@ import pytest
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import ModelStream, BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker, RolloutWorkerConfig
+from marinrl.rollout.worker_config import ModelStream, RolloutWorkerConfig
+from marinrl.rollout.worker import BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker
 from marinrl.storage import summarize
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 

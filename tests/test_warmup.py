@@ -8,7 +8,8 @@ from marinrl.envs.toy import EchoEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.sampler import compiled_shapes
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker import ModelStream, RolloutWorker, RolloutWorkerConfig
+from marinrl.rollout.worker_config import ModelStream, RolloutWorkerConfig
+from marinrl.rollout.worker import RolloutWorker
 from marinrl.transfer.transfer_config import FilesystemTransferConfig
 
 import faulty_envs

@@ -14,7 +14,7 @@ from marinrl.levanter_configs import levanter_trainer, to_levanter
 from marinrl.policies import policy_models, policy_names
 
 if TYPE_CHECKING:
-    from marinrl.rollout.worker import RolloutWorkerConfig
+    from marinrl.rollout.worker_config import RolloutWorkerConfig
     from marinrl.train.worker_config import TrainWorkerConfig
 
 
@@ -50,7 +50,7 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
 
 def rollout_worker_config(job: RLJobConfig, index: int) -> "RolloutWorkerConfig":
     """Rollout worker `index`'s config: its share of each step's groups, its seed, a stream per policy model."""
-    from marinrl.rollout.worker import ModelStream, RolloutWorkerConfig
+    from marinrl.rollout.worker_config import ModelStream, RolloutWorkerConfig
 
     models = policy_models(job)
     streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),) if len(models) == 1
