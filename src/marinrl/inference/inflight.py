@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marinrl.inference import sampler as scan_sampler
+from marinrl.inference.decoder import cache_layout, forward, pack_layer
 from marinrl.inference.inflight_config import INFLIGHT_KV, InflightKV
 
 @dataclasses.dataclass
@@ -95,12 +96,12 @@ def _recompute(model, state, stops, *, mesh):
     key_ok = (slots[None, None, :] >= pad[:, None, None]) & (slots[None, None, :] <= slots[None, :, None])
     key_ok = key_ok | (slots[None, None, :] == slots[None, :, None])
     layers = model.transformer.layers.unstacked()
-    packed = [scan_sampler._pack(layer, mesh) for layer in layers]
+    packed = [pack_layer(layer, mesh) for layer in layers]
     lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
     empty = jnp.zeros_like(state["caches"][0][0])
-    caches = scan_sampler._cache_layout([(empty, empty) for _ in layers], mesh)
-    _, caches = scan_sampler._forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
-    return dict(state, caches=scan_sampler._cache_layout(caches, mesh))
+    caches = cache_layout([(empty, empty) for _ in layers], mesh)
+    _, caches = forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
+    return dict(state, caches=cache_layout(caches, mesh))
 
 
 _outputs = jax.jit(scan_sampler._outputs)

@@ -1,0 +1,170 @@
+"""The cached decoder forward the rollout sampler runs (`sampler.py`): a Levanter model's own modules (embedding,
+norms, rotary embeddings, QK norms, activation, LM head) around its projections packed into plain matrices, and
+the dense KV cache's layout on a mesh. The in-flight sampler (`inflight.py`) runs the same forward."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from marinrl.inference.sampler_families import sampler_family
+from marinrl.inference.sharding import DATA, MODEL
+
+
+def _named(x, *axes):
+    return hax.named(x, axes)
+
+
+class PackedLayer(eqx.Module):
+    """One layer's projections as plain [in, out] matrices, built once per call before the decode loop.
+
+    Levanter keeps Linear weights out-first with named output axes; used as they are, XLA re-lays out
+    every q/k/v/o weight on every decode step. Packed, each step runs four matmuls per layer (q|k|v
+    fused, o, gate|up fused, down) on weights already in place. The fused weights keep the axis that
+    tensor parallelism splits apart, qkv [embed, kv_head, (group + 2) * head] and gate_up
+    [embed, 2, mlp], so that each device's slice holds whole heads and matching gate/up columns."""
+
+    qkv: jax.Array
+    qkv_bias: Optional[jax.Array]
+    o: jax.Array
+    o_bias: Optional[jax.Array]
+    gate_up: jax.Array
+    gate_up_bias: Optional[jax.Array]
+    down: jax.Array
+    down_bias: Optional[jax.Array]
+
+
+def _in_out(linear, in_axes) -> tuple[jax.Array, Optional[jax.Array]]:
+    """A haliax Linear's weight as [prod(in), prod(out)] (out axes in their declared order), and its bias."""
+    in_names = [a.name for a in linear.weight.axes if a.name in in_axes]
+    out_names = [a.name for a in linear.weight.axes if a.name not in in_axes]
+    w = linear.weight.rearrange((*in_names, *out_names)).array
+    n_in = math.prod(linear.weight.axis_size(n) for n in in_names)
+    bias = None if linear.bias is None else linear.bias.rearrange(tuple(out_names)).array.reshape(-1)
+    return w.reshape(n_in, -1), bias
+
+
+def _cat(xs, shape, axis):
+    """Each of `xs` reshaped to `shape`, concatenated along `axis`; None if the layer has no bias."""
+    if any(x is None for x in xs):
+        assert all(x is None for x in xs)
+        return None
+    return jnp.concatenate([x.reshape(shape) for x in xs], axis=axis)
+
+
+def constrain(x, mesh: Optional[Mesh], *spec):
+    """`x` laid out as PartitionSpec(*spec) on `mesh`; unchanged without a mesh. A mesh axis is dropped
+    from the spec where it does not divide the dimension (e.g. 1 prompt row over a data axis of 2)."""
+    if mesh is None or x is None:
+        return x
+    spec = tuple(a if a is None or x.shape[i] % mesh.shape[a] == 0 else None for i, a in enumerate(spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def pack_layer(layer, mesh: Optional[Mesh]) -> PackedLayer:
+    attn, mlp = layer.self_attn, layer.mlp
+    n_kv = attn.config.KVHeads.size
+    (q, qb), (k, kb), (v, vb) = (_in_out(p, ("embed",)) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    o, ob = _in_out(attn.o_proj, ("heads", "head_size"))
+    (g, gb), (u, ub) = (_in_out(p, ("embed",)) for p in (mlp.gate_proj, mlp.up_proj))
+    d, db = _in_out(mlp.down_proj, ("mlp",))
+    embed, n_mlp = g.shape
+    qkv = _cat((q, k, v), (embed, n_kv, -1), axis=2)
+    qkv_bias = _cat((qb, kb, vb), (n_kv, -1), axis=1)
+    gate_up = _cat((g, u), (embed, 1, n_mlp), axis=1)
+    gate_up_bias = _cat((gb, ub), (1, n_mlp), axis=0)
+    return PackedLayer(
+        constrain(qkv, mesh, None, MODEL, None), constrain(qkv_bias, mesh, MODEL, None),
+        constrain(o, mesh, MODEL, None), ob,
+        constrain(gate_up, mesh, None, None, MODEL), constrain(gate_up_bias, mesh, None, MODEL),
+        constrain(d, mesh, MODEL, None), db,
+    )
+
+
+def _linear(x, w, b):
+    y = jnp.matmul(x, w)
+    return y if b is None else y + b
+
+
+def _attend(q, k_cache, v_cache, key_ok, scale, soft_cap):
+    """q [B, KV, G, Q, D]; caches [B, KV, S, D]; key_ok [B, Q, S] -> [B, Q, KV*G*D] (float32 softmax).
+    The cache keeps (batch, kv_head) in front so both products are plain batched matmuls."""
+    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k_cache, preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(key_ok[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v_cache)
+    b, nq = out.shape[:2]
+    return out.reshape(b, nq, -1)
+
+
+def _layer(layer, packed: PackedLayer, x, pos, k_cache, v_cache, write_at, key_ok):
+    """One decoder layer on x (batch, position, embed) at absolute positions `pos` (batch, position).
+    Writes the new keys/values into the caches at slot `write_at` and attends over the cache. Norms,
+    rotary embeddings, QK norms and the activation are the layer's own modules."""
+    attn = layer.self_attn
+    cfg = attn.config
+    n_kv, group, head = cfg.KVHeads.size, cfg.QHeadsPerGroup.size, cfg.HeadSize.size
+    residual = x
+    h = layer.input_layernorm(x)
+    qkv = jnp.einsum("bne,ekf->bnkf", h.array, packed.qkv)
+    if packed.qkv_bias is not None:
+        qkv = qkv + packed.qkv_bias
+    b, n = qkv.shape[:2]
+    q_end, k_end = group * head, (group + 1) * head
+    q = _named(qkv[..., :q_end].reshape(b, n, n_kv, group, head),
+               "batch", "position", "kv_head", "q_heads_per_group", "head_size")
+    k = _named(qkv[..., q_end:k_end], "batch", "position", "kv_head", "head_size")
+    v = qkv[..., k_end:]
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rot_embs is not None:
+        q, k = attn.rot_embs(q, pos).astype(q.dtype), attn.rot_embs(k, pos).astype(k.dtype)
+    q = q.rearrange(("batch", "kv_head", "q_heads_per_group", "position", "head_size")).array
+    k = k.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(k_cache.dtype)
+    v = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)
+    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k, write_at, axis=2)
+    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v, write_at, axis=2)
+    scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(head)
+    out = _attend(q, k_cache, v_cache, key_ok, scale, cfg.logits_soft_cap).astype(x.dtype)
+    attn_out = _named(_linear(out, packed.o, packed.o_bias), "batch", "position", "embed")
+    if getattr(layer, "post_attn_layernorm", None) is not None:  # Llama's hybrid_norm only
+        attn_out = layer.post_attn_layernorm(attn_out)
+    x = residual + attn_out
+    residual = x
+    h = layer.post_attention_layernorm(x).array
+    gate_up = jnp.einsum("bne,etf->bntf", h, packed.gate_up)
+    if packed.gate_up_bias is not None:
+        gate_up = gate_up + packed.gate_up_bias
+    gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
+    if getattr(layer, "post_mlp_layernorm", None) is not None:
+        mlp_out = layer.post_mlp_layernorm(mlp_out)
+    return residual + mlp_out, k_cache, v_cache
+
+
+def forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok):
+    """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]."""
+    x = model.embeddings.embed(_named(ids, "batch", "position"))
+    if sampler_family(model).embed_scale:  # Gemma: as its `activations` does, the factor in the embeddings' dtype
+        x = x * jnp.sqrt(model.config.hidden_dim).astype(x.dtype)
+    pos = _named(pos, "batch", "position")
+    new_caches = []
+    for layer, p, (kc, vc) in zip(layers, packed, caches):
+        x, kc, vc = _layer(layer, p, x, pos, kc, vc, write_at, key_ok)
+        new_caches.append((kc, vc))
+    x = model.transformer.norm(x["position", -1])
+    return jnp.matmul(x.rearrange(("batch", "embed")).array, lm_head).astype(jnp.float32), new_caches
+
+
+def cache_layout(caches, mesh):
+    """KV caches [rows, kv_head, slot, head]: heads over the model axis, rows over the data axis."""
+    return [(constrain(kc, mesh, DATA, MODEL, None, None), constrain(vc, mesh, DATA, MODEL, None, None))
+            for kc, vc in caches]
