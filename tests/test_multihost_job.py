@@ -64,7 +64,7 @@ def test_killing_one_trainer_process_ends_the_job_naming_the_checkpoint_and_the_
     job = RLJob(cfg)
 
     def kill_process_1_after_the_first_checkpoint():
-        ckpt_step = _poll(lambda: _committed_checkpoint_step(ckpt_root), "the group's first checkpoint", 300)
+        ckpt_step = _poll(lambda: _committed_checkpoint_step(ckpt_root), "the group's first checkpoint")
         group = job._group
         trained = _poll(lambda: (t := ray.get(group.leader.trained_groups.remote(), timeout=10)) and
                         t[-1][0] >= ckpt_step and t, f"process 0 to report step {ckpt_step}")
