@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import sys
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
@@ -38,12 +39,17 @@ def test_the_first_red_run_stops_the_series_and_keeps_its_clone(tmp_path, capsys
     assert (tmp_path / "run-1" / ".ci" / "run").exists()  # kept for reading
 
 
-def test_burners_keep_the_cpu_busy_until_stopped():
+def test_burners_keep_the_cpu_busy_at_ray_workers_niceness_until_stopped():
     import psutil
 
     burners = loaded_suite.Burners(2)
     procs = [psutil.Process(p.pid) for p in burners._procs]
     assert all(p.is_running() for p in procs)
+    want = min(19, psutil.Process().nice() + loaded_suite.RAY_WORKER_NICENESS)  # added to the parent's, capped
+    deadline = time.monotonic() + 60  # os.nice runs first thing in the child: poll until it has
+    while any(p.nice() != want for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p.nice() for p in procs] == [want, want]
     burners.stop()
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
 
