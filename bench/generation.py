@@ -70,11 +70,11 @@ import numpy as np  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 
 from marinrl.inference.context import SamplingParams  # noqa: E402
-from marinrl.inference.server_config import EngineConfig  # noqa: E402
+from marinrl.config.server import EngineConfig  # noqa: E402
 from marinrl.inference.server import InferenceServer  # noqa: E402
-from marinrl.inference.server_config import InferenceServerConfig  # noqa: E402
-from marinrl.model_config import ModelConfig  # noqa: E402
-from marinrl.models import build_model, build_tokenizer  # noqa: E402
+from marinrl.config.server import InferenceServerConfig  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.models.policy_model import build_model, build_tokenizer  # noqa: E402
 
 VOCAB = 512
 FIRST_MEASURED = 3  # 1-based: calls 1 and 2 are warm-up

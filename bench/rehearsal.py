@@ -160,7 +160,7 @@ def write_hf_checkpoint(path: str, scale: str, dtype: str = "bfloat16", seed: in
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from marinrl.tokenizers import byte_tokenizer
+    from marinrl.models.tokenizers import byte_tokenizer
 
     torch.manual_seed(seed)
     torch.set_default_dtype(getattr(torch, dtype))  # built in its dtype: no second copy to cast

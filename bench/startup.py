@@ -7,9 +7,9 @@ Rows, each a fresh interpreter, repeated `--repeats` times in alternating order:
 - `valid config, checked`: the quickstart parsed and checked (`RLJobConfig.validate`), what a job whose checks
   need no model build costs the driver before anything heavy;
 - `runtime imported first`: the same parse and check after importing the trainer's and the rollout worker's
-  modules with Ray (JAX, Levanter, transformers), which is what `import marinrl.job` did before the config
+  modules with Ray (JAX, Levanter, transformers), which is what `import marinrl.job.rl_job` did before the config
   layer and every `marinrl train` paid before its first check: the paired baseline;
-- `driver imported`: the same after `import marinrl.job` as it is now (Ray, no JAX).
+- `driver imported`: the same after `import marinrl.job.rl_job` as it is now (Ray, no JAX).
 - `preflight error`: `--model.hf_checkpoint /nonexistent` (needs the runtime: answered after the imports).
 
 Prints one line per row (median seconds and peak RSS of the process) and the paired ratio of `valid config,
@@ -31,14 +31,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "experiments" / "quickstart.yaml"
 sys.path.insert(0, str(ROOT / "bench"))
 
-CHECK = ("from marinrl.config_errors import load_job_config; from marinrl.job_config import RLJobConfig; "
+CHECK = ("from marinrl.config.errors import load_job_config; from marinrl.config.job import RLJobConfig; "
          f"load_job_config(RLJobConfig, {str(QUICKSTART)!r}, []).validate()")
 ROWS = {
     "range error": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--max_staleness", "-1"],
     "unknown field": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--trainer.num_train_steps", "3"],
     "valid config, checked": ["-c", CHECK],
     "runtime imported first": ["-c", "import ray, marinrl.train.worker, marinrl.rollout.worker; " + CHECK],
-    "driver imported": ["-c", "import marinrl.job; " + CHECK],
+    "driver imported": ["-c", "import marinrl.job.rl_job; " + CHECK],
     "preflight error": ["-m", "marinrl.cli", "train", str(QUICKSTART), "--model.hf_checkpoint", "/nonexistent"],
 }
 

@@ -21,8 +21,8 @@ import uuid
 import fsspec
 import numpy as np
 
-from marinrl.rollout_format import decode_batch
-from marinrl.storage import RolloutReader, RolloutWriter
+from marinrl.storage.format import decode_batch
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 N_BATCHES, GROUPS, GROUP_SIZE, PROMPT, RESPONSE, VOCAB = 20, 8, 8, 128, 384, 32_000

@@ -105,17 +105,18 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
 from levanter.trainer import Trainer  # noqa: E402
 
-from marinrl.model_config import ModelConfig  # noqa: E402
-from marinrl.models import build_model  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.models.policy_model import build_model  # noqa: E402
 from marinrl.train.advantages import group_advantages  # noqa: E402
-from marinrl.train.batching_config import BatchingConfig  # noqa: E402
+from marinrl.config.batching import BatchingConfig  # noqa: E402
 from marinrl.train.flat_dots import levanter_dots  # noqa: E402
 from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
-from marinrl.train.loss_config import LossConfig  # noqa: E402
+from marinrl.config.loss import LossConfig  # noqa: E402
 from marinrl.train.losses import describe, token_logprobs  # noqa: E402
 from marinrl.train.batching import row_alignment  # noqa: E402
 from marinrl.train.worker import StepInput, _step_loss  # noqa: E402
-from marinrl.train.worker_config import _default_optimizer, cpu_trainer_config  # noqa: E402
+from marinrl.config.trainer import RLAdamConfig  # noqa: E402
+from marinrl.levanter_configs import cpu_trainer_config, to_levanter  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512
@@ -310,7 +311,7 @@ def main(args) -> None:
         # The worker's tracker, quieter: metrics are still fetched and serialized each step, not printed.
         tracker=JsonLoggerConfig(level=logging.WARNING))
     levanter.initialize(trainer_cfg)
-    optimizer = _default_optimizer().build(trainer_cfg.num_train_steps)
+    optimizer = to_levanter(RLAdamConfig()).build(trainer_cfg.num_train_steps)
     modes = [Mode.parse(m, args) for m in args.modes.split(",") if m]
 
     rng = np.random.default_rng(args.seed)

@@ -46,7 +46,7 @@ import ray
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 
 from machine import machine  # bench/machine.py
-from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import host_leaves
 from marinrl.transfer.delta import BLOCK_ELEMENTS, _bits, apply_array, encode_array
 from marinrl.transfer.endpoints import build_client, build_server

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import draccus
 
-from marinrl.job import JobResult, RLJob, RLJobConfig
+from marinrl.job.rl_job import JobResult, RLJob, RLJobConfig
 
 JOB_YAML = pathlib.Path(__file__).with_name("quickstart.yaml")
 

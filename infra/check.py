@@ -9,7 +9,7 @@ the GCP part is checked here: the fields each node kind accepts (a Compute VM or
 and chips per host from Ray's own TPU tables, GPUs per machine type, that the `resources` a node
 type declares are what the hardware has, and a GPU VM's network interface (gVNIC on A3) and image (a
 Deep Learning VM family with a CUDA 12 driver, installed on first boot). Last, the placement marinrl asks for (`metadata.marinrl`:
-`RLJobConfig.ray.trainer` / `.rollout`, marinrl/placement.py) must fit a node type with an
+`RLJobConfig.ray.trainer` / `.rollout`, marinrl/config/placement.py) must fit a node type with an
 accelerator, and the trainer and the rollout workers on different node types.
 
 Nothing here reaches the network; GCP quota, zones, images and runtime versions are not checked.
@@ -243,8 +243,8 @@ def _parse_placement(raw: Any, field: str, errors: list[str]):
     """`metadata.marinrl.<role>` as marinrl's PlacementConfig (draccus, as `marinrl train` decodes it)."""
     import draccus
 
-    from marinrl.placement import PlacementConfig
-    from marinrl.config_errors import ConfigError
+    from marinrl.config.placement import PlacementConfig
+    from marinrl.config.errors import ConfigError
 
     if not isinstance(raw, dict) or not raw:
         errors.append(f"{field}: must be a mapping of RLJobConfig.ray.{field.rsplit('.', 1)[-1]}'s fields "
@@ -263,7 +263,7 @@ def _parse_placement(raw: Any, field: str, errors: list[str]):
 
 
 def _placement_errors(config: dict, offered: dict[str, dict], errors: list[str]) -> None:
-    from marinrl.placement import _fmt
+    from marinrl.job.placement import _fmt, request
 
     metadata = config.get("metadata")
     marinrl = metadata.get("marinrl") if isinstance(metadata, dict) else None
@@ -278,14 +278,14 @@ def _placement_errors(config: dict, offered: dict[str, dict], errors: list[str])
         placement = _parse_placement(marinrl.get(role), field, errors)
         if placement is None:
             continue
-        request = placement.request()
-        homes[role] = {name for name, res in offered.items() if _fits(request, res)}
+        asked = request(placement)
+        homes[role] = {name for name, res in offered.items() if _fits(asked, res)}
         if not homes[role]:
-            errors.append(f"{field}: no node type offers {_fmt(request)} (the {role} actor's request); "
+            errors.append(f"{field}: no node type offers {_fmt(asked)} (the {role} actor's request); "
                           f"node types offer: {json.dumps(offered)}")
         for name in sorted(homes[role]):
             if not (offered[name].get("TPU") or offered[name].get("GPU")):
-                errors.append(f"{field}: {_fmt(request)} fits node type {name}"
+                errors.append(f"{field}: {_fmt(asked)} fits node type {name}"
                               f"{' (the head)' if name == head else ''}, which has no TPU or GPU")
     shared = homes.get("trainer", set()) & homes.get("rollout", set())
     if shared:

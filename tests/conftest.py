@@ -179,10 +179,10 @@ def tiny_server():
     from levanter.models.llama import LlamaConfig
 
     from marinrl.inference.server import InferenceServer
-    from marinrl.inference.server_config import InferenceServerConfig
-    from marinrl.model_config import ModelConfig
-    from marinrl.models import build_model
-    from marinrl.tokenizers import byte_tokenizer
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.config.model import ModelConfig
+    from marinrl.models.policy_model import build_model
+    from marinrl.models.tokenizers import byte_tokenizer
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                        gradient_checkpointing=False)

@@ -19,7 +19,7 @@ def encode_batch_v1(batch: RolloutBatch) -> bytes:
 
     import pyarrow.parquet as pq
 
-    from marinrl.rollout_format import VERSION_KEY, encode_batch
+    from marinrl.storage.format import VERSION_KEY, encode_batch
 
     assert all(r.weight_steps is None for r in batch.rollouts), "version 1 holds one weight step per rollout"
     table = pq.read_table(io.BytesIO(encode_batch(batch)))

@@ -14,9 +14,9 @@ from test_inflight_job import EVAL_BAR, _run_script
 _SCRIPT = textwrap.dedent("""
     import dataclasses, json, pathlib
     import draccus
-    from marinrl.job import RLJob, RLJobConfig
-    from marinrl.models import build_model, model_summary
-    from marinrl.report import load_run
+    from marinrl.job.rl_job import RLJob, RLJobConfig
+    from marinrl.models.policy_model import build_model, model_summary
+    from marinrl.report.page import load_run
 
     root = pathlib.Path({root!r})
     cfg = draccus.parse(RLJobConfig, config_path="experiments/quickstart.yaml",

@@ -5,7 +5,7 @@ import sys
 
 from factories import make_batch
 from marinrl.cli import main
-from marinrl.storage import RolloutWriter
+from marinrl.storage.rollouts import RolloutWriter
 
 
 def test_inspect_prints_a_table_and_json(tmp_path, capsys):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from marinrl.cli import main
-from marinrl.storage import RolloutWriter
+from marinrl.storage.rollouts import RolloutWriter
 
 from factories import make_batch
 

@@ -13,11 +13,12 @@ import uuid
 import numpy as np
 import pytest
 
-from marinrl.curriculum import Curriculum
-from marinrl.curriculum_actor import CurriculumClient, curriculum_actor, load_state, save_state
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.env_config import EnvConfig
+from marinrl.curriculum.lessons import Curriculum
+from marinrl.curriculum.actor import CurriculumClient, curriculum_actor, load_state, save_state
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig, LessonDependency
+from marinrl.config.env import EnvConfig
 from marinrl.envs.base import make_env
+from marinrl.inference.context import lesson_sampling
 
 ECHO = EnvConfig("echo", {"alphabet_size": 10})
 
@@ -86,11 +87,11 @@ half_life: 5
 
 
 def test_sampling_params_for_training_and_evaluation():
-    from marinrl.tokenizers import byte_tokenizer
+    from marinrl.models.tokenizers import byte_tokenizer
 
     tok = byte_tokenizer(512)
     x = lesson("a", temperature=0.8, max_tokens=4, stop=("\n\n", "."))
-    train, ev = x.sampling_params(tok, "train"), x.sampling_params(tok, "eval")
+    train, ev = lesson_sampling(x, tok, "train"), lesson_sampling(x, tok, "eval")
     assert (train.temperature, ev.temperature, train.max_tokens) == (0.8, 0.0, 4)
     assert train.stop_sequences == ((10, 10), (46,)) == ev.stop_sequences
 
@@ -373,7 +374,7 @@ def test_a_jobs_curriculum_actor_killed_mid_run_resumes_from_its_last_trainer_st
     locked again, a graduated one sampled again). Fails with the job's former save_every=0."""
     from test_job import job_config
 
-    from marinrl.job import RLJob
+    from marinrl.job.rl_job import RLJob
 
     cfg = job_config(tmp_path, curriculum=config(lesson("a", max_tokens=1), lesson("b", ("a", 0.5), max_tokens=1)))
     job = RLJob(cfg)

@@ -150,7 +150,7 @@ def test_predicted_memory_refuses_bad_input_naming_it():
 
 def _tiny_job(backend: str):
     """The 0.6B recipe at a tiny width on this session's 4 fake devices: a 4-GPU trainer, 2-GPU rollouts."""
-    from marinrl.placement import PlacementConfig
+    from marinrl.config.placement import PlacementConfig
 
     job = _with_model(_recipe(), **TINY)
     job = dataclasses.replace(job, groups_per_step=4, n_generations=2, n_rollout_workers=2,

@@ -20,19 +20,19 @@ import openai
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.envs import safe_sample
 from marinrl.envs.base import with_endpoint_if_needed
 from marinrl.envs.openai_agents import EchoChatAgent
 from marinrl.envs.openai_env import OpenAIAgentEnv
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.job import RLJobConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
+from marinrl.config.server import InferenceServerConfig
+from marinrl.job.rl_job import RLJobConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 from marinrl.envs.base import make_env
 

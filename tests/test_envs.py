@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from marinrl.envs import UNSTAMPED, UNSTAMPED_LESSON, EchoEnv, MathDatasetEnv, ParityEnv, completion_text, encode_prompt, make_env, make_rollout, new_group_id, register_env, registered_envs, safe_sample
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.envs.math import ArithmeticEnv, arithmetic_problem, final_answer, grade_math, load_math_problems, parse_gold
 from marinrl.envs.toy import grade_answer
 from marinrl.inference.context import Generation, SamplingParams
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutGroup, RolloutMetadata
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -99,7 +99,7 @@ def test_a_fresh_process_imports_only_the_environment_it_builds():
 
     script = (
         "import json, sys\n"
-        "import marinrl.job_actors, marinrl.envs\n"
+        "import marinrl.job.actors, marinrl.envs\n"
         "before = sorted(m for m in sys.modules if m.startswith('marinrl.envs.') or m in ('openai', 'sympy'))\n"
         "from marinrl.envs import EnvConfig, make_env\n"
         "make_env(EnvConfig('echo', {}))\n"
@@ -510,9 +510,9 @@ def test_echo_through_the_real_inference_server_with_a_tiny_random_model(tokeniz
     from levanter.models.llama import LlamaConfig
 
     from marinrl.inference.server import InferenceServer
-    from marinrl.inference.server_config import InferenceServerConfig
-    from marinrl.model_config import ModelConfig
-    from marinrl.models import build_model
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.config.model import ModelConfig
+    from marinrl.models.policy_model import build_model
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                        gradient_checkpointing=False)
@@ -554,7 +554,7 @@ def test_the_example_in_docs_environments_runs():
 
 def test_a_lesson_that_drives_the_openai_endpoint_turns_it_on():
     from marinrl.envs.base import with_endpoint_if_needed
-    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.config.server import InferenceServerConfig
 
     off = InferenceServerConfig(serve_http=False)
     assert with_endpoint_if_needed(off, [EnvConfig("echo")]) is off

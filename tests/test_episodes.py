@@ -11,11 +11,11 @@ import re
 import numpy as np
 import pytest
 
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.envs import Feedback, MultiTurnEnv, Problem, make_env, safe_sample
 from marinrl.envs.games import DIGITS, CalculatorEnv, GuessEnv
 from marinrl.inference.context import Generation, SamplingParams
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

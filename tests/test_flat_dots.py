@@ -15,7 +15,7 @@ from haliax.quantization import DefaultDotGeneralOp
 
 from marinrl.train.batching import TrainingBatch
 from marinrl.train.flat_dots import TokenFlatDot, flat_token_dots, levanter_dots
-from marinrl.train.loss_config import LossConfig
+from marinrl.config.loss import LossConfig
 from marinrl.train.losses import rl_loss
 from test_packing import _init_llama, arrays_for, bound, make_rollouts
 

@@ -27,14 +27,14 @@ from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 torch = pytest.importorskip("torch", reason="torch (CPU) is in the dev extra: pip install -c constraints.txt -e '.[dev]'")
 transformers = pytest.importorskip("transformers")
 
-from marinrl.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from marinrl.models.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from marinrl.inference import sampler as scan_sampler  # noqa: E402
 from marinrl.inference import sharding  # noqa: E402
 from marinrl.inference.server import InferenceServer  # noqa: E402
-from marinrl.inference.server_config import InferenceServerConfig  # noqa: E402
-from marinrl.model_config import ModelConfig  # noqa: E402
-from marinrl.models import build_model, build_tokenizer  # noqa: E402
-from marinrl.tokenizers import byte_tokenizer  # noqa: E402
+from marinrl.config.server import InferenceServerConfig  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.models.policy_model import build_model, build_tokenizer  # noqa: E402
+from marinrl.models.tokenizers import byte_tokenizer  # noqa: E402
 
 VOCAB = 512
 EPS32 = float(np.finfo(np.float32).eps)

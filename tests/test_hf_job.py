@@ -14,12 +14,12 @@ import pytest
 import torch
 import transformers
 
-from marinrl.hf_checkpoints import hf_reads, load_hf_checkpoint
-from marinrl.job import RLJob
-from marinrl.model_config import ModelConfig
-from marinrl.models import abstract_model, build_model
+from marinrl.models.hf_checkpoints import hf_reads, load_hf_checkpoint
+from marinrl.job.rl_job import RLJob
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import abstract_model, build_model
 from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.tokenizers import byte_tokenizer
 from test_job import job_config
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
@@ -94,7 +94,7 @@ def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path)
     and in the requested dtype; the server then serves those very buffers, placing nothing again."""
     from marinrl.inference import sharding
     from marinrl.inference.server import InferenceServer, load_served_model
-    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.config.server import InferenceServerConfig
 
     config = InferenceServerConfig(model_axis_size=2)
     model = load_served_model(ModelConfig(hf_checkpoint=hf_path), config, dtype="bfloat16")

@@ -22,13 +22,13 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, stop_sequences
-from marinrl.inference.server_config import EngineConfig
+from marinrl.config.server import EngineConfig
 from marinrl.inference.levanter_engine import find_stop
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.models.tokenizers import byte_tokenizer
 
 ARCH = LlamaConfig(
     seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -16,14 +16,14 @@ from levanter.models.llama import LlamaConfig
 from marinrl.envs import Feedback, MultiTurnEnv, Problem, safe_sample
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.inflight_config import InflightConfig
+from marinrl.config.inflight import InflightConfig
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.rollout.worker_config import RolloutWorkerConfig
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.config.rollout_worker import RolloutWorkerConfig
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 
 ARCH = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,

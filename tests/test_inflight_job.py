@@ -18,11 +18,11 @@ pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default 
 
 _SCRIPT = textwrap.dedent("""
     import json, pathlib
-    from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.env_config import EnvConfig
-    from marinrl.inference.inflight_config import InflightConfig
-    from marinrl.job import RLJob
-    from marinrl.storage import RolloutReader
+    from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+    from marinrl.config.env import EnvConfig
+    from marinrl.config.inflight import InflightConfig
+    from marinrl.job.rl_job import RLJob
+    from marinrl.storage.rollouts import RolloutReader
     from test_job import job_config
 
     root = pathlib.Path({root!r})
@@ -76,12 +76,12 @@ def test_an_async_job_with_in_flight_updates_trains_on_rollouts_of_mixed_version
 _LEARNS_SCRIPT = textwrap.dedent("""
     import dataclasses, json, pathlib
     import draccus
-    from marinrl.curriculum_config import CurriculumConfig
-    from marinrl.env_config import EnvConfig
-    from marinrl.inference.inflight_config import InflightConfig
-    from marinrl.job import RLJob, RLJobConfig
-    from marinrl.storage import RolloutReader
-    from marinrl.transfer.transfer_config import FilesystemTransferConfig
+    from marinrl.config.curriculum import CurriculumConfig
+    from marinrl.config.env import EnvConfig
+    from marinrl.config.inflight import InflightConfig
+    from marinrl.job.rl_job import RLJob, RLJobConfig
+    from marinrl.storage.rollouts import RolloutReader
+    from marinrl.config.transfer import FilesystemTransferConfig
 
     root = pathlib.Path({root!r})
     cfg = draccus.parse(RLJobConfig, config_path="experiments/quickstart.yaml", args=[])
@@ -132,12 +132,12 @@ def test_a_job_with_in_flight_swaps_and_delta_sync_learns_the_quickstart_task(tm
 _RESUME_SCRIPT = textwrap.dedent("""
     import json, os, pathlib, signal
     import ray
-    from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.env_config import EnvConfig
-    from marinrl.inference.inflight_config import InflightConfig
-    from marinrl.job import RLJob
-    from marinrl.storage import RolloutReader
-    from marinrl.transfer.transfer_config import FilesystemTransferConfig
+    from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+    from marinrl.config.env import EnvConfig
+    from marinrl.config.inflight import InflightConfig
+    from marinrl.job.rl_job import RLJob
+    from marinrl.storage.rollouts import RolloutReader
+    from marinrl.config.transfer import FilesystemTransferConfig
     from test_job import job_config
     from test_job_faults import _Saboteur, _actors_of, _committed_checkpoint_step, _poll
 

@@ -54,8 +54,9 @@ def test_placement_is_what_marinrl_train_parses(path):
     `marinrl train` parses them) become exactly the config's placement, and RLJob asks Ray for it."""
     import draccus
 
-    from marinrl.job import RLJobConfig
-    from marinrl.placement import PlacementConfig
+    from marinrl.job.rl_job import RLJobConfig
+    from marinrl.config.placement import PlacementConfig
+    from marinrl.job.placement import ray_options
 
     placement = _config(path.name)["metadata"]["marinrl"]
     args = ["--ray.address", "auto"]
@@ -64,7 +65,7 @@ def test_placement_is_what_marinrl_train_parses(path):
     job = draccus.parse(RLJobConfig, config_path=str(REPO / "experiments" / "quickstart.yaml"), args=args)
     for role in check.ROLES:
         assert getattr(job.ray, role) == PlacementConfig(**placement[role])
-        options = getattr(job.ray, role).ray_options()
+        options = ray_options(getattr(job.ray, role))
         assert {k: v for k, v in placement[role]["resources"].items()}.items() <= options["resources"].items()
         assert bool(options["num_gpus"] or "TPU" in options["resources"])  # every role asks for its accelerators
 
@@ -229,7 +230,7 @@ def _check_command(words: list[str]):
     the resources Ray would list for it."""
     import draccus
 
-    from marinrl.job import RLJobConfig
+    from marinrl.job.rl_job import RLJobConfig
     from marinrl.recipe import parse_recipe
 
     if words[:3] == ["ray", "job", "submit"]:
@@ -254,7 +255,7 @@ def _check_command(words: list[str]):
         return "cluster", None
     if words[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "create"]:  # its version: test_readme_tpu_vm_types…
         accelerator = _options(words)["accelerator-type"]
-        from marinrl.placement import tpu_chips_per_host, tpu_head_resource
+        from marinrl.config.placement import tpu_chips_per_host, tpu_head_resource
 
         return "tpu vm", {"CPU": 96, "TPU": tpu_chips_per_host(accelerator), tpu_head_resource(accelerator): 1}
     if words[:4] == ["gcloud", "compute", "instances", "create"]:
@@ -291,7 +292,7 @@ def test_readme_commands_parse_and_check():
         for text in texts:
             syntax = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
             assert syntax.returncode == 0, f"{heading}: {syntax.stderr}\n{text}"
-    from marinrl.placement import placement_problem
+    from marinrl.job.placement import placement_problem
 
     steps = {heading: [_check_command(c) for text in blocks.get(heading, []) for c in _commands(text)]
              for heading in [*PATHS, "Any cluster config here"]}

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig, LessonDependency
-from marinrl.env_config import EnvConfig
-from marinrl.inference.inflight_config import InflightConfig
-from marinrl.job import ConfigError, RLJob, RLJobConfig
-from marinrl.model_config import ModelConfig
-from marinrl.run_lock import read_lease
-from marinrl.storage import RolloutReader, summarize
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig, LessonDependency
+from marinrl.config.env import EnvConfig
+from marinrl.config.inflight import InflightConfig
+from marinrl.job.rl_job import ConfigError, RLJob, RLJobConfig
+from marinrl.config.model import ModelConfig
+from marinrl.job.run_lock import read_lease
+from marinrl.storage.rollouts import RolloutReader, summarize
 from marinrl.train.audit import audit, read_trail
-from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.trainer import RLAdamConfig
 from marinrl.envs.base import make_env
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
@@ -68,7 +68,7 @@ def _run(tmp_path, ray_session, **overrides):
     cfg = job_config(tmp_path, **overrides)
     result = RLJob(cfg).run()
     assert ray_session.is_initialized()  # a job on an existing Ray leaves it running
-    assert read_lease(cfg.run_dir) is None  # the run's lease is released (marinrl/run_lock.py)
+    assert read_lease(cfg.run_dir) is None  # the run's lease is released (marinrl/job/run_lock.py)
     return cfg, result
 
 
@@ -99,7 +99,7 @@ def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_pa
     importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
     weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
     64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
-    from marinrl.transfer.transfer_config import FilesystemTransferConfig
+    from marinrl.config.transfer import FilesystemTransferConfig
 
     weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
     cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)
@@ -193,7 +193,7 @@ def test_a_multi_agent_job_trains_every_agents_turns_under_its_policy(tmp_path, 
     duo = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4,
                                                                       "policies": {"checker": "critic"}}),
                        max_tokens=2, graduate_at=None)
-    from marinrl.policies import PolicyConfig
+    from marinrl.config.policies import PolicyConfig
 
     shared = {"policy": PolicyConfig(), "critic": PolicyConfig(specialization="shared")}  # both train the one model
     cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=(duo,)), num_train_steps=3,

@@ -18,12 +18,12 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from levanter.tracker.tensorboard import TensorboardConfig
 from levanter.tracker.wandb import WandbConfig
 
-from marinrl.config_errors import ConfigInputError, load_job_config
-from marinrl.job import ConfigError, RLJobConfig
-from marinrl.job_actors import actor_env
-from marinrl.train.trainer_config import RLAdamConfig
-from marinrl.train.worker_config import cpu_trainer_config
-from marinrl.job_plan import rollout_worker_config, train_worker_config
+from marinrl.config.errors import ConfigInputError, load_job_config
+from marinrl.job.rl_job import ConfigError, RLJobConfig
+from marinrl.job.actors import actor_env
+from marinrl.config.trainer import RLAdamConfig
+from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.job.plan import rollout_worker_config, train_worker_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"
@@ -146,7 +146,7 @@ def test_a_derived_trainer_field_is_refused_naming_where_the_job_sets_it(tmp_pat
     ],
 )
 def test_a_knob_out_of_range_is_refused_naming_it(tmp_path, args, field, problem):
-    from marinrl.preflight import check_optimizer
+    from marinrl.job.preflight import check_optimizer
 
     job = _parse(tmp_path, args=args)
     with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {problem}"):
@@ -177,7 +177,7 @@ def test_range_checks_name_the_one_bad_field_and_refuse_nan():
     """`config_checks.require_at_least` / `require_above`: one message per field, NaN refused like any bad value."""
     from marinrl.envs.openai_env import OpenAIEnvConfig
     from marinrl.multihost import ProcessGroupConfig
-    from marinrl.train.sampling import ReplaySamplingConfig
+    from marinrl.train.replay.sampling import ReplaySamplingConfig
 
     with pytest.raises(ValueError, match=r"^replay\.uses must be >= 1, got 0$"):
         ReplaySamplingConfig(uses=0)

@@ -21,10 +21,10 @@ from typing import Callable
 import pytest
 import ray
 
-from marinrl.curriculum_config import CurriculumConfig
-from marinrl.job import RLJob
-from marinrl.policies import PolicyConfig
-from marinrl.run_lock import read_lease
+from marinrl.config.curriculum import CurriculumConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.config.policies import PolicyConfig
+from marinrl.job.run_lock import read_lease
 from marinrl.train.worker import SIDECAR
 
 import faulty_envs
@@ -189,10 +189,10 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
 
 _BROKEN_ENV_SCRIPT = textwrap.dedent("""
     import json, pathlib
-    from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-    from marinrl.env_config import EnvConfig
-    from marinrl.job import RLJob
-    from marinrl.train.replay_config import ReplayConfig
+    from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+    from marinrl.config.env import EnvConfig
+    from marinrl.job.rl_job import RLJob
+    from marinrl.config.replay import ReplayConfig
     from test_job import job_config
 
     broken = LessonConfig(lesson_id="broken", env=EnvConfig("faulty_envs:RaisesInSample"), max_tokens=1,
@@ -242,8 +242,8 @@ _TWO_NODE_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import pathlib
     from test_job import job_config
-    from marinrl.job import RLJob, RayJobConfig
-    from marinrl.placement import PlacementConfig
+    from marinrl.job.rl_job import RLJob, RayJobConfig
+    from marinrl.config.placement import PlacementConfig
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(
         num_cpus=2, resources={{"trainer": 1}}, include_dashboard=False, object_store_memory=128 * 1024 * 1024))

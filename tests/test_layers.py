@@ -19,8 +19,8 @@ import pytest
 
 import marinrl
 from marinrl.levanter_configs import to_levanter
-from marinrl.model_config import DefaultRope, Llama3Rope, LlamaArchitecture, Qwen3Architecture, YarnRope
-from marinrl.train.trainer_config import (MARINRL_TRAINER_DEFAULTS, AdamConfig, JobTrainerConfig, JsonLoggerTracker,
+from marinrl.config.model import DefaultRope, Llama3Rope, LlamaArchitecture, Qwen3Architecture, YarnRope
+from marinrl.config.trainer import (MARINRL_TRAINER_DEFAULTS, AdamConfig, JobTrainerConfig, JsonLoggerTracker,
                                           NoopTracker, RLAdamConfig, TensorboardTracker, WandbTracker, parse_mp)
 
 PACKAGE = pathlib.Path(marinrl.__file__).parent
@@ -102,7 +102,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert len(graph) > 50 and "marinrl.job" in graph  # the walk found the package
+    assert len(graph) > 50 and "marinrl.job.rl_job" in graph  # the walk found the package
     assert cycles(graph) == []
 
 
@@ -121,9 +121,9 @@ def test_a_job_config_parses_and_checks_without_jax_levanter_ray_or_torch(tmp_pa
     arithmetic. Run in a fresh interpreter: this process imported everything long ago."""
     script = textwrap.dedent(f"""
         import json, sys
-        from marinrl.config_errors import load_job_config
-        from marinrl.job_config import RLJobConfig
-        from marinrl.rollout.worker_config import RolloutWorkerConfig
+        from marinrl.config.errors import load_job_config
+        from marinrl.config.job import RLJobConfig
+        from marinrl.config.rollout_worker import RolloutWorkerConfig
         job = load_job_config(RLJobConfig, {str(QUICKSTART)!r}, ["--ray.trainer.num_gpus", "8",
                                                                  "--trainer.model_axis_size", "3"])
         try:
@@ -213,7 +213,7 @@ def test_parse_mp_names_what_it_cannot_read(mp, problem):
 def test_the_schedules_marinrl_accepts_are_levanters():
     from levanter.optim.config import LrSchedule
 
-    from marinrl.train.trainer_config import LR_SCHEDULES
+    from marinrl.config.trainer import LR_SCHEDULES
 
     assert sorted(LR_SCHEDULES) == sorted(LrSchedule.get_known_choices())
 
@@ -224,8 +224,8 @@ def test_the_driver_checks_the_quickstart_without_jax_levanter_or_transformers(t
     Levanter or transformers, which only the actors import (the driver's memory, docs/performance.md)."""
     script = textwrap.dedent(f"""
         import json, sys
-        from marinrl.config_errors import load_job_config
-        from marinrl.job import RLJob, RLJobConfig
+        from marinrl.config.errors import load_job_config
+        from marinrl.job.rl_job import RLJob, RLJobConfig
         RLJob(load_job_config(RLJobConfig, {str(QUICKSTART)!r}, ["--run_root", {str(tmp_path)!r}]))
         print(json.dumps([m for m in ("jax", "levanter", "transformers", "torch", "haliax") if m in sys.modules]))
     """)

@@ -16,20 +16,20 @@ import pytest
 from levanter.lora import LORA_R, LoraLinear
 from levanter.models.llama import LlamaConfig
 
-from marinrl.job import ConfigError, RLJob
-from marinrl.lora import AdapterMergingClient, adapter_only, add_adapters, adapted_modules, check_targets, without_adapters
-from marinrl.lora_config import LoraRLConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.train.loss_config import LossConfig
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, adapted_modules, check_targets, without_adapters
+from marinrl.config.lora import LoraRLConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.config.loss import LossConfig
+from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.base import ModelSkeleton
 from marinrl.transfer.packed import read_packed
 from test_job import job_config
 from test_train_worker import (EPS32, TINY, FileReplayer, Producer, assert_same_state, checkpoint_arrays,
                                lineage_files, worker_config)
-from marinrl.job_plan import rollout_worker_config, train_worker_config
+from marinrl.job.plan import rollout_worker_config, train_worker_config
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -219,7 +219,7 @@ def test_lora_job_on_the_quickstart_task_raises_the_reward(tmp_path, ray_session
     """The quickstart's model and task, shortened, with LoRA: rollout workers merge adapter-only versions
     into their base, and the sampled reward rises. (Whether LoRA reaches the quickstart's held-out bar
     is measured in docs/policies.md, not here.)"""
-    from marinrl.train.trainer_config import RLAdamConfig
+    from marinrl.config.trainer import RLAdamConfig
 
     cfg = job_config(tmp_path, num_train_steps=30, groups_per_step=32, n_generations=16, max_staleness=1,
                      eval_every=30, eval_examples=64, model=QUICKSTART_MODEL, lora=LoraRLConfig(rank=8, alpha=16.0),
@@ -252,9 +252,9 @@ def _yaml_job(tmp_path, lora_block: str) -> pathlib.Path:
 
 
 def test_the_lora_example_config_passes_preflight_and_a_bad_block_points_at_its_line(tmp_path):
-    from marinrl.config_errors import ConfigInputError, load_job_config
-    from marinrl.job_config import RLJobConfig
-    from marinrl.preflight import check_job
+    from marinrl.config.errors import ConfigInputError, load_job_config
+    from marinrl.config.job import RLJobConfig
+    from marinrl.job.preflight import check_job
 
     good = load_job_config(RLJobConfig, str(_yaml_job(tmp_path, "lora: {rank: 8, alpha: 16}\n")), [])
     check_job(good)

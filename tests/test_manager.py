@@ -12,11 +12,11 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import Rollout, RolloutGroup, RolloutMetadata
 
 VOCAB = 512

@@ -84,6 +84,6 @@ def test_k3_is_zero_only_at_zero_and_positive_elsewhere():
 
 
 def test_the_report_plots_every_mismatch_metric():
-    from marinrl.report import MISMATCH_METRICS
+    from marinrl.report.page import MISMATCH_METRICS
 
     assert MISMATCH_METRICS == NAMES

@@ -17,11 +17,11 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 from safetensors.numpy import load_file
 
-from marinrl.hf_checkpoints import save_hf_checkpoint
+from marinrl.models.hf_checkpoints import save_hf_checkpoint
 from marinrl.levanter_configs import to_levanter
-from marinrl.model_config import LlamaArchitecture, ModelConfig
-from marinrl.models import build_model, build_tokenizer, init_model, load_hf_checkpoint, load_levanter_checkpoint, save_levanter_checkpoint
-from marinrl.tokenizers import BOS, EOS, PAD, ROLE_TOKENS, byte_tokenizer, load_tokenizer
+from marinrl.config.model import LlamaArchitecture, ModelConfig
+from marinrl.models.policy_model import build_model, build_tokenizer, init_model, load_hf_checkpoint, load_levanter_checkpoint, save_levanter_checkpoint
+from marinrl.models.tokenizers import BOS, EOS, PAD, ROLE_TOKENS, byte_tokenizer, load_tokenizer
 
 SMALL = LlamaConfig(
     seq_len=64, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2, num_kv_heads=2,

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from marinrl.envs import Agent, Feedback, MultiAgentEnv, Problem, make_env, safe_sample
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.envs.multiagent import Move, SolveCheckEnv
 from marinrl.eval import lesson_metrics
 from marinrl.inference.context import SamplingParams
-from marinrl.storage import RolloutReader, RolloutWriter
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutBatch, RolloutMetadata
 
 from test_episodes import LOGPROB, RecordingContext, ScriptedPolicy, text_of

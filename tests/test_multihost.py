@@ -26,8 +26,8 @@ from levanter.optim import OptimizerConfig
 
 from conftest import free_port
 from marinrl.multihost import PEER_LOST_EXIT_CODE
-from marinrl.train.loss_config import LossConfig
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.config.loss import LossConfig
+from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, G, Producer, worker_config
 

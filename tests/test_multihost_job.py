@@ -12,10 +12,10 @@ import struct
 import pytest
 import ray
 
-from marinrl.job import ConfigError, RLJob, RayJobConfig
-from marinrl.placement import PlacementConfig
-from marinrl.storage import RolloutReader
-from marinrl.train.trainer_group_config import TrainerGroupConfig
+from marinrl.job.rl_job import ConfigError, RLJob, RayJobConfig
+from marinrl.config.placement import PlacementConfig
+from marinrl.storage.rollouts import RolloutReader
+from marinrl.config.trainer_group import TrainerGroupConfig
 
 from test_job import job_config
 from test_job_faults import _committed_checkpoint_step, _poll, _Saboteur

@@ -38,22 +38,23 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from marinrl.envs.base import Grade, Problem, SingleTurnEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.storage import RolloutWriter
-from marinrl.tokenizers import byte_tokenizer
-from marinrl.train.batching_config import BatchingConfig
+from marinrl.storage.rollouts import RolloutWriter
+from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.config.batching import BatchingConfig
 from marinrl.train.batching import make_training_batch
-from marinrl.train.loss_config import LossConfig
+from marinrl.config.loss import LossConfig
 from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
-from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.config.replay import ReplayConfig
+from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from marinrl.train.worker_config import TrainWorkerConfig, cpu_trainer_config
-from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.config.train_worker import TrainWorkerConfig
+from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.types import Rollout
 from marinrl.transfer.endpoints import build_client
 

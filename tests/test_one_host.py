@@ -15,10 +15,11 @@ import textwrap
 
 import pytest
 
-from marinrl.job import ConfigError, RLJob
-from marinrl.job_actors import compilation_cache_dir
-from marinrl.job_config import RayJobConfig
-from marinrl.placement import TPU_CHIP_BOUNDS, PlacementConfig, placement_problem
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.job.actors import compilation_cache_dir
+from marinrl.config.job import RayJobConfig
+from marinrl.config.placement import PlacementConfig
+from marinrl.job.placement import TPU_CHIP_BOUNDS, actor_env, placement_problem, ray_options, request
 
 from test_job import job_config
 
@@ -85,16 +86,16 @@ def test_a_bad_one_host_placement_is_refused_before_ray_starts(tmp_path, placeme
 
 def test_what_a_role_on_part_of_a_host_asks_for():
     part = PlacementConfig(tpu_chips=4)  # no slice head resource: another role fits beside it
-    assert part.request() == {"CPU": 1, "TPU": 4}
-    assert part.ray_options()["resources"] == {"TPU": 4}
+    assert request(part) == {"CPU": 1, "TPU": 4}
+    assert ray_options(part)["resources"] == {"TPU": 4}
     assert (part.devices(), part.hosts(), part.has_accelerator) == (4, 1, True)
-    env = part.actor_env(slot=3)
+    env = actor_env(part, slot=3)
     assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == env["TPU_CHIPS_PER_HOST_BOUNDS"] == "2,2,1"
     assert env["TPU_PROCESS_BOUNDS"] == env["TPU_HOST_BOUNDS"] == "1,1,1"
-    assert env["TPU_PROCESS_PORT"] == env["TPU_MESH_CONTROLLER_PORT"] != part.actor_env(slot=4)["TPU_PROCESS_PORT"]
+    assert env["TPU_PROCESS_PORT"] == env["TPU_MESH_CONTROLLER_PORT"] != actor_env(part, slot=4)["TPU_PROCESS_PORT"]
     assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and "TPU_PROCESS_ADDRESSES" not in env
-    assert PlacementConfig(tpu="v5litepod-8").actor_env(0) == {}  # a whole host needs nothing of this
-    assert PlacementConfig(num_gpus=1, memory_fraction=0.45).actor_env(0) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"}
+    assert actor_env(PlacementConfig(tpu="v5litepod-8"), 0) == {}  # a whole host needs nothing of this
+    assert actor_env(PlacementConfig(num_gpus=1, memory_fraction=0.45), 0) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"}
     # the chip shapes multiply out to the chips
     for chips, bounds in TPU_CHIP_BOUNDS.items():
         x, y, z = map(int, bounds.split(","))
@@ -104,8 +105,9 @@ def test_what_a_role_on_part_of_a_host_asks_for():
 _ENV_SCRIPT = textwrap.dedent("""
     import json, os, sys
     import ray
-    from marinrl.job_actors import actor_options
-    from marinrl.placement import PlacementConfig, check_cluster
+    from marinrl.job.placement import actor_options
+    from marinrl.config.placement import PlacementConfig
+    from marinrl.job.placement import check_cluster
 
     ray.init(num_cpus=4, num_gpus=8, resources={"TPU": 8}, include_dashboard=False, log_to_driver=False)
 
@@ -170,8 +172,8 @@ _ONE_HOST_JOB = textwrap.dedent("""
     from ray.cluster_utils import Cluster
     sys.path.insert(0, {tests!r})
     from test_job import job_config
-    from marinrl.job import RLJob, RayJobConfig
-    from marinrl.placement import PlacementConfig
+    from marinrl.job.rl_job import RLJob, RayJobConfig
+    from marinrl.config.placement import PlacementConfig
 
     # one "TPU VM": 8 chips and the slice head resource, as Ray lists a v5e-8 host
     cluster = Cluster(initialize_head=True, head_node_args=dict(
@@ -233,7 +235,7 @@ def test_jax_fills_the_cluster_compile_cache_on_gcs(tmp_path, gcs_root, monkeypa
     emulator, through JAX's own epath/gcsfs path)."""
     import fsspec
 
-    from marinrl.job_actors import actor_env
+    from marinrl.job.actors import actor_env
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     config = dataclasses.replace(job_config(tmp_path), run_root=f"{gcs_root}/runs", ray=RayJobConfig(address="auto"))
@@ -255,8 +257,9 @@ _AUTOSCALER_SCRIPT = textwrap.dedent("""
     from ray.autoscaler._private.constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
     sys.path.insert(0, {tests!r})
     from test_job import job_config
-    from marinrl.job import ConfigError, RLJob, RayJobConfig
-    from marinrl.placement import AutoscalerRequest, PlacementConfig, check_cluster
+    from marinrl.job.rl_job import ConfigError, RLJob, RayJobConfig
+    from marinrl.config.placement import PlacementConfig
+    from marinrl.job.placement import AutoscalerRequest, check_cluster
 
     cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=2, include_dashboard=False,
                                                                 object_store_memory=128 * 1024 * 1024))

@@ -21,16 +21,16 @@ import openai
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.envs import Grade, Problem, safe_sample
 from marinrl.envs.openai_agents import EchoChatAgent, TwoTurnEchoAgent
 from marinrl.envs.openai_env import Call, OpenAIAgentEnv, stitch
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 from marinrl.envs.base import make_env
 

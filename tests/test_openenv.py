@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.envs import EnvConfig, safe_sample
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.policy_model import ModelConfig, build_model
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 from marinrl.envs.base import make_env
 

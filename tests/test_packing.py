@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from marinrl.train.batching_config import BatchingConfig
+from marinrl.config.batching import BatchingConfig
 from marinrl.train.batching import TrainingBatch, pack_rollouts, row_bucket
-from marinrl.train.loss_config import LossConfig
+from marinrl.config.loss import LossConfig
 from marinrl.train.losses import rl_loss, token_logprobs
 from marinrl.train.packing import plan_rows
 from marinrl.types import Rollout, RolloutMetadata
@@ -328,7 +328,7 @@ def test_the_trainer_pads_packed_rows_to_its_data_parallel_size_not_to_the_whole
     """Levanter fills an unset per_device_parallelism with the whole batch (microbatch_size = train_batch_size):
     aligning rows to that microbatch padded every packed batch back to train_batch_size rows."""
     from marinrl.train.batching import row_alignment
-    from marinrl.train.worker_config import cpu_trainer_config
+    from marinrl.levanter_configs import cpu_trainer_config
 
     plain = cpu_trainer_config(train_batch_size=64)
     plain._validate_and_set_defaults()  # what levanter.initialize(config) does to the worker's config

@@ -11,8 +11,9 @@ import textwrap
 import pytest
 import ray
 
-from marinrl.job import ConfigError, RLJob
-from marinrl.placement import PlacementConfig, check_cluster, placement_problem
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.config.placement import PlacementConfig
+from marinrl.job.placement import bundles, check_cluster, placement_problem, ray_options, request
 
 from test_job import job_config
 
@@ -59,8 +60,9 @@ def test_custom_resources_on_a_real_ray():
     does not fit, naming the field (its own process: the session Ray has no custom resources)."""
     script = textwrap.dedent("""
         import ray
-        from marinrl.placement import PlacementConfig, check_cluster, placement_problem
-        from marinrl.config_errors import ConfigError
+        from marinrl.config.placement import PlacementConfig
+        from marinrl.job.placement import check_cluster, placement_problem
+        from marinrl.config.errors import ConfigError
 
         ray.init(num_cpus=4, resources={"trainer": 1, "rollout": 2}, include_dashboard=False, log_to_driver=False)
         trainer = PlacementConfig(resources={"trainer": 1})
@@ -90,15 +92,15 @@ def test_custom_resources_on_a_real_ray():
 
 
 def test_what_each_placement_asks_ray_for():
-    assert PlacementConfig().ray_options() == {"num_cpus": 1, "num_gpus": 0, "resources": None}
+    assert ray_options(PlacementConfig()) == {"num_cpus": 1, "num_gpus": 0, "resources": None}
     gpu = PlacementConfig(num_gpus=8, accelerator_type="H100", resources={"trainer": 1})
-    assert gpu.ray_options() == {"num_cpus": 1, "num_gpus": 8, "resources": {"trainer": 1}, "accelerator_type": "H100"}
-    assert gpu.request() == {"CPU": 1, "GPU": 8, "accelerator_type:H100": 0.001, "trainer": 1}
+    assert ray_options(gpu) == {"num_cpus": 1, "num_gpus": 8, "resources": {"trainer": 1}, "accelerator_type": "H100"}
+    assert request(gpu) == {"CPU": 1, "GPU": 8, "accelerator_type:H100": 0.001, "trainer": 1}
     assert gpu.devices() == 8
     tpu = PlacementConfig(tpu="v5litepod-8")  # one host, 8 chips; the head resource pins a whole slice
-    assert tpu.ray_options()["resources"] == {"TPU": 8, "TPU-v5litepod-8-head": 1}
+    assert ray_options(tpu)["resources"] == {"TPU": 8, "TPU-v5litepod-8-head": 1}
     assert (tpu.hosts(), tpu.devices()) == (1, 8)
-    assert PlacementConfig(tpu="v5p-8").request() == {"CPU": 1, "TPU": 4, "TPU-v5p-8-head": 1}  # 4 chips, 1 host
+    assert request(PlacementConfig(tpu="v5p-8")) == {"CPU": 1, "TPU": 4, "TPU-v5p-8-head": 1}  # 4 chips, 1 host
     assert PlacementConfig(tpu="v5p-64").hosts() == 8
     assert PlacementConfig(tpu="v3-8").devices() == 8  # 4 chips, 2 JAX devices (cores) each
 
@@ -138,10 +140,10 @@ def test_a_multi_host_trainer_asks_one_bundle_per_host_and_needs_that_many_nodes
     """A v5p-64 trainer is 8 hosts of 4 chips, the slice head resource on the first only; with STRICT_SPREAD
     each host needs a node of its own, and the rollout workers fit the capacity left."""
     trainer = PlacementConfig(tpu="v5p-64")
-    bundles = trainer.bundles()
-    assert bundles[0] == {"CPU": 1, "TPU": 4, "TPU-v5p-64-head": 1}
-    assert bundles[1:] == [{"CPU": 1, "TPU": 4}] * 7
-    assert trainer.ray_options(head=False)["resources"] == {"TPU": 4}
+    hosts = bundles(trainer)
+    assert hosts[0] == {"CPU": 1, "TPU": 4, "TPU-v5p-64-head": 1}
+    assert hosts[1:] == [{"CPU": 1, "TPU": 4}] * 7
+    assert ray_options(trainer, head=False)["resources"] == {"TPU": 4}
     rollout = PlacementConfig(num_gpus=1)
     slice_hosts = [_node("10.0.0.1", CPU=8, TPU=4, **{"TPU-v5p-64-head": 1})]
     slice_hosts += [_node(f"10.0.0.{i}", CPU=8, TPU=4) for i in range(2, 9)]

@@ -9,26 +9,26 @@ import dataclasses
 import numpy as np
 import pytest
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.env_config import EnvConfig
-from marinrl.job import ConfigError, RLJob
-from marinrl.lora_config import LoraRLConfig
-from marinrl.model_config import ModelConfig
-from marinrl.placement import PlacementConfig
-from marinrl.policies import PolicyConfig, policy_models, policy_names, resolve_policies
-from marinrl.rollout.worker_config import ModelStream
-from marinrl.transfer.transfer_config import FilesystemTransferConfig
-from marinrl.transfer.transfer_config import RayTransferConfig
-from marinrl.storage import RolloutWriter
-from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
-from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OffPolicyConfig
-from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.env import EnvConfig
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.config.lora import LoraRLConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.placement import PlacementConfig
+from marinrl.config.policies import PolicyConfig, policy_models, policy_names, resolve_policies
+from marinrl.config.rollout_worker import ModelStream
+from marinrl.config.transfer import FilesystemTransferConfig
+from marinrl.config.transfer import RayTransferConfig
+from marinrl.storage.rollouts import RolloutWriter
+from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
+from marinrl.config.replay import ReplayConfig
+from marinrl.train.replay.sampling import OffPolicyConfig
+from marinrl.config.trainer import RLAdamConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.types import RolloutBatch, RolloutGroup
 from test_job import job_config
 from test_train_worker import make_rollout_batch, worker_config
-from marinrl.job_plan import rollout_worker_config, train_worker_config
+from marinrl.job.plan import rollout_worker_config, train_worker_config
 
 DUO = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4, "policies": {"checker": "critic"}}),
                    max_tokens=2, graduate_at=None)
@@ -169,9 +169,9 @@ def test_a_rollout_of_an_undefined_policy_stops_the_trainer_at_ingestion(tmp_pat
 def test_the_policies_examples_pass_preflight(tmp_path, name, models):
     import pathlib
 
-    from marinrl.config_errors import load_job_config
-    from marinrl.job_config import RLJobConfig
-    from marinrl.preflight import check_job
+    from marinrl.config.errors import load_job_config
+    from marinrl.config.job import RLJobConfig
+    from marinrl.job.preflight import check_job
 
     path = pathlib.Path(__file__).parents[1] / "experiments" / f"{name}.yaml"
     job = load_job_config(RLJobConfig, str(path), ["--run_root", str(tmp_path)])

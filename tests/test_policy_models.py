@@ -12,15 +12,15 @@ import pathlib
 import numpy as np
 import pytest
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.env_config import EnvConfig
-from marinrl.job import RLJob
-from marinrl.lora_config import LoraRLConfig
-from marinrl.models import build_model
-from marinrl.policies import PolicyConfig
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.env import EnvConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.config.lora import LoraRLConfig
+from marinrl.models.policy_model import build_model
+from marinrl.config.policies import PolicyConfig
 from marinrl.rollout.policy_router import split_by_model
-from marinrl.storage import RolloutReader
-from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.storage.rollouts import RolloutReader
+from marinrl.config.trainer import RLAdamConfig
 from marinrl.transfer.base import ModelSkeleton
 from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
 from test_job import job_config

@@ -20,9 +20,9 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 def other_server(tiny_server):
     """A second server: the session server's architecture and tokenizer, other random weights."""
     from marinrl.inference.server import InferenceServer
-    from marinrl.inference.server_config import InferenceServerConfig
-    from marinrl.model_config import ModelConfig
-    from marinrl.models import build_model
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.config.model import ModelConfig
+    from marinrl.models.policy_model import build_model
 
     model = build_model(ModelConfig(model=tiny_server.model.config, vocab_size=512, seed=1))
     with InferenceServer(InferenceServerConfig(serve_http=False), model, tiny_server.tokenizer, weight_step=7) as server:

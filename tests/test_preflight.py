@@ -1,4 +1,4 @@
-"""RLJob checks everything it can before Ray starts (marinrl.preflight): each mistake is one
+"""RLJob checks everything it can before Ray starts (marinrl.job.preflight): each mistake is one
 ConfigError naming the field, raised by the constructor, so no actor, trainer or Ray ever runs."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import pytest
 import ray
 from levanter.checkpoint import save_checkpoint
 
-from marinrl.curriculum_config import CurriculumConfig
-from marinrl.env_config import EnvConfig
-from marinrl.job import ConfigError, RLJob
-from marinrl.model_config import ModelConfig
-from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.loss_config import LossConfig
-from marinrl.train.trainer_config import RLAdamConfig
+from marinrl.config.curriculum import CurriculumConfig
+from marinrl.config.env import EnvConfig
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.config.model import ModelConfig
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LossConfig
+from marinrl.config.trainer import RLAdamConfig
 
 from test_job import ECHO, job_config
 
@@ -126,7 +126,7 @@ def test_preflight_of_the_quickstart_is_quick(tmp_path):
     """Not a timing assertion: a report of what preflight costs, and proof it passes on the shipped config."""
     import draccus
 
-    from marinrl.job import RLJobConfig
+    from marinrl.job.rl_job import RLJobConfig
 
     cfg = draccus.parse(RLJobConfig, config_path=str(QUICKSTART), args=["--run_root", str(tmp_path)])
     started = time.perf_counter()
@@ -138,7 +138,7 @@ def test_preflight_of_the_quickstart_is_quick(tmp_path):
 
 
 def _trainer_death_message(error, checkpoints):
-    from marinrl.job import _trainer_death_message
+    from marinrl.job.rl_job import _trainer_death_message
 
     return _trainer_death_message(error, checkpoints)
 
@@ -204,7 +204,7 @@ def test_a_model_config_with_a_bad_dtype_or_init_std_is_refused_when_built(overr
 def test_a_gs_run_root_without_credentials_is_refused_naming_what_is_missing(tmp_path, monkeypatch):
     """google.auth finds no credentials (a key file that does not exist, no gcloud config, no emulator):
     the run directory check says so in about a second instead of gcsfs's minute of retries."""
-    from marinrl.preflight import check_writable
+    from marinrl.job.preflight import check_writable
 
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing-key.json"))

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from marinrl.curriculum import Curriculum
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig, level_lessons
+from marinrl.curriculum.lessons import Curriculum
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig, level_lessons
 from marinrl.envs import EnvConfig
 from marinrl.envs.reasoning_gym_env import task_config, TaskSpec
 from marinrl.envs.base import make_env
@@ -141,7 +141,7 @@ def test_a_lesson_of_an_adapter_whose_package_is_missing_says_what_to_install(en
 def test_a_short_job_trains_on_one_task(tmp_path, ray_session):
     from test_job import _run
 
-    from marinrl.models import ModelConfig
+    from marinrl.models.policy_model import ModelConfig
     from marinrl.train.batching import BatchingConfig
     from levanter.models.llama import LlamaConfig
 
@@ -156,7 +156,7 @@ def test_a_short_job_trains_on_one_task(tmp_path, ray_session):
     evals = [e for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
     metrics = evals[-1]["metrics"]
     assert np.isfinite(metrics["eval/chain/reward_mean"]) and "eval/chain/correct_frac" in metrics
-    from marinrl.storage import RolloutReader
+    from marinrl.storage.rollouts import RolloutReader
 
     groups = [g for b in RolloutReader(f"{cfg.run_dir}/rollouts").read_new() for g in b.groups]
     assert groups and all(g.group_id.startswith("reasoning_gym:chain_sum:") for g in groups)

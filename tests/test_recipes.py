@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from marinrl.job_plan import train_worker_config
-from marinrl.train.trainer_config import parse_mp
+from marinrl.job.plan import train_worker_config
+from marinrl.config.trainer import parse_mp
 from marinrl.envs.base import make_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_the_reasoning_gym_recipe_is_the_0p6b_recipe_with_a_curriculum_of_genera
 def test_one_host_variants_split_one_host_and_keep_the_rest():
     """The one-host variants are the 0.6B recipe with a local Ray and one machine's accelerators split between
     the roles (no role resources, no slice head resource), and fit that machine."""
-    from marinrl.placement import placement_problem
+    from marinrl.job.placement import placement_problem
     from marinrl.recipe import parse_recipe
 
     base = parse_recipe(_recipe("grpo_math_qwen3_0p6b")["RECIPE"], [])

@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 
 from factories import HAND_ADVANTAGES
-from marinrl.fs import RolloutStorageError
-from marinrl.storage import RolloutReader, RolloutWriter
+from marinrl.storage.fs import RolloutStorageError
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
-from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.loss_config import LOSS_PRESETS, LossConfig
-from marinrl.train.group_filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
-from marinrl.train.replay import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
-from marinrl.train.replay_config import ReplayConfig, overlong_reward_fn
-from marinrl.train.replay_groups import BufferedGroup
-from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LOSS_PRESETS, LossConfig
+from marinrl.train.replay.filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
+from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
+from marinrl.config.replay import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay.groups import BufferedGroup
+from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 
@@ -349,8 +349,8 @@ def test_filter_ratio_on_std_keeps_the_most_informative_groups_of_the_file():
 
 @pytest.mark.parametrize("ratio", [0.0, -0.5, 1.5, float("nan")])
 def test_filter_ratio_outside_zero_to_one_is_refused_naming_the_field(ratio, tmp_path):
-    from marinrl.config_errors import ConfigInputError, load_job_config
-    from marinrl.job_config import RLJobConfig
+    from marinrl.config.errors import ConfigInputError, load_job_config
+    from marinrl.config.job import RLJobConfig
 
     for cls, name in ((RewardMeanFilter, "reward_mean"), (RewardStdQuantileFilter, "reward_std_quantile")):
         with pytest.raises(ValueError, match=rf"^{name}\.filter_ratio must be in \(0, 1\] or null, got {ratio}$"):

@@ -10,11 +10,11 @@ import statistics
 from test_job import ECHO, job_config
 
 from marinrl.cli import main as cli_main
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
-from marinrl.env_config import EnvConfig
-from marinrl.job import RLJob
-from marinrl.report import load_run, read_json_logs
-from marinrl.storage import summarize
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.env import EnvConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.report.page import load_run, read_json_logs
+from marinrl.storage.rollouts import summarize
 
 PARITY = LessonConfig(lesson_id="parity", env=EnvConfig("parity", {"n_bits": 2}), max_tokens=1, graduate_at=None)
 

@@ -13,10 +13,10 @@ import pytest
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker_config import ModelStream, RolloutWorkerConfig
+from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.rollout.worker import RolloutWorker
-from marinrl.storage import summarize
-from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.storage.rollouts import summarize
+from marinrl.config.transfer import FilesystemTransferConfig
 
 import faulty_envs
 from test_rollout_worker_faults import OneLesson

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from factories import make_batch
-from marinrl import rollout_format
-from marinrl.storage import RolloutReader, RolloutWriter
-from marinrl.train.sampling import OnPolicyConfig
+from marinrl.storage import format as rollout_format
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
+from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
 
@@ -151,7 +151,7 @@ def test_retention_counts_only_committed_checkpoints_and_spares_the_protected_on
 
 
 def test_retention_settings_are_checked():
-    from marinrl.train.worker_config import TrainWorkerConfig
+    from marinrl.config.train_worker import TrainWorkerConfig
 
     with pytest.raises(ValueError, match="checkpoint_keep must be >= 1, got 0"):
         TrainWorkerConfig(checkpoint_keep=0)
@@ -176,7 +176,7 @@ def test_a_newer_format_version_is_quarantined_with_an_upgrade_hint(tmp_path, mo
     good = make_batch(seed=2, worker_id="w0")
     writer.write(good)
     reader = RolloutReader(url)
-    with caplog.at_level(logging.WARNING, logger="marinrl.storage"):
+    with caplog.at_level(logging.WARNING, logger="marinrl.storage.rollouts"):
         (back,) = reader.read_new()
     assert back.rollouts == good.rollouts
     assert reader.metrics["quarantined_files"] == 1 and reader.metrics["files_read"] == 1

@@ -12,14 +12,14 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.inference.context import SamplingParams
-from marinrl.inference.server_config import EngineConfig
+from marinrl.config.server import EngineConfig
 from marinrl.inference.server import InferenceServer
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.job_config import RLJobConfig
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.tokenizers import byte_tokenizer
-from marinrl.job_plan import train_worker_config
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.job import RLJobConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.job.plan import train_worker_config
 
 ARCH = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    gradient_checkpointing=False)
@@ -67,7 +67,7 @@ def test_the_job_derives_the_rollout_and_publish_dtype_from_the_compute_dtype():
 
 
 def test_a_bad_publish_dtype_is_refused_naming_the_field():
-    from marinrl.train.worker_config import TrainWorkerConfig
+    from marinrl.config.train_worker import TrainWorkerConfig
 
     with pytest.raises(ValueError, match="publish_dtype"):
         TrainWorkerConfig(publish_dtype="int8")

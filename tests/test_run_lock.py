@@ -1,4 +1,4 @@
-"""One job per run (marinrl/run_lock.py): the lease's content, renewal, refusal of a second job by a
+"""One job per run (marinrl/job/run_lock.py): the lease's content, renewal, refusal of a second job by a
 live lease, takeover of a stale one, release; on local disk and on the GCS emulator.
 
 The emulator ignores generation preconditions (checked below), so what rests on them alone (two jobs
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from marinrl.run_lock import (Lease, RunLock, RunLockConfig, RunLockHeld, check_preconditions, read_lease,
+from marinrl.job.run_lock import (Lease, RunLock, RunLockConfig, RunLockHeld, check_preconditions, read_lease,
                               stale_reason)
 
 FAST = RunLockConfig(renew_every_s=0.05, stale_after_renewals=4)
@@ -91,7 +91,7 @@ def test_a_live_lease_of_another_host_is_refused(run_dir):
 def test_a_lease_not_renewed_in_time_is_taken_over_with_a_warning(run_dir, caplog):
     _foreign_lease(run_dir, renewed_at=time.time() - 61.0, stale_after_s=60.0)
     lock = RunLock(run_dir, "r", FAST)
-    with caplog.at_level(logging.WARNING, logger="marinrl.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="marinrl.job.run_lock"):
         lock.acquire()
     try:
         assert read_lease(run_dir).job_id == lock.job_id
@@ -106,7 +106,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(run_dir, caplog):
     dead_pid = int(done.stdout)
     _foreign_lease(run_dir, host=socket.gethostname(), pid=dead_pid, renewed_at=time.time())
     lock = RunLock(run_dir, "r")
-    with caplog.at_level(logging.WARNING, logger="marinrl.run_lock"):
+    with caplog.at_level(logging.WARNING, logger="marinrl.job.run_lock"):
         lock.acquire()
     try:
         assert read_lease(run_dir).pid == os.getpid()
@@ -179,7 +179,7 @@ def test_jobs_racing_for_a_free_run_on_local_disk_get_exactly_one_lease(tmp_path
 def test_local_disk_honours_every_precondition_and_the_emulator_none(tmp_path, gcs_root):
     assert check_preconditions(str(tmp_path)) == []
     # The in-process GCS emulator ignores ifGenerationMatch on create, overwrite and delete; real GCS
-    # honours them (docs/storage.md says how to check a bucket with `python -m marinrl.run_lock check`).
+    # honours them (docs/storage.md says how to check a bucket with `python -m marinrl.job.run_lock check`).
     assert check_preconditions(gcs_root) == ["create over an existing object", "overwrite of a changed version",
                                              "delete of a changed version"]
 
@@ -200,7 +200,7 @@ def test_the_cli_refuses_a_second_train_on_a_held_run_with_exit_2_before_its_imp
     run_dir = tmp_path / "runs" / "quickstart"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from marinrl.run_lock import RunLock; "
+        [sys.executable, "-c", "import sys, time; from marinrl.job.run_lock import RunLock; "
          f"RunLock({str(run_dir)!r}, 'quickstart').acquire(); print('held', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -208,7 +208,7 @@ def test_the_cli_refuses_a_second_train_on_a_held_run_with_exit_2_before_its_imp
         second = subprocess.run(
             [sys.executable, "-c", "import sys; from marinrl.cli import main\n"
              f"try:\n    main(['train', {config!r}])\nexcept SystemExit as e:\n"
-             "    print('exit', e.code, 'job_config imported:', 'marinrl.job_config' in sys.modules)"],
+             "    print('exit', e.code, 'job_config imported:', 'marinrl.config.job' in sys.modules)"],
             capture_output=True, text=True, env=env, timeout=120)
         assert second.stdout.strip() == "exit 2 job_config imported: False", second
         err = second.stderr.strip()
@@ -225,7 +225,7 @@ def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
     """RLJob.run() itself (the API, without the CLI's early check) takes the lease before Ray."""
     import ray
 
-    from marinrl.job import RLJob
+    from marinrl.job.rl_job import RLJob
     from test_job import job_config
 
     cfg = job_config(tmp_path, run_id="held")
@@ -239,10 +239,10 @@ def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
 
 def test_a_superseded_trainer_is_not_told_to_rerun_its_config(tmp_path):
     """The weight publisher's "superseded" means another trainer publishes into this run now: rerunning
-    would fight it, so the job's message says not to (marinrl/job.py, `_trainer_death_message`)."""
+    would fight it, so the job's message says not to (marinrl/job/rl_job.py, `_trainer_death_message`)."""
     import ray
 
-    from marinrl.job import _trainer_death_message
+    from marinrl.job.rl_job import _trainer_death_message
     from marinrl.transfer.base import WeightPublishError
 
     cause = WeightPublishError("w/LATEST points to weight step 6 of a newer server (epoch 2 > this server's 1): "

@@ -9,11 +9,11 @@ import sys
 
 import equinox as eqx
 
-from marinrl.job_actors import actor_env
+from marinrl.job.actors import actor_env
 
 _CHILD = """
 import sys, tempfile
-import marinrl.job  # what an actor imports first: Levanter, transformers
+import marinrl.job.rl_job  # what an actor imports first: Levanter, transformers
 from marinrl.startup import import_tensorboardx_without_torch
 import_tensorboardx_without_torch()
 from levanter.tracker.tensorboard import TensorboardConfig
@@ -53,12 +53,12 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
     from levanter.checkpoint import CheckpointerConfig
     from levanter.trainer import Trainer
 
-    from marinrl.models import build_model
-    from marinrl.train.loss_config import LossConfig
+    from marinrl.models.policy_model import build_model
+    from marinrl.config.loss import LossConfig
     from marinrl.train.initial_weights import CheckpointWeights, build_reference
     from marinrl.train.initial_weights import is_initial_policy as _is_initial_policy
     from marinrl.train.worker import _step_loss
-    from marinrl.train.worker_config import cpu_trainer_config
+    from marinrl.levanter_configs import cpu_trainer_config
     from test_train_worker import TINY
 
     cfg = cpu_trainer_config(num_train_steps=1, train_batch_size=4, log_dir=tmp_path / "logs", tracker=(), id="ref",

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from factories import batches, encode_batch_v1, make_batch
-from marinrl import fs as marinrl_fs
-from marinrl import storage
-from marinrl.fs import RolloutStorageError
-from marinrl.rollout_format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
-from marinrl.storage import RolloutReader, RolloutWriter
+from marinrl.storage import fs as marinrl_fs
+from marinrl.storage import rollouts as storage
+from marinrl.storage.fs import RolloutStorageError
+from marinrl.storage.format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.types import RolloutGroup
 
 fixture_settings = settings(

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.envs import EnvConfig, safe_sample
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer, InferenceServerConfig
-from marinrl.models import ModelConfig, build_model
-from marinrl.tokenizers import byte_tokenizer
+from marinrl.models.policy_model import ModelConfig, build_model
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 from marinrl.envs.base import make_env
 
@@ -99,7 +99,7 @@ def _job(tmp_path, ray_session, lesson, **overrides):
 @pytest.mark.timeout(1200)
 def test_a_shipped_game_trains_one_shared_model_end_to_end(tmp_path, ray_session):
     """L1: both players of TicTacToe-v0 are the one policy; 3 trainer steps on their turns."""
-    from marinrl.storage import RolloutReader
+    from marinrl.storage.rollouts import RolloutReader
 
     lesson = LessonConfig("ttt", EnvConfig("textarena", {"game": "TicTacToe-v0", "max_turns": 4}), max_tokens=3,
                           graduate_at=None)
@@ -117,8 +117,8 @@ def test_a_model_per_player_trains_each_on_its_own_turns(tmp_path, ray_session):
     model's players both move) each have a full model; each trainer trains only its player's groups, read
     from its own rollout files. Two turns per game (the prompts grow past the tiny model's 1024 positions
     after that), so every game is cut and pays truncated_reward: this checks the plumbing, not learning."""
-    from marinrl.policies import PolicyConfig
-    from marinrl.storage import RolloutReader
+    from marinrl.config.policies import PolicyConfig
+    from marinrl.storage.rollouts import RolloutReader
 
     policies = {"policy": PolicyConfig(specialization="full"), "rival": PolicyConfig(specialization="full")}
     lesson = LessonConfig("ipd", EnvConfig("textarena", {"game": "IteratedPrisonersDilemma-v0", "max_turns": 2,

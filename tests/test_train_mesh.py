@@ -23,14 +23,14 @@ import pytest
 from levanter.checkpoint import CheckpointerConfig
 from levanter.trainer import Trainer
 
-from marinrl.models import build_model
-from marinrl.train.batching_config import BatchingConfig
+from marinrl.models.policy_model import build_model
+from marinrl.config.batching import BatchingConfig
 from marinrl.train.batching import make_training_batch
-from marinrl.train.loss_config import LossConfig
+from marinrl.config.loss import LossConfig
 from marinrl.train.losses import rl_loss, token_logprobs
 from marinrl.train.batching import row_alignment
 from marinrl.train.worker import StepInput, _step_loss
-from marinrl.train.worker_config import cpu_trainer_config
+from marinrl.levanter_configs import cpu_trainer_config
 from test_train_worker import TINY, make_rollout_batch
 
 LOSS = LossConfig.preset("grpo", kl_beta=0.04)

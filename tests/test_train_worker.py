@@ -14,17 +14,18 @@ import numpy as np
 from levanter.checkpoint import CheckpointerConfig
 from levanter.models.llama import LlamaConfig
 
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model
-from marinrl.storage import RolloutWriter
-from marinrl.train.batching_config import BatchingConfig
-from marinrl.train.loss_config import LossConfig
-from marinrl.train.replay import ReplayBuffer
-from marinrl.train.replay_config import ReplayConfig
-from marinrl.train.sampling import OffPolicyConfig, OnPolicyConfig
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model
+from marinrl.storage.rollouts import RolloutWriter
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LossConfig
+from marinrl.train.replay.buffer import ReplayBuffer
+from marinrl.config.replay import ReplayConfig
+from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from marinrl.train.worker_config import TrainWorkerConfig, cpu_trainer_config
-from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.config.train_worker import TrainWorkerConfig
+from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 from marinrl.transfer.endpoints import build_client
 
@@ -196,7 +197,7 @@ def test_rollout_files_of_format_version_1_still_train(tmp_path):
     """Files written before per-token weight steps (format 1) are read, with every token at the file's
     weight step, and trained on."""
     from factories import encode_batch_v1
-    from marinrl.train.sampling import OffPolicyConfig
+    from marinrl.train.replay.sampling import OffPolicyConfig
 
     cfg = worker_config(tmp_path, steps=2, sampling=OffPolicyConfig(staleness=1), run_id="v1files")
     rng = np.random.default_rng(5)
@@ -254,7 +255,7 @@ class FileReplayer(WeightFollower):
     the ingestion thread may read a file of `w` while the buffer is still at `w - 1` (under load it
     often does). The buffer holds such a file for later if it was made during this run, and drops it
     as "future" if it was made before the run started: a previous run's weights `w`, not this run's
-    (train/staleness.py, `from_previous_run`). A recorded file keeps its recording time, so unstamped
+    (train/replay/staleness.py, `from_previous_run`). A recorded file keeps its recording time, so unstamped
     it was dropped and the run timed out (`ReplayTimeoutError ... future=2`)."""
 
     def __init__(self, weights: FilesystemTransferConfig, files: dict[int, list[pathlib.Path]], dest: pathlib.Path):
@@ -273,7 +274,7 @@ class FileReplayer(WeightFollower):
 
 def restamped(data: bytes, created_at: float) -> bytes:
     """A rollout file's bytes with every `created_at` set to `created_at` (the rest unchanged)."""
-    from marinrl.rollout_format import decode_batch, encode_batch
+    from marinrl.storage.format import decode_batch, encode_batch
 
     batch = decode_batch(data)
     meta = dataclasses.replace(batch.metadata, created_at=created_at)
@@ -286,8 +287,8 @@ def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previ
     """The SIGKILL test's reference-run race, without the timing: a recorded file of weights 1 read
     while the buffer is still at step 0 is dropped as a previous run's future as recorded, and held
     for step 1 once the replayer stamps it as made now."""
-    from marinrl.rollout_format import decode_batch, encode_batch
-    from marinrl.train.replay_config import ReplayConfig
+    from marinrl.storage.format import decode_batch, encode_batch
+    from marinrl.config.replay import ReplayConfig
     from test_replay import batch_of, drops
 
     recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
@@ -301,7 +302,7 @@ def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previ
 
 def lineage_files(rollout_root: pathlib.Path, groups: set[str]) -> dict[int, list[pathlib.Path]]:
     """The rollout files whose groups were all trained, by weight step."""
-    from marinrl.rollout_format import decode_batch
+    from marinrl.storage.format import decode_batch
 
     out: dict[int, list[pathlib.Path]] = {}
     for path in sorted(rollout_root.glob("step=*/*.parquet")):

@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import GCS_BUCKET, GCS_OPTIONS
-from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
 from marinrl.transfer.base import ModelSkeleton, VersionId, WeightFormatError, WeightPublishError, WeightUpdate, WeightWaitTimeout
 from marinrl.transfer.checkpoint import PACKED_NAME, POINTER_NAME, _Root, version_dir_name
 from marinrl.transfer.packed import read_packed, write_packed

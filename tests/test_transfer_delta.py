@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from conftest import GCS_BUCKET, GCS_OPTIONS
-from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import ModelSkeleton, WeightFormatError, WeightPublishError
 from marinrl.transfer.checkpoint import DELTA_NAME, PACKED_NAME, SNAPSHOT_REQUEST_PREFIX, _Root
 from marinrl.transfer.delta import (

@@ -8,9 +8,9 @@ from marinrl.envs.toy import EchoEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.sampler import compiled_shapes
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.rollout.worker_config import ModelStream, RolloutWorkerConfig
+from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.rollout.worker import RolloutWorker
-from marinrl.transfer.transfer_config import FilesystemTransferConfig
+from marinrl.config.transfer import FilesystemTransferConfig
 
 import faulty_envs
 from marinrl.transfer.endpoints import build_server

@@ -49,7 +49,7 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def _check_rollout_root(root: str, storage_options: dict) -> None:
     """`root` exists and is a rollout root (an empty one is fine), not a run folder holding one."""
-    from marinrl.fs import list_names, open_root
+    from marinrl.storage.fs import list_names, open_root
 
     fs, path = open_root(root, storage_options, None)
     if not fs.exists(path):
@@ -62,7 +62,7 @@ def _check_rollout_root(root: str, storage_options: dict) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from marinrl.storage import summarize
+    from marinrl.storage.rollouts import summarize
 
     options = _storage_options(args.storage_option)
     _check_rollout_root(args.root, options)
@@ -93,8 +93,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _refuse_if_run_held(config: str, overrides: Sequence[str]) -> None:
     """A run another live job holds is refused before the config's imports (JAX, Levanter: seconds);
     only when the file or the flags name `run_root` and `run_id` (else RLJob.run's lease refuses it)."""
-    from marinrl.config_errors import ConfigInputError, compose_yaml, merged_raw
-    from marinrl.run_lock import RunLockHeld, refuse_if_held
+    from marinrl.config.errors import ConfigInputError, compose_yaml, merged_raw
+    from marinrl.job.run_lock import RunLockHeld, refuse_if_held
 
     try:
         compose_yaml(config)
@@ -113,7 +113,7 @@ def _refuse_if_run_held(config: str, overrides: Sequence[str]) -> None:
 
 def _input_error(config: str, overrides: Sequence[str], e: Exception) -> InputError:
     """A config mistake as the one line `marinrl train` prints: a ConfigError located in the file or flags."""
-    from marinrl.config_errors import ConfigError, ConfigInputError, compose_yaml, locate
+    from marinrl.config.errors import ConfigError, ConfigInputError, compose_yaml, locate
 
     if isinstance(e, ConfigError):
         return InputError(f"{locate(config, compose_yaml(config), overrides, e.field)}: {e}")
@@ -127,19 +127,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     the config's fields, ranges and placement arithmetic (no JAX, Levanter or Ray: about a second), then the
     checks that build environments and read the model's config (`preflight`), then the job."""
     _refuse_if_run_held(args.config, args.overrides)
-    from marinrl.config_errors import ConfigError, ConfigInputError, load_job_config
-    from marinrl.job_config import RLJobConfig
+    from marinrl.config.errors import ConfigError, ConfigInputError, load_job_config
+    from marinrl.config.job import RLJobConfig
 
     try:
         config = load_job_config(RLJobConfig, args.config, args.overrides)
         config.validate()
     except (ConfigInputError, ConfigError, ValueError) as e:
         raise _input_error(args.config, args.overrides, e) from e
-    from marinrl.job import RLJob  # JAX, Levanter, Ray: seconds
-    from marinrl.run_lock import RunLockHeld
+    from marinrl.job.rl_job import RLJob  # JAX, Levanter, Ray: seconds
+    from marinrl.job.run_lock import RunLockHeld
 
     try:
-        job = RLJob(config)  # every check that needs no Ray (marinrl.preflight)
+        job = RLJob(config)  # every check that needs no Ray (marinrl.job.preflight)
     except (ConfigInputError, ConfigError, ValueError) as e:
         raise _input_error(args.config, args.overrides, e) from e
     try:
@@ -164,7 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from marinrl import eval as evaluation
-    from marinrl.inference.server_config import InferenceServerConfig
+    from marinrl.config.server import InferenceServerConfig
 
     try:
         if args.curriculum:
@@ -191,7 +191,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from marinrl import report
+    from marinrl.report import page as report
 
     try:
         return report.main(args.run_dir, args.output)

@@ -32,13 +32,14 @@ import fsspec
 import numpy as np
 import yaml
 
-from marinrl.curriculum_config import CurriculumConfig, LessonConfig
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.envs.base import Env, with_endpoint_if_needed
-from marinrl.env_config import EnvConfig
-from marinrl.inference.server_config import InferenceServerConfig
-from marinrl.models import MODEL_CONFIG_FILE
-from marinrl.model_config import ModelConfig
+from marinrl.config.env import EnvConfig
+from marinrl.config.server import InferenceServerConfig
+from marinrl.models.policy_model import MODEL_CONFIG_FILE
+from marinrl.config.model import ModelConfig
 from marinrl.envs.base import make_env
+from marinrl.inference.context import lesson_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +248,7 @@ def _has_model_config(step_dir: str) -> bool:
 def load_policy(checkpoint: Checkpoint, config: EvalConfig):
     """(model, tokenizer) of a resolved checkpoint, read straight onto the rollout mesh of `config.inference`."""
     from marinrl.inference.server import load_served_model
-    from marinrl.models import build_tokenizer
+    from marinrl.models.policy_model import build_tokenizer
 
     base = config.model or ModelConfig()
     if config.inference.dtype is not None:  # loaded in the dtype it is served in, as a rollout worker does
@@ -304,13 +305,13 @@ def run(prepared: Prepared) -> dict:
 
     from marinrl.inference.server import InferenceServer
     from marinrl.rollout.manager import LessonRuntime, RolloutManager
-    from marinrl.storage import RolloutWriter
+    from marinrl.storage.rollouts import RolloutWriter
 
     config, step = prepared.config, prepared.weight_step
     model, tokenizer = load_policy(prepared.checkpoint, config)
     runtimes, lesson_info = {}, {}
     for lesson in config.lessons:
-        sampling = dataclasses.replace(lesson.sampling_params(tokenizer, "eval"),
+        sampling = dataclasses.replace(lesson_sampling(lesson, tokenizer, "eval"),
                                        temperature=config.temperature_of(lesson),
                                        max_tokens=config.max_tokens_of(lesson))
         env = prepared.envs[lesson.lesson_id]

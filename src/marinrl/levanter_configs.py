@@ -1,5 +1,5 @@
 """Levanter's config objects for marinrl's mirrors of them. The job's config layer (model_config.py,
-train/trainer_config.py) declares the Levanter knobs it exposes as plain dataclasses named `LEVANTER =
+config/trainer.py) declares the Levanter knobs it exposes as plain dataclasses named `LEVANTER =
 "module:Class"`, so a config parses and is checked without importing Levanter (seconds and hundreds of
 MB); the runtime asks for the real object here. A field keeps its name; the few whose YAML form differs
 from Levanter's Python type are converted below (docs/architecture.md, "Layers")."""
@@ -44,7 +44,7 @@ def _converted(field: str, value: Any) -> Any:
 
 def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, run_id: str, seed: int, run_dir: str,
                      require_accelerator: bool):
-    """Levanter's `TrainerConfig` for a job's `trainer` (train/trainer_config.py) with what the job derives:
+    """Levanter's `TrainerConfig` for a job's `trainer` (config/trainer.py) with what the job derives:
     the steps, the batch, the run's id and seed, logs and checkpoints under the run directory, no Ray and
     no watch hooks of Levanter's own, TensorBoard left at its default logdir moved under the run."""
     import pathlib
@@ -67,3 +67,28 @@ def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, ru
         checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False),
         ray=RayConfig(auto_start_cluster=False), watch=WatchConfig(watch_targets=[]),
         require_accelerator=require_accelerator if trainer.require_accelerator is None else trainer.require_accelerator)
+
+
+def cpu_trainer_config(**overrides):
+    """A `TrainerConfig` that works on a laptop CPU: no accelerator required, no Ray of its own,
+    offline JSON tracking, no second compile for watch hooks."""
+    import pathlib
+
+    from levanter.callbacks.watch import WatchConfig
+    from levanter.distributed import RayConfig
+    from levanter.tracker.json_logger import JsonLoggerConfig
+    from levanter.trainer import TrainerConfig
+
+    defaults: dict[str, Any] = dict(
+        require_accelerator=False,
+        ray=RayConfig(auto_start_cluster=False),
+        tracker=JsonLoggerConfig(),
+        watch=WatchConfig(watch_targets=[]),
+        log_dir=pathlib.Path("logs"),
+        log_jaxprs=False,
+        log_xla_hlo=False,
+        num_train_steps=100,
+        train_batch_size=64,
+    )
+    defaults.update(overrides)
+    return TrainerConfig(**defaults)

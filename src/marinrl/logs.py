@@ -104,7 +104,7 @@ def log_to_file(log_dir: str | pathlib.Path, role: str, loggers: Sequence[str] =
 
 def log_actor_to_file(actor, log_dir: str, role: str) -> None:
     """`log_to_file(log_dir, role)`, run inside an actor through `actor.__ray_call__.remote(log_actor_to_file,
-    ...)`. It lives here, not in marinrl/job.py, because Ray imports a function's module in the actor
+    ...)`. It lives here, not in marinrl/job/rl_job.py, because Ray imports a function's module in the actor
     before calling it: from here the curriculum actor imports this light module, not the job's (Levanter,
     transformers), and the trainer and rollout actors the job starts after it begin seconds earlier."""
     log_to_file(log_dir, role)

@@ -90,7 +90,7 @@ def peak_rss_bytes() -> int:
 
 def process_stats(rss_before_model_bytes: Optional[int], jit_constant_bytes: Optional[int]) -> dict:
     """What an actor reports about its process (`bench/rehearsal.py` reads it from the job's result)."""
-    from marinrl.hf_checkpoints import hf_reads
+    from marinrl.models.hf_checkpoints import hf_reads
 
     return {"peak_rss_bytes": peak_rss_bytes(), "rss_before_model_bytes": rss_before_model_bytes,
             "hf_reads": hf_reads(), "jit_constant_bytes": jit_constant_bytes}

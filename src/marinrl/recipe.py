@@ -69,7 +69,7 @@ def recipe_yaml(base: str, recipe: str, *, replace: Sequence[str] = ()) -> str:
 
 def run_job(config):
     """A recipe's `main`: the job, on Ray."""
-    from marinrl.job import RLJob
+    from marinrl.job.rl_job import RLJob
 
     return RLJob(config).run()
 
@@ -100,7 +100,7 @@ def parse_recipe(recipe_yaml: str, argv: Sequence[str]):
     """The recipe's `RLJobConfig`: its YAML with `argv`'s flags over it (draccus)."""
     import draccus
 
-    from marinrl.job import RLJobConfig
+    from marinrl.job.rl_job import RLJobConfig
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(recipe_yaml)
@@ -146,7 +146,7 @@ def _use_fake_cpu_devices(n: int) -> None:
 
 def run_recipe(main: Callable, recipe_yaml: str, *, dry_run_defaults=None, argv: Optional[Sequence[str]] = None):
     """A recipe's `__main__`: parse the config (YAML + flags), then `main(config)` or the dry run."""
-    from marinrl.config_errors import ConfigError
+    from marinrl.config.errors import ConfigError
 
     dry, shape_values, job_args = _split_dry_run(sys.argv[1:] if argv is None else argv)
     config = parse_recipe(recipe_yaml, job_args)

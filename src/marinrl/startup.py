@@ -65,7 +65,7 @@ class StartupClock:
 
 def import_tensorboardx_without_torch() -> None:
     """Import tensorboardX (Levanter's TensorBoard tracker) with torch hidden, where the actors run with
-    USE_TORCH=0 (marinrl/job.py `actor_env`). tensorboardX imports torch whenever it is installed, only
+    USE_TORCH=0 (marinrl/job/rl_job.py `actor_env`). tensorboardX imports torch whenever it is installed, only
     to accept torch tensors as values; hidden, it takes numpy arrays (all we log) and the process skips
     torch: ~230 MB of resident memory and seconds of CPU (docs/performance.md, "Memory"). torch stays
     importable afterwards (Levanter's pytorch_model.bin reader imports it when it needs it). Call it

@@ -52,9 +52,9 @@ from jax.sharding import PartitionSpec
 
 from marinrl.dry_run.flops import ModelDims
 from marinrl.inference.levanter_engine import resolved_engine_config
-from marinrl.job_plan import trainer_config
+from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
-from marinrl.train.trainer_config import parse_mp
+from marinrl.config.trainer import parse_mp
 
 Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)
@@ -396,7 +396,7 @@ def _with_local_checkpoint_architecture(job):
         return job
     if not os.path.exists(os.path.join(path.removeprefix("file://"), "config.json")):
         return job
-    from marinrl.models import model_architecture
+    from marinrl.models.policy_model import model_architecture
 
     arch, vocab = model_architecture(job.model)
     return dataclasses.replace(job, model=dataclasses.replace(job.model, model=arch, vocab_size=vocab))

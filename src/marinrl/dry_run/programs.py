@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marinrl.dry_run.memory import abstract_engine_state, abstract_model, engine_sizing, rollout_mapping
-from marinrl.job_plan import trainer_config
+from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from marinrl.config_checks import require_at_least
+from marinrl.config.checks import require_at_least
 import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
 import marinrl.dry_run.programs as programs

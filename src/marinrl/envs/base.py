@@ -25,7 +25,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Sequence
 
 import numpy as np
 
-from marinrl.env_config import EnvConfig
+from marinrl.config.env import EnvConfig
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, chat_prompt_tokens
 from marinrl.logs import ENV_ERRORS
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, Rollout, RolloutGroup, RolloutMetadata

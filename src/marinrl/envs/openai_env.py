@@ -51,7 +51,7 @@ import httpx
 import numpy as np
 import openai
 
-from marinrl.config_checks import require_above, require_at_least
+from marinrl.config.checks import require_above, require_at_least
 from marinrl.envs.base import Grade, Mode, check_sample_args, make_rollout, new_group_id, register_env
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.types import RolloutGroup

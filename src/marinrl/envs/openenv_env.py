@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from marinrl.config_checks import require_above, require_at_least
+from marinrl.config.checks import require_above, require_at_least
 from marinrl.envs.base import Mode, check_sample_args, completion_text, encode_prompt, new_group_id, optional_package, register_env
 from marinrl.envs.episode import EpisodeRecord, episode_metrics, episode_rollout
 from marinrl.envs.openai_env import _run_coroutine

@@ -9,10 +9,8 @@ in-process agents get from the server; it is compared in constant time and never
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import secrets
 from typing import Optional
-
 
 OPEN_PATHS = frozenset({"/health"})
 """Paths served without the API key: a liveness probe, which tells nothing but the served model's name."""
@@ -23,29 +21,10 @@ def new_api_key() -> str:
     return "marinrl-" + secrets.token_urlsafe(32)
 
 
-def check_api_key(key, name: str = "api_key") -> str:
-    """`key` if it can be an API key (non-empty, printable ASCII without spaces: it travels in an HTTP
-    header); else ValueError naming `name` (the key itself is never shown)."""
-    if not isinstance(key, str) or not key or not all("!" <= c <= "~" for c in key):
-        raise ValueError(f"{name} must be a non-empty string of printable ASCII characters without spaces "
-                         "(it is sent as the header 'Authorization: Bearer <key>')")
-    return key
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` is reachable from this machine only (localhost, 127.0.0.0/8, ::1)."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to any interface
-        return False
-
-
 def openai_error(status: int, message: str, *, code: Optional[str] = None, headers=None):
     """An error in OpenAI's format, so that OpenAI clients show the message."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    from fastapi.responses import JSONResponse  # the checks above are imported by the config, which must not load fastapi
+    from fastapi.responses import JSONResponse  # fastapi only where an endpoint runs
 
     return JSONResponse(status_code=status, headers=headers,
                         content={"error": {"message": message, "type": kind, "param": None, "code": code}})

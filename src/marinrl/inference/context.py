@@ -11,7 +11,7 @@ from typing import Literal, Optional, Protocol, Sequence
 
 import numpy as np
 
-from marinrl.config_checks import require_at_least
+from marinrl.config.checks import require_at_least
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -113,3 +113,12 @@ def stop_sequences(tokenizer, strings: Sequence[str]) -> tuple[tuple[int, ...], 
 def response_text(tokenizer, generation: Generation) -> str:
     """The text of a generation, special tokens (EOS, role markers) left out."""
     return tokenizer.decode(generation.tokens.tolist(), skip_special_tokens=True)
+
+
+def lesson_sampling(lesson, tokenizer, mode: Literal["train", "eval"] = "train") -> SamplingParams:
+    """`SamplingParams` of a `LessonConfig` for training or evaluation (its stop strings encoded by `tokenizer`)."""
+    if mode not in ("train", "eval"):
+        raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
+    return SamplingParams(temperature=lesson.temperature if mode == "train" else lesson.eval_temperature,
+                          max_tokens=lesson.max_tokens,
+                          stop_sequences=stop_sequences(tokenizer, lesson.stop) if lesson.stop else ())

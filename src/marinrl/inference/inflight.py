@@ -26,7 +26,7 @@ import numpy as np
 
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.decoder import cache_layout, forward, pack_layer
-from marinrl.inference.inflight_config import INFLIGHT_KV, InflightKV
+from marinrl.config.inflight import INFLIGHT_KV, InflightKV
 
 @dataclasses.dataclass
 class WeightSwaps:

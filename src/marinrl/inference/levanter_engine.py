@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
 from levanter.inference.jit_scheduler import SeqDecodingParams
 
-from marinrl.inference.server_config import EngineConfig
+from marinrl.config.server import EngineConfig
 logger = logging.getLogger(__name__)
 
 

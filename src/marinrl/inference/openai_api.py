@@ -45,7 +45,8 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, ConfigDict
 
-from marinrl.inference.api_auth import RequireApiKey, check_api_key, new_api_key, openai_error
+from marinrl.config.checks import check_api_key
+from marinrl.inference.api_auth import RequireApiKey, new_api_key, openai_error
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens
 
 logger = logging.getLogger(__name__)

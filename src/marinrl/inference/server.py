@@ -31,12 +31,12 @@ from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.inflight import WeightSwaps
-from marinrl.inference.inflight_config import InflightConfig
+from marinrl.config.inflight import InflightConfig
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
-from marinrl.inference.server_config import InferenceServerConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
-from marinrl.model_config import ModelConfig
-from marinrl.models import abstract_model, build_model, build_tokenizer
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import abstract_model, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
 

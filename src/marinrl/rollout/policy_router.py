@@ -1,6 +1,6 @@
 """One inference server per policy model, behind one InferenceContext (docs/policies.md).
 
-A job of several policy models (`marinrl/policies.py`: a `full` or `lora` policy each, the shared ones
+A job of several policy models (`marinrl/config/policies.py`: a `full` or `lora` policy each, the shared ones
 together) gives every rollout worker one server per model, each loaded with that model's current
 weights. Environments reach them through `policy_context(ctx, policy)`: a multi-agent environment asks
 for each agent's policy before its turn, a multi-turn one for its `policy_name`. Everything else (the

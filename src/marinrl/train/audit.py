@@ -26,7 +26,7 @@ from typing import Optional
 
 import fsspec
 
-from marinrl.fs import list_names, with_retries
+from marinrl.storage.fs import list_names, with_retries
 
 START = "start.json"
 

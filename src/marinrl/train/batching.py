@@ -40,7 +40,7 @@ import haliax as hax
 import jax
 import numpy as np
 
-from marinrl.train.batching_config import BatchingConfig, Layout  # noqa: F401  (the config of this module)
+from marinrl.config.batching import BatchingConfig, Layout  # noqa: F401  (the config of this module)
 from marinrl.train.packing import plan_rows
 from marinrl.types import Rollout
 

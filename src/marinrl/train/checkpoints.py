@@ -18,7 +18,7 @@ from typing import Callable, Collection, Generic, TypeVar
 
 import fsspec
 
-from marinrl.fs import RolloutStorageError, list_names, with_retries
+from marinrl.storage.fs import RolloutStorageError, list_names, with_retries
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ program (the whole checkpoint compiled into it, on every host) and the read runs
 checkpoint is read here, eagerly, before Levanter is asked for a state:
 
 - the weights come straight onto the trainer's mesh, each tensor sharded by its parameter axis mapping
-  (`marinrl.models.build_model`), at most once per process (`CheckpointWeights`);
+  (`marinrl.models.policy_model.build_model`), at most once per process (`CheckpointWeights`);
 - they enter Levanter's program as an *argument* (`jax.tree_util.Partial`), which it donates: the
   policy takes the loaded buffers over, no copy;
 - a resume needs no weights from the checkpoint (the trainer's own checkpoint holds the policy), so its
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 from levanter.trainer import Trainer
 
-from marinrl import lora as lora_rl
-from marinrl.model_config import ModelConfig
-from marinrl.models import build_model, init_model, model_architecture
+from marinrl.models import lora as lora_rl
+from marinrl.config.model import ModelConfig
+from marinrl.models.policy_model import build_model, init_model, model_architecture
 
 
 class CheckpointWeights:

@@ -39,7 +39,7 @@ from haliax import NamedArray
 from levanter.models.lm_model import LmHeadModel
 
 from marinrl.train.batching import TrainingBatch
-from marinrl.train.loss_config import (  # noqa: F401  (re-exported)
+from marinrl.config.loss import (  # noqa: F401  (re-exported)
     LOSS_PRESETS,
     Correction,
     CorrectionLevel,

@@ -72,7 +72,7 @@ def _vocab_entropy(h: NamedArray, lm_head: NamedArray, Embed: hax.Axis, Vocab: h
 
 
 def lm_head_weight(model: LmHeadModel) -> NamedArray:
-    """The output projection, tied or not; with a LoRA adapter on the head (`marinrl/lora.py`) its merged
+    """The output projection, tied or not; with a LoRA adapter on the head (`marinrl/models/lora.py`) its merged
     weight W + scale·A·B (a vocab × embed × rank product: cheap, and differentiable in A and B)."""
     from levanter.lora import LoraLinear
 

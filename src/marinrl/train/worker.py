@@ -6,7 +6,7 @@ take one update, publish the new weights every `sync_interval` steps, and checkp
 resumed run needs (model, optimizer, step, the replay buffer's reader cursor and pending groups, the
 curriculum's state) so that no rollout file is trained twice or skipped. Resume takes the newest
 checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/checkpoints.py`).
-With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published (`marinrl/lora.py`).
+With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published (`marinrl/models/lora.py`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from levanter.metrics import Metric, ReductionType
 from levanter.trainer import Trainer
 
 from marinrl import multihost, program_audit
-from marinrl import lora as lora_rl
-from marinrl.levanter_configs import to_levanter
+from marinrl.models import lora as lora_rl
+from marinrl.levanter_configs import cpu_trainer_config, to_levanter
 from marinrl.startup import StartupClock
-from marinrl.storage import RolloutReader
+from marinrl.storage.rollouts import RolloutReader
 from marinrl.train.audit import AuditTrail, new_trainer_id
 from marinrl.train.batching import TrainingBatch, row_alignment
 from marinrl.train.cohort_batch import next_batch
@@ -41,11 +41,11 @@ from marinrl.train.initial_weights import (CheckpointWeights, build_reference, f
                                            is_initial_policy, resume_model_init)
 from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
                                        read_sidecar, release_host_memory, remove_folder)
-from marinrl.train.loss_config import LossConfig
+from marinrl.config.loss import LossConfig
 from marinrl.train.losses import describe, rl_loss, token_logprobs
-from marinrl.train.replay import ReplayBuffer
-from marinrl.train.replay_config import overlong_reward_fn
-from marinrl.train.worker_config import TrainWorkerConfig
+from marinrl.train.replay.buffer import ReplayBuffer
+from marinrl.config.replay import overlong_reward_fn
+from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.transfer.base import cast_for_publish
 from marinrl.transfer.endpoints import build_server
 
@@ -145,7 +145,7 @@ class TrainWorker:
 
     def run(self) -> TrainResult:
         cfg = self.config
-        trainer_cfg = multihost.levanter_trainer_config(cfg.trainer)
+        trainer_cfg = multihost.levanter_trainer_config(cfg.trainer or cpu_trainer_config())
         clock = self._startup
         levanter.initialize(trainer_cfg)
         bound_restore_memory()  # a restore holds the state, not twice the state
@@ -310,7 +310,7 @@ class TrainWorker:
         sidecar and curriculum state all load — all from that one checkpoint, or the rollout stream
         would not match the weights — else freshly initialized (docs/models.md, "Loading")."""
         cfg = self.config
-        key = jax.random.PRNGKey(cfg.trainer.seed)
+        key = jax.random.PRNGKey(trainer.config.seed)
 
         def load(folder: StepFolder):
             sidecar = read_sidecar(folder.path)
@@ -326,7 +326,7 @@ class TrainWorker:
             self._parent = sidecar.get("trainer")
             return state, replay
 
-        resumed = load_newest(trainer.checkpoint_path, load) if cfg.trainer.load_checkpoint is not False else None
+        resumed = load_newest(trainer.checkpoint_path, load) if trainer.config.load_checkpoint is not False else None
         if resumed is not None:
             self._resumed_from = resumed.folder
             for line in resumed.skipped:

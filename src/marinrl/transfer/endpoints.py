@@ -1,11 +1,11 @@
 """A weight transfer config's two ends: the trainer's server and a rollout worker's client. The configs
-(transfer/transfer_config.py) stay free of JAX and Ray, so a job config parses in a second; the ends are
+(config/transfer.py) stay free of JAX and Ray, so a job config parses in a second; the ends are
 built here, where importing them costs nothing extra (docs/architecture.md, "Layers")."""
 
 from __future__ import annotations
 
 from marinrl.transfer.base import WeightTransferClient, WeightTransferServer
-from marinrl.transfer.transfer_config import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
 
 
 def build_server(config: WeightTransferConfig) -> WeightTransferServer:

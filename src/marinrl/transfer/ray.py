@@ -25,7 +25,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
-from marinrl.transfer.transfer_config import RayTransferConfig
+from marinrl.config.transfer import RayTransferConfig
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,

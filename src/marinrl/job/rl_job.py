@@ -1,0 +1,338 @@
+"""RLJob: one config → a TrainWorker, N RolloutWorkers and the curriculum actor, on Ray.
+
+With no cluster address the job starts a local Ray sized for this machine (the default); with an
+address it joins that cluster and places the trainer and the rollout workers by resources. A rollout
+worker that dies is restarted; a trainer that dies ends the job with its error and the checkpoint to
+resume from; normal completion and Ctrl-C leave no actor behind. A trainer that spans several hosts
+(`ray.trainer.num_hosts`, or a multi-host `ray.trainer.tpu` slice) is a `TrainerGroup`: one actor per
+host in one placement group, one JAX process group (marinrl/job/trainer_group.py, docs/multihost.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import sys
+import time
+from typing import Any, Optional
+
+import ray
+
+from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
+from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
+from marinrl.logs import local_log_dir, log_actor_to_file
+from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
+from marinrl.config.policies import policy_models, resolve_policies
+from marinrl.config.errors import ConfigError  # noqa: F401  (raised by RLJob(config))
+from marinrl.job.preflight import check_job
+from marinrl.rollout.errors import EnvironmentFailedError
+from marinrl.job.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
+from marinrl.job.trainer_group import TrainerGroup, TrainerGroupDied
+from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
+from marinrl.job.plan import train_worker_config
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class JobResult:
+    train: dict
+    rollouts: list[dict]
+    rollout_restarts: int
+    seconds: float
+    curriculum_step: int
+    """The curriculum's clock at the end: one iteration per trainer step."""
+    policies: dict = dataclasses.field(default_factory=dict)
+    """Policy model name -> its trainer's result, for a job of several policy models (`train` is the
+    first one's, whose trainer keeps the curriculum's clock); empty for one."""
+
+
+class RLJob:
+    """Runs one RLJobConfig on Ray. `run()` blocks until the trainer finishes."""
+
+    def __init__(self, config: RLJobConfig):
+        check_job(config)  # ranges, environments, model config, tokenizer, run_root: before Ray starts
+        self.config = resolve_policies(config)  # a single policy's model, optimizer, loss, adapters: the job's
+        self._started_ray = False
+        self._actors: list[Any] = []
+        self._group: Optional[TrainerGroup] = None
+        self._lock: Optional[RunLock] = None
+        self._autoscaler = AutoscalerRequest()  # cleared when the job ends: see shutdown()
+        self._n_trainers = 1
+
+    def _init_ray(self) -> Optional[str]:
+        cfg = self.config.ray
+        if ray.is_initialized():
+            return ray.get_runtime_context().namespace
+        if cfg.address is None:
+            trainers = sum(cpus(m.job.ray.trainer) for m in policy_models(self.config))
+            asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
+            num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
+                     namespace=f"marinrl-{self.config.run_id}",
+                     object_store_memory=512 * 1024 * 1024,
+                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                     log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                     logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+        else:
+            ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
+                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))})
+        self._started_ray = True
+        return ray.get_runtime_context().namespace
+
+    def run(self) -> JobResult:
+        """Holds the run's lease (marinrl/job/run_lock.py) from before Ray starts until the job ends."""
+        self._lock = RunLock(self.config.run_dir, self.config.run_id)
+        self._lock.acquire()  # RunLockHeld (one line naming the holder) if another live job has this run
+        try:
+            return self._run()
+        finally:
+            self._lock.release()
+
+    def _run(self) -> JobResult:
+        cfg = self.config
+        started = self._started = time.time()  # the origin of the actors' `startup:` log lines
+        self._log_dir = str(local_log_dir(cfg.run_dir, cfg.run_id))
+        namespace = self._init_ray()
+        try:  # before any actor: a request no node can hold would leave its actor pending forever
+            on_cluster = cfg.ray.address is not None
+            group = None
+            if cfg.ray.trainer.hosts() > 1:
+                group = TrainerGroup(cfg.ray.trainer, cfg.trainer_group, on_cluster=on_cluster, log_dir=self._log_dir)
+            models = policy_models(cfg)
+            placements = [m.job.ray.trainer for m in models]
+            for placement in [p for i, p in enumerate(placements) if p not in placements[:i]]:  # each model's trainer
+                check_cluster(placement, cfg.ray.rollout, cfg.n_rollout_workers,
+                              wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
+                              spread=group is not None and group.strategy == "STRICT_SPREAD",
+                              autoscaler=self._autoscaler)
+            curriculum_name = self._start_curriculum(namespace)
+            curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
+                log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
+            if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
+                trainers = []
+                for k, m in enumerate(models):
+                    trainers.append(TrainerActor.options(**actor_options(m.job.ray.trainer, k)).remote(
+                        functools.partial(train_worker_config, m.job, m.policies),
+                        curriculum_name if k == 0 else None, namespace, self._log_dir,
+                        started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
+                self._actors.extend(trainers)
+                train_refs = [t.run.remote() for t in trainers]
+            else:
+                self._group = group
+                group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
+                            placement_timeout_s=cfg.ray.placement_timeout_s)
+                trainers, train_refs = [group.leader], group.refs
+            self._n_trainers = len(trainers)  # the rollout workers' slots follow the trainers'
+            trainer = trainers[0]
+            waited = dict(zip(train_refs, range(len(trainers))))  # a trainer's result ref -> its index
+            results: dict[int, dict] = {}
+            rollouts, refs = [], []
+            for i in range(cfg.n_rollout_workers):
+                actor = self._rollout_actor(i, curriculum_name, namespace)
+                rollouts.append(actor)
+                refs.append(actor.run.remote())
+            ray.get(curriculum_log)
+            restarts = 0
+            summaries: list[dict] = [{} for _ in rollouts]
+            pending = {ref: i for i, ref in enumerate(refs)}
+            bar = _ProgressBar(cfg.num_train_steps)
+            try:
+                while True:
+                    live = [r for r in train_refs if waited.get(r) not in results]
+                    ready, _ = ray.wait([*live, *pending], num_returns=1, timeout=1.0)
+                    bar.update(trainer)
+                    if self._lock.lost:  # another job took this run over (this one looked dead): it owns it now
+                        raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs")
+                    if self._group is not None:
+                        if any(ref in ready for ref in train_refs):
+                            results[0] = self._train_result(train_refs[0])
+                    else:
+                        for ref in ready:
+                            if ref in waited:
+                                results[waited[ref]] = self._train_result(ref, models[waited[ref]].job.run_dir)
+                    if len(results) == len(trainers):
+                        break
+                    for ref in (r for r in ready if r in pending):
+                        i = pending.pop(ref)
+                        try:
+                            summaries[i] = ray.get(ref)
+                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                            if isinstance(getattr(e, "cause", None), EnvironmentFailedError):
+                                bar.close()  # restarting would repeat the failure: stop the job with it
+                                raise EnvironmentFailedError(
+                                    f"{e.cause}\nthe job stopped (rollout worker {i}; its log: {self._log_dir}/"
+                                    f"rollout-{i}.log). Fix the environment or its args, then run the same config "
+                                    "again: it resumes from the last checkpoint") from None
+                            if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
+                                raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
+                            restarts += 1
+                            logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
+                            rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
+                            pending[rollouts[i].run.remote()] = i
+            except KeyboardInterrupt:
+                bar.close()
+                for ref, k in waited.items():
+                    if k not in results:
+                        self._stop_trainer(trainers[k], ref)
+                raise
+            for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
+                try:
+                    summaries[i] = ray.get(ref, timeout=120)
+                except Exception as e:  # a worker that cannot finish is stopped below
+                    logger.warning("rollout worker %d did not finish cleanly: %s", i, e)
+            bar.close()
+            curriculum_step = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace)).step()
+            per_model = {m.name: results[k] for k, m in enumerate(models)} if len(models) > 1 else {}
+            return JobResult(results[0], summaries, restarts, time.time() - started, curriculum_step, per_model)
+        finally:
+            self.shutdown()
+
+    def _stop_trainer(self, trainer, train_ref) -> None:
+        """Ctrl-C: the trainer finishes its step and saves a checkpoint (the job resumes from it), for
+        at most `ray.stop_timeout_s`; a second Ctrl-C gives up waiting. `run`'s cleanup follows."""
+        timeout = self.config.ray.stop_timeout_s
+        print(f"\n[marinrl] interrupted: the trainer checkpoints and stops (up to {timeout:.0f} s; Ctrl-C again "
+              "to quit now)", file=sys.stderr, flush=True)
+        try:
+            trainer.stop.remote()
+            ready, _ = ray.wait([train_ref], timeout=timeout)
+            if ready:
+                result = ray.get(train_ref)
+                print(f"[marinrl] stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the "
+                      "same config again to resume", file=sys.stderr, flush=True)
+            else:
+                print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
+                      file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            print("[marinrl] quitting without a final checkpoint", file=sys.stderr, flush=True)
+        except Exception as e:  # the trainer is gone already: nothing more to save
+            print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+    def _start_curriculum(self, namespace: Optional[str]) -> str:
+        """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts
+        it) resumes from its last step, not from fresh statistics and statuses (docs/curriculum.md)."""
+        name = "curriculum"
+        handle = curriculum_actor(self.config.curriculum, name=name, namespace=namespace,
+                                  state_path=f"{self.config.run_dir}/curriculum/latest.json", save_every=1)
+        self._actors.append(handle)
+        return name
+
+    def _rollout_actor(self, i: int, curriculum_name, namespace, restart: bool = False):
+        cfg = self.config
+        options = actor_options(cfg.ray.rollout, self._n_trainers + i)  # a restart takes its worker's slot
+        actor = RolloutActor.options(**options).remote(  # a restart's clock starts at its own start
+            cfg, i, curriculum_name, namespace, self._log_dir, None if restart else self._started)
+        self._actors.append(actor)
+        return actor
+
+    def _train_result(self, ref, run_dir: Optional[str] = None) -> dict:
+        """The trainer's result (process 0's for a group, once every process returned), or the error
+        saying what died and which checkpoint the same config resumes from (`run_dir`: the policy
+        model's, for a job of several)."""
+        try:
+            return self._group.result() if self._group is not None else ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
+            if self._lock.lost:  # superseded: the other job's trainer publishes now
+                raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs") from e
+            checkpoints = f"{run_dir or self.config.run_dir}/checkpoints"
+            raise RuntimeError(_trainer_death_message(e, checkpoints)) from e
+
+    def shutdown(self) -> None:
+        if self._group is not None:
+            self._group.shutdown()
+            self._group = None
+        for actor in self._actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        self._actors.clear()
+        try:  # before disconnecting: the request lives in the cluster, not in this process
+            self._autoscaler.clear()
+        except Exception as e:  # the cluster is gone: so is its request
+            logger.warning("could not withdraw the job's autoscaler request: %s", e)
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+# Errors a rerun with the same config repeats: the config or an input it names must change first.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def _trainer_death_message(error: Exception, checkpoints: str) -> str:
+    """What the trainer died of and what to do: fix an input error; resume from a checkpoint that
+    exists (named); or know that a rerun starts from step 0."""
+    cause = getattr(error, "cause", None)  # RayTaskError: the trainer's own exception
+    if isinstance(error, TrainerGroupDied):  # which process died, and what the others said (several lines)
+        what = str(error)
+    else:
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
+        what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
+    latest = _latest_checkpoint(checkpoints)
+    if "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
+        advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
+                  "(`python -m marinrl.job.run_lock show <run_dir>` names the job holding the run)")
+    elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
+        advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
+                  "the same config again" + (f" (it resumes from {latest})" if latest else ""))
+    elif isinstance(cause, _INPUT_ERRORS):
+        advice = ("this is a config or input error: fix it, then run the config again"
+                  + (f" (it resumes from {latest})" if latest else ""))
+    elif latest:
+        advice = f"run the same config again to resume from its last checkpoint, {latest}"
+    else:
+        advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
+                  "running the config again starts from step 0")
+    return f"the trainer died: {what}\n{advice}"
+
+
+def _is_disk_full(error: BaseException, what: str) -> bool:
+    """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
+    (tensorstore reports a full disk as a ValueError naming the OS error)."""
+    import errno
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "no space left on device" in what.lower()
+
+
+def _latest_checkpoint(checkpoints: str) -> Optional[str]:
+    from levanter.checkpoint import discover_latest_checkpoint
+
+    try:
+        return discover_latest_checkpoint(checkpoints)
+    except Exception:  # unreadable storage: say nothing rather than something wrong
+        return None
+
+
+class _ProgressBar:
+    """The trainer's step, train reward and step time, polled from its actor."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, trainer) -> None:
+        try:
+            p = ray.get(trainer.progress.remote(), timeout=2.0)
+        except Exception:  # compiling, or gone: the main loop notices the latter
+            return
+        self._bar.update(p["step"] - self._bar.n)
+        if "batch/reward_mean" in p:
+            self._bar.set_postfix(reward=f"{p['batch/reward_mean']:.2f}", step_s=f"{p['train/step_s']:.2f}",
+                                  stale=f"{p['batch/staleness_mean']:.1f}", refresh=False)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def main(config: RLJobConfig) -> JobResult:
+    return RLJob(config).run()

@@ -1,0 +1,343 @@
+"""Durable rollout files over any fsspec filesystem (gs://, file://, memory://, a bare path).
+
+One `RolloutBatch` per Apache Parquet file (`marinrl.storage.format`), one row per rollout, under
+`ROOT/step=00000042/<worker>-<seq>-<uuid>.parquet`, so that a listing can skip whole weight steps
+without opening a file. A reader never sees a partial file: object stores write a single object
+atomically, other filesystems write a hidden temporary name and rename it. No pickle: rollout
+buckets are shared and a pickle is code. The format is documented in docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import uuid
+from collections import Counter, defaultdict
+from typing import Iterable
+
+import numpy as np
+
+from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, RolloutStorageError, list_names, open_root, with_retries
+from marinrl.storage.format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
+from marinrl.types import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+CURSOR_VERSION = 1
+"""The format of `RolloutReader.state_dict()` (its `format_version`); the replay buffer edits cursors of it."""
+_STEP_DIR = re.compile(r"^step=(\d+)$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_MAX_WORKER_CHARS = 64
+
+
+def step_dir_name(weight_step: int) -> str:
+    return f"step={weight_step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+
+def _list_steps(fs, root: str) -> list[int]:
+    fs.invalidate_cache(root)
+    steps = (_parse_step(n) for n in list_names(fs, root))
+    return sorted(s for s in steps if s is not None)
+
+
+def file_name_prefix(worker_id: str) -> str:
+    """The worker id as the start of a rollout file's name. Any id is accepted (the file holds the
+    exact id; the name only has to be unique and readable), so the prefix keeps [A-Za-z0-9_.-], never
+    starts with a dot (readers skip hidden names as writes in progress) and is at most 64 characters
+    (file systems cap a name at 255 bytes)."""
+    prefix = _UNSAFE.sub("_", worker_id)[:_MAX_WORKER_CHARS]
+    return "_" + prefix[1:] if prefix.startswith(".") else prefix
+
+
+def _list_files(fs, root: str, step: int) -> list[str]:
+    d = f"{root}/{step_dir_name(step)}"
+    fs.invalidate_cache(d)
+    return sorted(n for n in list_names(fs, d) if n.endswith(".parquet") and not n.startswith("."))
+
+
+def delete_steps_before(root: str, step: int, *, storage_options: dict | None = None, fs=None) -> list[int]:
+    """Deletes whole weight-step folders below `step` (the quarantine stays); returns the steps deleted."""
+    fs, root = open_root(root, storage_options, fs)
+    deleted = []
+    for s in _list_steps(fs, root):
+        if s >= step:
+            break
+        path = f"{root}/{step_dir_name(s)}"
+        try:
+            with_retries(lambda: fs.rm(path, recursive=True), "deleting", path)
+            deleted.append(s)
+        except FileNotFoundError:  # another janitor got there first
+            pass
+    return deleted
+
+
+# ----------------------------------------------------------------------------- writer
+
+
+class RolloutWriter:
+    """Writes one file per batch. Many writers (threads, processes, hosts) may share one root.
+
+    `retain_steps`: when set, writing weight step `s` deletes the folders of steps below
+    `s - retain_steps` (the retention horizon); the trainer never needs rollouts that stale.
+    """
+
+    def __init__(self, root: str, *, retain_steps: int | None = None, storage_options: dict | None = None, fs=None):
+        if retain_steps is not None and retain_steps < 0:
+            raise ValueError(f"retain_steps must be >= 0 or None, got {retain_steps}")
+        self.url = root
+        self._fs, self._root = open_root(root, storage_options, fs)
+        self._atomic_put = bool(set(np.atleast_1d(self._fs.protocol)) & ATOMIC_PUT_PROTOCOLS)
+        self._retain_steps = retain_steps
+        self._pruned_below = 0
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.files_written = 0
+        self.bytes_written = 0
+        self.steps_deleted = 0
+
+    def write(self, batch: RolloutBatch) -> str:
+        """Writes `batch` atomically and returns the file's path."""
+        data = encode_batch(batch)
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+        name = f"{file_name_prefix(batch.metadata.worker_id)}-{seq:06d}-{uuid.uuid4().hex[:12]}.parquet"
+        folder = f"{self._root}/{step_dir_name(batch.weight_step)}"
+        path = f"{folder}/{name}"
+        if self._atomic_put:
+            with_retries(lambda: self._fs.pipe_file(path, data), "writing", path)
+        else:
+            tmp = f"{folder}/.tmp-{name}"
+            with_retries(lambda: self._fs.makedirs(folder, exist_ok=True), "creating", folder)
+            with_retries(lambda: self._fs.pipe_file(tmp, data), "writing", tmp)
+            with_retries(lambda: self._fs.mv(tmp, path), "renaming", tmp)
+        with self._lock:
+            self.files_written += 1
+            self.bytes_written += len(data)
+        if self._retain_steps is not None:
+            self._apply_retention(batch.weight_step)
+        return path
+
+    def _apply_retention(self, step: int) -> None:
+        horizon = step - self._retain_steps
+        if horizon <= self._pruned_below:
+            return
+        self._pruned_below = horizon
+        try:
+            self.steps_deleted += len(delete_steps_before(self._root, horizon, fs=self._fs))
+        except RolloutStorageError as e:  # retention is housekeeping: never fatal to a write
+            logger.warning("retention below step %d failed: %s", horizon, e)
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {"files_written": self.files_written, "bytes_written": self.bytes_written,
+                "steps_deleted": self.steps_deleted}
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+class RolloutReader:
+    """Reads rollout files incrementally, each exactly once, with a cursor a checkpoint can hold.
+
+    The cursor is `state_dict()`: a floor step (files below it are never returned again) and the
+    names consumed in each step at or above it. Restoring it after a restart returns exactly the
+    files not returned before the state was saved. A file it cannot read, whatever the reason (not
+    Parquet, not ours, a newer format version, not a file at all), is moved to `ROOT/quarantine/` and
+    counted, never fatal; transient errors are retried, and a file that still fails stays unconsumed
+    for the next call.
+    """
+
+    def __init__(self, root: str, *, storage_options: dict | None = None, fs=None):
+        self.url = root
+        self._fs, self._root = open_root(root, storage_options, fs)
+        self._floor = 0
+        self._consumed: dict[int, set[str]] = defaultdict(set)
+        self.files_read = 0
+        self.rollouts_read = 0
+        self.bytes_read = 0
+        self.read_errors = 0
+        self.quarantined: list[str] = []
+
+    def read_new(self, min_step: int | None = None, max_files: int | None = None) -> list[RolloutBatch]:
+        """Returns the batches of files not returned before, oldest weight step first.
+
+        `min_step`: skip (and forget) files of weight steps below it, for good.
+        `max_files`: read at most this many files in this call; the rest wait for the next one.
+        """
+        return [batch for _, batch in self.read_new_with_paths(min_step, max_files)]
+
+    def read_new_with_paths(self, min_step: int | None = None, max_files: int | None = None):
+        if min_step is not None and min_step > self._floor:
+            self._floor = min_step
+            for s in [s for s in self._consumed if s < min_step]:
+                del self._consumed[s]
+        out: list[tuple[str, RolloutBatch]] = []
+        for step in _list_steps(self._fs, self._root):
+            if step < self._floor:
+                continue
+            consumed = self._consumed[step]
+            for name in _list_files(self._fs, self._root, step):
+                if name in consumed:
+                    continue
+                if max_files is not None and len(out) >= max_files:
+                    return out
+                path = f"{self._root}/{step_dir_name(step)}/{name}"
+                try:
+                    data = with_retries(lambda: self._fs.cat_file(path), "reading", path)
+                except FileNotFoundError:  # deleted by retention between listing and reading
+                    consumed.add(name)
+                    continue
+                except RolloutStorageError:
+                    self.read_errors += 1
+                    if out:  # hand back what was read; this file is retried next call
+                        return out
+                    raise
+                except OSError as e:  # not transient (a folder, no permission): retrying cannot help
+                    self._quarantine(step, name, path, f"{self._display(path)}: cannot be read ({e!r})")
+                    consumed.add(name)
+                    continue
+                try:
+                    batch = decode_batch(data, self._display(path))
+                except UnsupportedFormatVersion as e:
+                    self._quarantine(step, name, path, f"{e} to train on it")
+                    consumed.add(name)
+                    continue
+                except RolloutFormatError as e:
+                    self._quarantine(step, name, path, str(e))
+                    consumed.add(name)
+                    continue
+                consumed.add(name)
+                self.files_read += 1
+                self.rollouts_read += len(batch)
+                self.bytes_read += len(data)
+                out.append((self._display(path), batch))
+        return out
+
+    def _display(self, path: str) -> str:
+        return self._fs.unstrip_protocol(path)
+
+    def _quarantine(self, step: int, name: str, path: str, reason: str) -> None:
+        """Moves an unreadable file aside (or, if that fails too, skips it in place) and counts it."""
+        logger.error("quarantining unreadable rollout file: %s", reason)
+        dest = f"{self._root}/{QUARANTINE_DIR}/{step_dir_name(step)}/{name}"
+        try:
+            self._fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+            with_retries(lambda: self._fs.mv(path, dest), "quarantining", path)
+        except (OSError, RolloutStorageError) as e:
+            logger.error("could not move %s to the quarantine (%r); skipping it in place", path, e)
+        self.quarantined.append(self._display(dest))
+
+    def state_dict(self) -> dict:
+        """The cursor as plain JSON-able data."""
+        return {
+            "format_version": CURSOR_VERSION,
+            "floor": self._floor,
+            "consumed": {str(s): sorted(names) for s, names in sorted(self._consumed.items()) if names},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        try:
+            floor = int(state["floor"])
+            consumed = {int(s): set(map(str, names)) for s, names in state["consumed"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"RolloutReader state is malformed ({e!r}): {state!r:.200}") from e
+        self._floor = floor
+        self._consumed = defaultdict(set, consumed)
+
+    @property
+    def metrics(self) -> dict[str, int]:
+        return {"files_read": self.files_read, "rollouts_read": self.rollouts_read, "bytes_read": self.bytes_read,
+                "read_errors": self.read_errors, "quarantined_files": len(self.quarantined)}
+
+
+# ----------------------------------------------------------------------------- inspection
+
+
+def iter_batches(root: str, *, storage_options: dict | None = None,
+                 fs=None) -> Iterable[tuple[int, str, RolloutBatch | RolloutFormatError]]:
+    """Yields (weight_step, path, batch) for every rollout file under `root`, the batch replaced by the
+    error saying why when the file cannot be read (a folder named like one, no permission) or decoded:
+    the read-only views (`marinrl inspect`, `report`) list such files instead of stopping at them."""
+    fs, root_path = open_root(root, storage_options, fs)
+    for step in _list_steps(fs, root_path):
+        for name in _list_files(fs, root_path, step):
+            path = f"{root_path}/{step_dir_name(step)}/{name}"
+            shown = fs.unstrip_protocol(path)
+            try:
+                data = with_retries(lambda: fs.cat_file(path), "reading", path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:  # not transient: retrying cannot help
+                yield step, shown, RolloutFormatError(f"{shown}: cannot be read ({e!r})")
+                continue
+            try:
+                yield step, shown, decode_batch(data, shown)
+            except RolloutFormatError as e:
+                yield step, shown, e
+
+
+def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dict:
+    """What `marinrl inspect` prints: per weight step and per environment, plus unreadable files."""
+    fs, root_path = open_root(root, storage_options, fs)
+    per_step: dict[int, dict] = {}
+    per_env: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "rewards": [], "lengths": [], "finish": Counter()})
+    unreadable = []
+    for step, path, batch in iter_batches(root_path, fs=fs):
+        s = per_step.setdefault(step, {"files": 0, "rollouts": 0, "groups": 0, "rewards": []})
+        if isinstance(batch, RolloutFormatError):
+            unreadable.append(str(batch))
+            continue
+        s["files"] += 1
+        s["groups"] += len(batch.groups)
+        for r in batch.rollouts:
+            s["rollouts"] += 1
+            s["rewards"].append(r.episode_reward)
+            e = per_env[r.env_name]
+            e["rollouts"] += 1
+            e["rewards"].append(r.episode_reward)
+            e["lengths"].append(r.response_tokens.size)
+            e["finish"][r.finish_reason] += 1
+    quarantined = sum(1 for _ in _walk_files(fs, f"{root_path}/{QUARANTINE_DIR}"))
+
+    def stats(values):
+        return {"mean": float(np.mean(values)), "std": float(np.std(values))} if values else None
+
+    return {
+        "root": root,
+        "steps": {
+            str(step): {"files": v["files"], "rollouts": v["rollouts"], "groups": v["groups"],
+                        "reward": stats(v["rewards"])}
+            for step, v in sorted(per_step.items())
+        },
+        "envs": {
+            env: {"rollouts": v["rollouts"], "reward": stats(v["rewards"]), "response_length": stats(v["lengths"]),
+                  "finish_reasons": dict(v["finish"])}
+            for env, v in sorted(per_env.items())
+        },
+        "totals": {
+            "files": sum(v["files"] for v in per_step.values()),
+            "rollouts": sum(v["rollouts"] for v in per_step.values()),
+            "groups": sum(v["groups"] for v in per_step.values()),
+            "unreadable": len(unreadable),
+            "quarantined": quarantined,
+        },
+        "unreadable": unreadable,
+    }
+
+
+def _walk_files(fs, path: str) -> Iterable[str]:
+    fs.invalidate_cache(path)
+    try:
+        for _, _, files in fs.walk(path):
+            yield from files
+    except FileNotFoundError:
+        return
