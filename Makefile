@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow quickstart bench rehearsal clean lock
+.PHONY: install lint test test-slow quickstart bench rehearsal clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# ruff's rules and line length are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects nothing: that is a failure here too.
 test: $(STAMP)

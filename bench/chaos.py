@@ -157,6 +157,7 @@ EVAL_LINE = re.compile(r"eval at weight step (\d+): .*?eval/echo/reward_mean: ([
 
 def soak(args) -> dict:
     from machine import machine
+
     from marinrl.train.audit import audit, lineage, read_trail
 
     workdir = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))

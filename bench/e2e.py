@@ -71,20 +71,20 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import psutil  # noqa: E402
 import ray  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
-
 from machine import machine  # noqa: E402  (bench/machine.py)
+
+from marinrl.config.batching import BatchingConfig  # noqa: E402
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.config.env import EnvConfig  # noqa: E402
 from marinrl.config.inflight import InflightConfig  # noqa: E402
-from marinrl.job.rl_job import RLJob, RLJobConfig  # noqa: E402
-from marinrl.job.actors import actor_env  # noqa: E402
 from marinrl.config.lora import LoraRLConfig  # noqa: E402
-from marinrl.config.policies import PolicyConfig  # noqa: E402
-from marinrl.config.model import ModelConfig  # noqa: E402
-from marinrl.report.page import read_event_scalars, read_event_wall_times  # noqa: E402
-from marinrl.config.batching import BatchingConfig  # noqa: E402
 from marinrl.config.loss import LossConfig  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.config.policies import PolicyConfig  # noqa: E402
 from marinrl.config.trainer import RLAdamConfig  # noqa: E402
+from marinrl.job.actors import actor_env  # noqa: E402
+from marinrl.job.rl_job import RLJob, RLJobConfig  # noqa: E402
+from marinrl.report.page import read_event_scalars, read_event_wall_times  # noqa: E402
 
 MODES = {"on_policy": 0, "async": 1, "inflight": 1}
 """Each mode's max_staleness."""

@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from levanter.lora import is_lora_param  # noqa: E402
 from transfer import MODELS, build_model, machine, stats  # noqa: E402
 
-from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters  # noqa: E402
 from marinrl.config.lora import LoraRLConfig  # noqa: E402
-from levanter.lora import is_lora_param  # noqa: E402
 from marinrl.config.transfer import FilesystemTransferConfig  # noqa: E402
+from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters  # noqa: E402
 from marinrl.transfer.endpoints import build_client, build_server  # noqa: E402
 
 

@@ -313,8 +313,6 @@ def kill_job(proc: subprocess.Popen) -> None:
 
 
 def main(cfg: RehearsalConfig) -> dict:
-    from machine import machine
-    from e2e import RssWatcher
 
     started = time.time()
     tmp = tempfile.TemporaryDirectory(prefix="marinrl-rehearsal-") if cfg.root is None else None
@@ -338,8 +336,8 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     log lines each job wrote) goes to `root/watched.json`; the rest is read back from the run folder."""
     import multiprocessing
 
-    from machine import machine
     from e2e import RssWatcher
+    from machine import machine
 
     from marinrl.train.checkpoints import COMMIT_MARKER
 

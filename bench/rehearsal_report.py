@@ -9,8 +9,14 @@ import json
 import pathlib
 from typing import Optional
 
-from rehearsal_logs import (checkpoint_seconds, newest_checkpoint, packed_elements, process_stats,
-                            published_versions, run_logs)
+from rehearsal_logs import (
+    checkpoint_seconds,
+    newest_checkpoint,
+    packed_elements,
+    process_stats,
+    published_versions,
+    run_logs,
+)
 
 GiB = float(1 << 30)
 

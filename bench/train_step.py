@@ -105,18 +105,21 @@ from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
 from levanter.trainer import Trainer  # noqa: E402
 
-from marinrl.config.model import ModelConfig  # noqa: E402
-from marinrl.models.policy_model import build_model  # noqa: E402
-from marinrl.train.advantages import group_advantages  # noqa: E402
 from marinrl.config.batching import BatchingConfig  # noqa: E402
-from marinrl.train.flat_dots import levanter_dots  # noqa: E402
-from marinrl.train.batching import TrainingBatch, make_training_batch  # noqa: E402
 from marinrl.config.loss import LossConfig  # noqa: E402
-from marinrl.train.losses import describe, token_logprobs  # noqa: E402
-from marinrl.train.batching import row_alignment  # noqa: E402
-from marinrl.train.worker import StepInput, _step_loss  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
 from marinrl.config.trainer import RLAdamConfig  # noqa: E402
 from marinrl.levanter_configs import cpu_trainer_config, to_levanter  # noqa: E402
+from marinrl.models.policy_model import build_model  # noqa: E402
+from marinrl.train.advantages import group_advantages  # noqa: E402
+from marinrl.train.batching import (  # noqa: E402
+    TrainingBatch,
+    make_training_batch,
+    row_alignment,  # noqa: E402
+)
+from marinrl.train.flat_dots import levanter_dots  # noqa: E402
+from marinrl.train.losses import describe, token_logprobs  # noqa: E402
+from marinrl.train.worker import StepInput, _step_loss  # noqa: E402
 from marinrl.types import Rollout, RolloutMetadata  # noqa: E402
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, RESPONSE_TOKENS, VOCAB = 8, 8, 16, 32, 512
@@ -213,7 +216,7 @@ class Mode:
     padding: list = dataclasses.field(default_factory=list)  # positions holding no token / positions, per step
 
     @classmethod
-    def parse(cls, spec: str, args) -> "Mode":
+    def parse(cls, spec: str, args) -> Mode:
         head, *variants = spec.split("+")
         if not head.startswith("kl_"):
             raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")

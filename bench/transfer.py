@@ -44,8 +44,8 @@ import numpy as np
 import optax
 import ray
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
-
 from machine import machine  # bench/machine.py
+
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import host_leaves
 from marinrl.transfer.delta import BLOCK_ELEMENTS, _bits, apply_array, encode_array

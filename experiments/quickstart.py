@@ -37,7 +37,7 @@ class QuickstartConfig:
     """The run fails (exit 1) if the final greedy eval reward is below this."""
 
     @classmethod
-    def from_args(cls, argv: Sequence[str]) -> "QuickstartConfig":
+    def from_args(cls, argv: Sequence[str]) -> QuickstartConfig:
         """experiments/quickstart.yaml with `argv`'s overrides, under a fresh run id unless `--run_id`
         names one (a rerun must not resume the last run)."""
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -243,8 +243,8 @@ def _parse_placement(raw: Any, field: str, errors: list[str]):
     """`metadata.marinrl.<role>` as marinrl's PlacementConfig (draccus, as `marinrl train` decodes it)."""
     import draccus
 
-    from marinrl.config.placement import PlacementConfig
     from marinrl.config.errors import ConfigError
+    from marinrl.config.placement import PlacementConfig
 
     if not isinstance(raw, dict) or not raw:
         errors.append(f"{field}: must be a mapping of RLJobConfig.ray.{field.rsplit('.', 1)[-1]}'s fields "

@@ -178,9 +178,9 @@ def tiny_server():
     byte tokenizer of 512): one per session, shared by the environment tests."""
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer
-    from marinrl.config.server import InferenceServerConfig
     from marinrl.config.model import ModelConfig
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
     from marinrl.models.policy_model import build_model
     from marinrl.models.tokenizers import byte_tokenizer
 

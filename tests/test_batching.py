@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from marinrl.train.batching import PAD_ROW_WEIGHT_STEP, TrainingBatch, make_training_batch, pack_rollouts
 from marinrl.config.batching import BatchingConfig
+from marinrl.train.batching import PAD_ROW_WEIGHT_STEP, TrainingBatch, make_training_batch, pack_rollouts
 from marinrl.types import Rollout, RolloutMetadata
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-
 from test_inflight_job import EVAL_BAR, _run_script
 
 _SCRIPT = textwrap.dedent("""

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 from factories import make_batch
+
 from marinrl.cli import main
 from marinrl.storage.rollouts import RolloutWriter
 

@@ -7,11 +7,10 @@ import pathlib
 import re
 
 import pytest
+from factories import make_batch
 
 from marinrl.cli import main
 from marinrl.storage.rollouts import RolloutWriter
-
-from factories import make_batch
 
 QUICKSTART = (pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml").read_text()
 

@@ -13,10 +13,10 @@ import uuid
 import numpy as np
 import pytest
 
-from marinrl.curriculum.lessons import Curriculum
-from marinrl.curriculum.actor import CurriculumClient, curriculum_actor, load_state, save_state
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.config.env import EnvConfig
+from marinrl.curriculum.actor import CurriculumClient, curriculum_actor, load_state, save_state
+from marinrl.curriculum.lessons import Curriculum
 from marinrl.envs.base import make_env
 from marinrl.inference.context import lesson_sampling
 

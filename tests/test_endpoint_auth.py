@@ -21,20 +21,19 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.config.env import EnvConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.envs import safe_sample
-from marinrl.envs.base import with_endpoint_if_needed
+from marinrl.envs.base import make_env, with_endpoint_if_needed
 from marinrl.envs.openai_agents import EchoChatAgent
 from marinrl.envs.openai_env import OpenAIAgentEnv
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
 from marinrl.job.rl_job import RLJobConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
-from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.types import RolloutMetadata
-from marinrl.envs.base import make_env
 
 ARCH = LlamaConfig(
     seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -15,9 +15,30 @@ import threading
 import numpy as np
 import pytest
 
-from marinrl.envs import UNSTAMPED, UNSTAMPED_LESSON, EchoEnv, MathDatasetEnv, ParityEnv, completion_text, encode_prompt, make_env, make_rollout, new_group_id, register_env, registered_envs, safe_sample
 from marinrl.config.env import EnvConfig
-from marinrl.envs.math import ArithmeticEnv, arithmetic_problem, final_answer, grade_math, load_math_problems, parse_gold
+from marinrl.envs import (
+    UNSTAMPED,
+    UNSTAMPED_LESSON,
+    EchoEnv,
+    MathDatasetEnv,
+    ParityEnv,
+    completion_text,
+    encode_prompt,
+    make_env,
+    make_rollout,
+    new_group_id,
+    register_env,
+    registered_envs,
+    safe_sample,
+)
+from marinrl.envs.math import (
+    ArithmeticEnv,
+    arithmetic_problem,
+    final_answer,
+    grade_math,
+    load_math_problems,
+    parse_gold,
+)
 from marinrl.envs.toy import grade_answer
 from marinrl.inference.context import Generation, SamplingParams
 from marinrl.models.tokenizers import byte_tokenizer
@@ -509,9 +530,9 @@ def test_make_rollout_takes_masks_and_per_token_rewards_for_multi_turn():
 def test_echo_through_the_real_inference_server_with_a_tiny_random_model(tokenizer):
     from levanter.models.llama import LlamaConfig
 
-    from marinrl.inference.server import InferenceServer
-    from marinrl.config.server import InferenceServerConfig
     from marinrl.config.model import ModelConfig
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
     from marinrl.models.policy_model import build_model
 
     arch = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -553,8 +574,8 @@ def test_the_example_in_docs_environments_runs():
 
 
 def test_a_lesson_that_drives_the_openai_endpoint_turns_it_on():
-    from marinrl.envs.base import with_endpoint_if_needed
     from marinrl.config.server import InferenceServerConfig
+    from marinrl.envs.base import with_endpoint_if_needed
 
     off = InferenceServerConfig(serve_http=False)
     assert with_endpoint_if_needed(off, [EnvConfig("echo")]) is off

@@ -13,18 +13,18 @@ import shutil
 
 import numpy as np
 import pytest
+from factories import make_rollout
 from levanter.models.llama import LlamaConfig
 
-from factories import make_rollout
 from marinrl.cli import main as cli
 from marinrl.config.curriculum import LessonConfig
 from marinrl.config.env import EnvConfig
+from marinrl.config.model import ModelConfig
 from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
 from marinrl.models.hf_checkpoints import save_hf_checkpoint
 from marinrl.models.policy_model import MODEL_CONFIG_FILE, build_model, save_levanter_checkpoint
-from marinrl.config.model import ModelConfig
-from marinrl.storage.rollouts import iter_batches
 from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.storage.rollouts import iter_batches
 from marinrl.types import RolloutGroup
 
 VOCAB = 512

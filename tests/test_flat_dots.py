@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from haliax.quantization import DefaultDotGeneralOp
+from test_packing import _init_llama, arrays_for, bound, make_rollouts
 
+from marinrl.config.loss import LossConfig
 from marinrl.train.batching import TrainingBatch
 from marinrl.train.flat_dots import TokenFlatDot, flat_token_dots, levanter_dots
-from marinrl.config.loss import LossConfig
 from marinrl.train.losses import rl_loss
-from test_packing import _init_llama, arrays_for, bound, make_rollouts
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, numbers", [

@@ -27,12 +27,12 @@ from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 torch = pytest.importorskip("torch", reason="torch (CPU) is in the dev extra: pip install -c constraints.txt -e '.[dev]'")
 transformers = pytest.importorskip("transformers")
 
-from marinrl.models.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.config.server import InferenceServerConfig  # noqa: E402
 from marinrl.inference import sampler as scan_sampler  # noqa: E402
 from marinrl.inference import sharding  # noqa: E402
 from marinrl.inference.server import InferenceServer  # noqa: E402
-from marinrl.config.server import InferenceServerConfig  # noqa: E402
-from marinrl.config.model import ModelConfig  # noqa: E402
+from marinrl.models.hf_checkpoints import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from marinrl.models.policy_model import build_model, build_tokenizer  # noqa: E402
 from marinrl.models.tokenizers import byte_tokenizer  # noqa: E402
 

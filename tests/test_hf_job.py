@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
-from marinrl.models.hf_checkpoints import hf_reads, load_hf_checkpoint
-from marinrl.job.rl_job import RLJob
-from marinrl.config.model import ModelConfig
-from marinrl.models.policy_model import abstract_model, build_model
-from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
-from marinrl.models.tokenizers import byte_tokenizer
 from test_job import job_config
+
+from marinrl.config.model import ModelConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.models.hf_checkpoints import hf_reads, load_hf_checkpoint
+from marinrl.models.policy_model import abstract_model, build_model
+from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.program_audit import AUDIT_ENV, constant_bytes, sampler_constant_bytes
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -92,9 +92,9 @@ def test_a_job_from_an_hf_checkpoint_reads_it_once_per_process_trains_and_resume
 def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path):
     """Each weight arrives with the rollout sharding (split over the model axis where the mapping says so)
     and in the requested dtype; the server then serves those very buffers, placing nothing again."""
+    from marinrl.config.server import InferenceServerConfig
     from marinrl.inference import sharding
     from marinrl.inference.server import InferenceServer, load_served_model
-    from marinrl.config.server import InferenceServerConfig
 
     config = InferenceServerConfig(model_axis_size=2)
     model = load_served_model(ModelConfig(hf_checkpoint=hf_path), config, dtype="bfloat16")

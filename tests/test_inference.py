@@ -20,13 +20,12 @@ import pytest
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import EngineConfig, InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, stop_sequences
-from marinrl.config.server import EngineConfig
 from marinrl.inference.levanter_engine import find_stop
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
 from marinrl.models.tokenizers import byte_tokenizer
 

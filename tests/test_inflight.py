@@ -4,7 +4,6 @@ multi-turn episode may span a swap; on-policy never mixes versions."""
 
 from __future__ import annotations
 
-
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -13,16 +12,16 @@ import pytest
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 
+from marinrl.config.inflight import InflightConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.rollout_worker import RolloutWorkerConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.envs import Feedback, MultiTurnEnv, Problem, safe_sample
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import SamplingParams
-from marinrl.config.inflight import InflightConfig
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
-from marinrl.config.rollout_worker import RolloutWorkerConfig
 from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
 

@@ -54,9 +54,9 @@ def test_placement_is_what_marinrl_train_parses(path):
     `marinrl train` parses them) become exactly the config's placement, and RLJob asks Ray for it."""
     import draccus
 
-    from marinrl.job.rl_job import RLJobConfig
     from marinrl.config.placement import PlacementConfig
     from marinrl.job.placement import ray_options
+    from marinrl.job.rl_job import RLJobConfig
 
     placement = _config(path.name)["metadata"]["marinrl"]
     args = ["--ray.address", "auto"]

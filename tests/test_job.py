@@ -8,21 +8,20 @@ import dataclasses
 import json
 
 import numpy as np
-
 import pytest
 from levanter.models.llama import LlamaConfig
 
+from marinrl.config.batching import BatchingConfig
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig, LessonDependency
 from marinrl.config.env import EnvConfig
 from marinrl.config.inflight import InflightConfig
-from marinrl.job.rl_job import ConfigError, RLJob, RLJobConfig
 from marinrl.config.model import ModelConfig
+from marinrl.config.trainer import RLAdamConfig
+from marinrl.envs.base import make_env
+from marinrl.job.rl_job import ConfigError, RLJob, RLJobConfig
 from marinrl.job.run_lock import read_lease
 from marinrl.storage.rollouts import RolloutReader, summarize
 from marinrl.train.audit import audit, read_trail
-from marinrl.config.batching import BatchingConfig
-from marinrl.config.trainer import RLAdamConfig
-from marinrl.envs.base import make_env
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 

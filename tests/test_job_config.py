@@ -19,11 +19,11 @@ from levanter.tracker.tensorboard import TensorboardConfig
 from levanter.tracker.wandb import WandbConfig
 
 from marinrl.config.errors import ConfigInputError, load_job_config
-from marinrl.job.rl_job import ConfigError, RLJobConfig
-from marinrl.job.actors import actor_env
 from marinrl.config.trainer import RLAdamConfig
-from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.job.actors import actor_env
 from marinrl.job.plan import rollout_worker_config, train_worker_config
+from marinrl.job.rl_job import ConfigError, RLJobConfig
+from marinrl.levanter_configs import cpu_trainer_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "experiments" / "quickstart.yaml"

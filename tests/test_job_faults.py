@@ -18,18 +18,17 @@ import threading
 import time
 from typing import Callable
 
+import faulty_envs
 import pytest
 import ray
-
-from marinrl.config.curriculum import CurriculumConfig
-from marinrl.job.rl_job import RLJob
-from marinrl.config.policies import PolicyConfig
-from marinrl.job.run_lock import read_lease
-from marinrl.train.worker import SIDECAR
-
-import faulty_envs
 from test_job import job_config
 from test_policy_models import ROLES
+
+from marinrl.config.curriculum import CurriculumConfig
+from marinrl.config.policies import PolicyConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.job.run_lock import read_lease
+from marinrl.train.worker import SIDECAR
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 

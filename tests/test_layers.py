@@ -18,10 +18,19 @@ import jmp
 import pytest
 
 import marinrl
-from marinrl.levanter_configs import to_levanter
 from marinrl.config.model import DefaultRope, Llama3Rope, LlamaArchitecture, Qwen3Architecture, YarnRope
-from marinrl.config.trainer import (MARINRL_TRAINER_DEFAULTS, AdamConfig, JobTrainerConfig, JsonLoggerTracker,
-                                          NoopTracker, RLAdamConfig, TensorboardTracker, WandbTracker, parse_mp)
+from marinrl.config.trainer import (
+    MARINRL_TRAINER_DEFAULTS,
+    AdamConfig,
+    JobTrainerConfig,
+    JsonLoggerTracker,
+    NoopTracker,
+    RLAdamConfig,
+    TensorboardTracker,
+    WandbTracker,
+    parse_mp,
+)
+from marinrl.levanter_configs import to_levanter
 
 PACKAGE = pathlib.Path(marinrl.__file__).parent
 QUICKSTART = pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml"

@@ -15,21 +15,36 @@ import numpy as np
 import pytest
 from levanter.lora import LORA_R, LoraLinear
 from levanter.models.llama import LlamaConfig
+from test_job import job_config
+from test_train_worker import (
+    EPS32,
+    TINY,
+    FileReplayer,
+    Producer,
+    assert_same_state,
+    checkpoint_arrays,
+    lineage_files,
+    worker_config,
+)
 
-from marinrl.job.rl_job import ConfigError, RLJob
-from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, adapted_modules, check_targets, without_adapters
 from marinrl.config.lora import LoraRLConfig
-from marinrl.config.model import ModelConfig
-from marinrl.models.policy_model import build_model
 from marinrl.config.loss import LossConfig
+from marinrl.config.model import ModelConfig
+from marinrl.job.plan import rollout_worker_config, train_worker_config
+from marinrl.job.rl_job import ConfigError, RLJob
+from marinrl.models.lora import (
+    AdapterMergingClient,
+    adapted_modules,
+    adapter_only,
+    add_adapters,
+    check_targets,
+    without_adapters,
+)
+from marinrl.models.policy_model import build_model
 from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.base import ModelSkeleton
 from marinrl.transfer.packed import read_packed
-from test_job import job_config
-from test_train_worker import (EPS32, TINY, FileReplayer, Producer, assert_same_state, checkpoint_arrays,
-                               lineage_files, worker_config)
-from marinrl.job.plan import rollout_worker_config, train_worker_config
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -141,8 +156,8 @@ def _layers(x: hax.NamedArray) -> list[hax.NamedArray]:
 
 
 def _linear_paths(model) -> dict:
-    from levanter.utils.jax_utils import leaf_key_paths
     import haliax.nn as hnn
+    from levanter.utils.jax_utils import leaf_key_paths
 
     is_linear = lambda x: isinstance(x, hnn.Linear)  # noqa: E731
     paths = jax.tree.leaves(leaf_key_paths(model, is_leaf=is_linear), is_leaf=is_linear)

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from factories import HAND_ADVANTAGES
+
+from marinrl.config.loss import LOSS_PRESETS, LossConfig
 from marinrl.train.advantages import group_advantages, overlong_shaping
 from marinrl.train.batching import TrainingBatch
-from marinrl.config.loss import LOSS_PRESETS, LossConfig
 from marinrl.train.losses import describe, loss_from_logprobs, rl_loss, token_logprobs
 
 PRESETS = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")

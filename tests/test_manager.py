@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
-from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.types import Rollout, RolloutGroup, RolloutMetadata
 
 VOCAB = 512

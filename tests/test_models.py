@@ -17,10 +17,17 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 from safetensors.numpy import load_file
 
-from marinrl.models.hf_checkpoints import save_hf_checkpoint
-from marinrl.levanter_configs import to_levanter
 from marinrl.config.model import LlamaArchitecture, ModelConfig
-from marinrl.models.policy_model import build_model, build_tokenizer, init_model, load_hf_checkpoint, load_levanter_checkpoint, save_levanter_checkpoint
+from marinrl.levanter_configs import to_levanter
+from marinrl.models.hf_checkpoints import save_hf_checkpoint
+from marinrl.models.policy_model import (
+    build_model,
+    build_tokenizer,
+    init_model,
+    load_hf_checkpoint,
+    load_levanter_checkpoint,
+    save_levanter_checkpoint,
+)
 from marinrl.models.tokenizers import BOS, EOS, PAD, ROLE_TOKENS, byte_tokenizer, load_tokenizer
 
 SMALL = LlamaConfig(

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_episodes import LOGPROB, RecordingContext, ScriptedPolicy, text_of
 
-from marinrl.envs import Agent, Feedback, MultiAgentEnv, Problem, make_env, safe_sample
 from marinrl.config.env import EnvConfig
+from marinrl.envs import Agent, Feedback, MultiAgentEnv, Problem, make_env, safe_sample
 from marinrl.envs.multiagent import Move, SolveCheckEnv
 from marinrl.eval import lesson_metrics
 from marinrl.inference.context import SamplingParams
-from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.types import RolloutBatch, RolloutMetadata
-
-from test_episodes import LOGPROB, RecordingContext, ScriptedPolicy, text_of
 
 META = RolloutMetadata(worker_id="worker-2", weight_step=5, created_at=1_700_000_000.0)
 ONE = SamplingParams(max_tokens=1)

@@ -22,14 +22,14 @@ import time
 import numpy as np
 import optax
 import pytest
-from levanter.optim import OptimizerConfig
-
 from conftest import free_port
-from marinrl.multihost import PEER_LOST_EXIT_CODE
+from levanter.optim import OptimizerConfig
+from test_train_worker import GROUPS, G, Producer, worker_config
+
 from marinrl.config.loss import LossConfig
+from marinrl.multihost import PEER_LOST_EXIT_CODE
 from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from test_train_worker import GROUPS, G, Producer, worker_config
 
 EPS32 = float(np.finfo(np.float32).eps)
 LR = 0.5  # plain SGD: the weight change is −lr·gradient, so a gradient's rounding maps to the weights linearly

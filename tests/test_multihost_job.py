@@ -11,14 +11,13 @@ import struct
 
 import pytest
 import ray
-
-from marinrl.job.rl_job import ConfigError, RLJob, RayJobConfig
-from marinrl.config.placement import PlacementConfig
-from marinrl.storage.rollouts import RolloutReader
-from marinrl.config.trainer_group import TrainerGroupConfig
-
 from test_job import job_config
 from test_job_faults import _committed_checkpoint_step, _poll, _Saboteur
+
+from marinrl.config.placement import PlacementConfig
+from marinrl.config.trainer_group import TrainerGroupConfig
+from marinrl.job.rl_job import ConfigError, RayJobConfig, RLJob
+from marinrl.storage.rollouts import RolloutReader
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 

@@ -35,28 +35,28 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig
 from levanter.tracker.json_logger import JsonLoggerConfig
 
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LossConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.replay import ReplayConfig
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.train_worker import TrainWorkerConfig
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.envs.base import Grade, Problem, SingleTurnEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
+from marinrl.levanter_configs import cpu_trainer_config
 from marinrl.models.policy_model import build_model
+from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.storage.rollouts import RolloutWriter
-from marinrl.models.tokenizers import byte_tokenizer
-from marinrl.config.batching import BatchingConfig
 from marinrl.train.batching import make_training_batch
-from marinrl.config.loss import LossConfig
 from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
-from marinrl.config.replay import ReplayConfig
 from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from marinrl.config.train_worker import TrainWorkerConfig
-from marinrl.levanter_configs import cpu_trainer_config
-from marinrl.config.transfer import FilesystemTransferConfig
-from marinrl.types import Rollout
 from marinrl.transfer.endpoints import build_client
+from marinrl.types import Rollout
 
 EPS32 = float(np.finfo(np.float32).eps)
 VOCAB = 512  # the byte tokenizer needs 256 bytes + specials

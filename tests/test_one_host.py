@@ -14,14 +14,13 @@ import sys
 import textwrap
 
 import pytest
+from test_job import job_config
 
-from marinrl.job.rl_job import ConfigError, RLJob
-from marinrl.job.actors import compilation_cache_dir
 from marinrl.config.job import RayJobConfig
 from marinrl.config.placement import PlacementConfig
+from marinrl.job.actors import compilation_cache_dir
 from marinrl.job.placement import TPU_CHIP_BOUNDS, actor_env, placement_problem, ray_options, request
-
-from test_job import job_config
+from marinrl.job.rl_job import ConfigError, RLJob
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs on a local Ray: the suite's job-file limit (pyproject.toml)
 

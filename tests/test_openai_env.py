@@ -22,17 +22,17 @@ import pytest
 from levanter.models.llama import LlamaConfig
 
 from marinrl.config.env import EnvConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.envs import Grade, Problem, safe_sample
+from marinrl.envs.base import make_env
 from marinrl.envs.openai_agents import EchoChatAgent, TwoTurnEchoAgent
 from marinrl.envs.openai_env import Call, OpenAIAgentEnv, stitch
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
 from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
-from marinrl.envs.base import make_env
 
 ARCH = LlamaConfig(
     seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -18,12 +18,12 @@ from levanter.models.llama import LlamaConfig
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.envs import EnvConfig, safe_sample
+from marinrl.envs.base import make_env
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer, InferenceServerConfig
 from marinrl.models.policy_model import ModelConfig, build_model
 from marinrl.models.tokenizers import byte_tokenizer
 from marinrl.types import RolloutMetadata
-from marinrl.envs.base import make_env
 
 pytest.importorskip("openenv.core")  # the `openenv` extra (in `dev`: CI has it)
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from marinrl.config.batching import BatchingConfig
-from marinrl.train.batching import TrainingBatch, pack_rollouts, row_bucket
 from marinrl.config.loss import LossConfig
+from marinrl.train.batching import TrainingBatch, pack_rollouts, row_bucket
 from marinrl.train.losses import rl_loss, token_logprobs
 from marinrl.train.packing import plan_rows
 from marinrl.types import Rollout, RolloutMetadata
@@ -327,8 +327,8 @@ def test_a_microbatch_aligns_rows_only_past_one_microbatch():
 def test_the_trainer_pads_packed_rows_to_its_data_parallel_size_not_to_the_whole_batch():
     """Levanter fills an unset per_device_parallelism with the whole batch (microbatch_size = train_batch_size):
     aligning rows to that microbatch padded every packed batch back to train_batch_size rows."""
-    from marinrl.train.batching import row_alignment
     from marinrl.levanter_configs import cpu_trainer_config
+    from marinrl.train.batching import row_alignment
 
     plain = cpu_trainer_config(train_batch_size=64)
     plain._validate_and_set_defaults()  # what levanter.initialize(config) does to the worker's config

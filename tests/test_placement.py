@@ -10,12 +10,11 @@ import textwrap
 
 import pytest
 import ray
+from test_job import job_config
 
-from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.config.placement import PlacementConfig
 from marinrl.job.placement import bundles, check_cluster, placement_problem, ray_options, request
-
-from test_job import job_config
+from marinrl.job.rl_job import ConfigError, RLJob
 
 
 def _actor_ids() -> set:

@@ -8,27 +8,26 @@ import dataclasses
 
 import numpy as np
 import pytest
+from test_job import job_config
+from test_train_worker import make_rollout_batch, worker_config
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.config.env import EnvConfig
-from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.config.lora import LoraRLConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.config.policies import PolicyConfig, policy_models, policy_names, resolve_policies
+from marinrl.config.replay import ReplayConfig
 from marinrl.config.rollout_worker import ModelStream
-from marinrl.config.transfer import FilesystemTransferConfig
-from marinrl.config.transfer import RayTransferConfig
+from marinrl.config.trainer import RLAdamConfig
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
+from marinrl.job.plan import rollout_worker_config, train_worker_config
+from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
-from marinrl.config.replay import ReplayConfig
 from marinrl.train.replay.sampling import OffPolicyConfig
-from marinrl.config.trainer import RLAdamConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.types import RolloutBatch, RolloutGroup
-from test_job import job_config
-from test_train_worker import make_rollout_batch, worker_config
-from marinrl.job.plan import rollout_worker_config, train_worker_config
 
 DUO = LessonConfig(lesson_id="duo", env=EnvConfig("solve_check", {"max_operand": 4, "policies": {"checker": "critic"}}),
                    max_tokens=2, graduate_at=None)

@@ -11,20 +11,20 @@ import pathlib
 
 import numpy as np
 import pytest
+from test_job import job_config
+from test_train_worker import make_rollout_batch
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.config.env import EnvConfig
-from marinrl.job.rl_job import RLJob
 from marinrl.config.lora import LoraRLConfig
-from marinrl.models.policy_model import build_model
 from marinrl.config.policies import PolicyConfig
+from marinrl.config.trainer import RLAdamConfig
+from marinrl.job.rl_job import RLJob
+from marinrl.models.policy_model import build_model
 from marinrl.rollout.policy_router import split_by_model
 from marinrl.storage.rollouts import RolloutReader
-from marinrl.config.trainer import RLAdamConfig
 from marinrl.transfer.base import ModelSkeleton
 from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
-from test_job import job_config
-from test_train_worker import make_rollout_batch
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 

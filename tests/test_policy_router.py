@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_replay import make_group
 
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.policy_router import PolicyRouter, policy_context, split_by_model
 from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
-from test_replay import make_group
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 PROMPTS = [[1, 2, 3], [4, 5]]
@@ -19,9 +19,9 @@ PROMPTS = [[1, 2, 3], [4, 5]]
 @pytest.fixture(scope="module")
 def other_server(tiny_server):
     """A second server: the session server's architecture and tokenizer, other random weights."""
-    from marinrl.inference.server import InferenceServer
-    from marinrl.config.server import InferenceServerConfig
     from marinrl.config.model import ModelConfig
+    from marinrl.config.server import InferenceServerConfig
+    from marinrl.inference.server import InferenceServer
     from marinrl.models.policy_model import build_model
 
     model = build_model(ModelConfig(model=tiny_server.model.config, vocab_size=512, seed=1))

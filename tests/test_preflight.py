@@ -13,16 +13,15 @@ import jax.numpy as jnp
 import pytest
 import ray
 from levanter.checkpoint import save_checkpoint
+from test_job import ECHO, job_config
 
+from marinrl.config.batching import BatchingConfig
 from marinrl.config.curriculum import CurriculumConfig
 from marinrl.config.env import EnvConfig
-from marinrl.job.rl_job import ConfigError, RLJob
-from marinrl.config.model import ModelConfig
-from marinrl.config.batching import BatchingConfig
 from marinrl.config.loss import LossConfig
+from marinrl.config.model import ModelConfig
 from marinrl.config.trainer import RLAdamConfig
-
-from test_job import ECHO, job_config
+from marinrl.job.rl_job import ConfigError, RLJob
 
 QUICKSTART = pathlib.Path(__file__).parents[1] / "experiments" / "quickstart.yaml"
 

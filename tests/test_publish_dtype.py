@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
-from marinrl.transfer.base import ModelSkeleton
-from marinrl.transfer.base import cast_for_publish, floating_dtypes
 from test_transfer import _fs_config, _tiny_llama
 from test_transfer_delta import as_dtype, assert_bits_equal
+
+from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
+from marinrl.transfer.base import ModelSkeleton, cast_for_publish, floating_dtypes
 from marinrl.transfer.endpoints import build_client, build_server
 
 BF16 = jnp.dtype("bfloat16")
@@ -132,8 +131,8 @@ def test_lora_versions_travel_in_the_rollout_dtype_and_merge_into_the_bf16_base(
     expects bf16 adapters, receives them as sent and merges them into W in bf16."""
     from levanter.lora import is_lora_param
 
-    from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters
     from marinrl.config.lora import LoraRLConfig
+    from marinrl.models.lora import AdapterMergingClient, adapter_only, add_adapters, merge_adapters
 
     lora = LoraRLConfig(rank=2, alpha=4.0)
     base = _tiny_llama()

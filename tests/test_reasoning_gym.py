@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
-from marinrl.curriculum.lessons import Curriculum
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig, level_lessons
+from marinrl.curriculum.lessons import Curriculum
 from marinrl.envs import EnvConfig
-from marinrl.envs.reasoning_gym_env import task_config, TaskSpec
 from marinrl.envs.base import make_env
+from marinrl.envs.reasoning_gym_env import TaskSpec, task_config
 
 rg = pytest.importorskip("reasoning_gym")  # the `reasoning_gym` extra (in `dev`: CI has it)
 
@@ -139,11 +139,11 @@ def test_a_lesson_of_an_adapter_whose_package_is_missing_says_what_to_install(en
 
 @pytest.mark.timeout(1200)
 def test_a_short_job_trains_on_one_task(tmp_path, ray_session):
+    from levanter.models.llama import LlamaConfig
     from test_job import _run
 
     from marinrl.models.policy_model import ModelConfig
     from marinrl.train.batching import BatchingConfig
-    from levanter.models.llama import LlamaConfig
 
     lesson = LessonConfig("chain", EnvConfig("reasoning_gym", {
         "task": "chain_sum", "system_prompt": None, "answer_format": "raw",

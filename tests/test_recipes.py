@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from marinrl.job.plan import train_worker_config
+
 from marinrl.config.trainer import parse_mp
 from marinrl.envs.base import make_env
+from marinrl.job.plan import train_worker_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p", "grpo_reasoning_gym_qwen3_0p6b",

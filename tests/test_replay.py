@@ -9,16 +9,21 @@ import threading
 import draccus
 import numpy as np
 import pytest
-
 from factories import HAND_ADVANTAGES
+
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LOSS_PRESETS, LossConfig
+from marinrl.config.replay import ReplayConfig, overlong_reward_fn
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
-from marinrl.config.batching import BatchingConfig
-from marinrl.config.loss import LOSS_PRESETS, LossConfig
-from marinrl.train.replay.filters import RewardMeanFilter, RewardStdQuantileFilter, TrimOutliersFilter, ZeroVarianceFilter
 from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
-from marinrl.config.replay import ReplayConfig, overlong_reward_fn
+from marinrl.train.replay.filters import (
+    RewardMeanFilter,
+    RewardStdQuantileFilter,
+    TrimOutliersFilter,
+    ZeroVarianceFilter,
+)
 from marinrl.train.replay.groups import BufferedGroup
 from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
@@ -581,7 +586,7 @@ def test_metrics_cover_size_drops_staleness_uses_and_lag():
     s1 = buf.sample(1, 3, timeout_s=0)
     s2 = buf.sample(2, 2, timeout_s=0)
     m = buf.metrics()
-    trained = sorted((g.staleness for s in (s1, s2) for g in s.groups))
+    trained = sorted(g.staleness for s in (s1, s2) for g in s.groups)
     assert m["replay/trained_staleness/1"] == trained.count(1)
     assert m["replay/trained_staleness/2"] == trained.count(2)
     assert sum(v for k, v in m.items() if k.startswith("replay/trained_staleness/")) == 5

@@ -9,17 +9,16 @@ import threading
 import time
 import uuid
 
+import faulty_envs
 import pytest
+from test_rollout_worker_faults import OneLesson
 
+from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.rollout.worker import RolloutWorker
 from marinrl.storage.rollouts import summarize
-from marinrl.config.transfer import FilesystemTransferConfig
-
-import faulty_envs
-from test_rollout_worker_faults import OneLesson
 from marinrl.transfer.endpoints import build_server
 
 DEADLINE_S = 120.0

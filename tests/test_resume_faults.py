@@ -12,13 +12,13 @@ import uuid
 
 import numpy as np
 import pytest
-
 from factories import make_batch
+from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
+
 from marinrl.storage import format as rollout_format
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
 
 
 def corrupt_tensor_chunk(step_dir: pathlib.Path) -> pathlib.Path:

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
-from marinrl.inference.context import SamplingParams
-from marinrl.config.server import EngineConfig
-from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
 from marinrl.config.job import RLJobConfig
 from marinrl.config.model import ModelConfig
+from marinrl.config.server import EngineConfig, InferenceServerConfig
+from marinrl.inference.context import SamplingParams
+from marinrl.inference.server import InferenceServer
+from marinrl.job.plan import train_worker_config
 from marinrl.models.policy_model import build_model
 from marinrl.models.tokenizers import byte_tokenizer
-from marinrl.job.plan import train_worker_config
 
 ARCH = LlamaConfig(seq_len=128, hidden_dim=64, intermediate_dim=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    gradient_checkpointing=False)

@@ -18,8 +18,15 @@ import time
 
 import pytest
 
-from marinrl.job.run_lock import (Lease, RunLock, RunLockConfig, RunLockHeld, check_preconditions, read_lease,
-                              stale_reason)
+from marinrl.job.run_lock import (
+    Lease,
+    RunLock,
+    RunLockConfig,
+    RunLockHeld,
+    check_preconditions,
+    read_lease,
+    stale_reason,
+)
 
 FAST = RunLockConfig(renew_every_s=0.05, stale_after_renewals=4)
 
@@ -224,9 +231,9 @@ def test_the_cli_refuses_a_second_train_on_a_held_run_with_exit_2_before_its_imp
 def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
     """RLJob.run() itself (the API, without the CLI's early check) takes the lease before Ray."""
     import ray
+    from test_job import job_config
 
     from marinrl.job.rl_job import RLJob
-    from test_job import job_config
 
     cfg = job_config(tmp_path, run_id="held")
     _foreign_lease(cfg.run_dir, run_id="held")

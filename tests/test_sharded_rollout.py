@@ -24,15 +24,14 @@ import numpy as np
 import pytest
 from levanter.models.llama import LlamaConfig
 
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import EngineConfig, InferenceServerConfig
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import SamplingParams
-from marinrl.config.server import EngineConfig
 from marinrl.inference.server import InferenceServer
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import build_model
 from marinrl.models.tokenizers import byte_tokenizer
-from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.transfer.endpoints import build_client, build_server
 
 # 8 query heads over 4 KV heads (grouped-query attention, 2 per group): 4 devices hold one KV head each

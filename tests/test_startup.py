@@ -52,14 +52,14 @@ def test_a_fresh_trainer_copies_its_reference_from_the_initial_policy(tmp_path):
     import optax
     from levanter.checkpoint import CheckpointerConfig
     from levanter.trainer import Trainer
+    from test_train_worker import TINY
 
-    from marinrl.models.policy_model import build_model
     from marinrl.config.loss import LossConfig
+    from marinrl.levanter_configs import cpu_trainer_config
+    from marinrl.models.policy_model import build_model
     from marinrl.train.initial_weights import CheckpointWeights, build_reference
     from marinrl.train.initial_weights import is_initial_policy as _is_initial_policy
     from marinrl.train.worker import _step_loss
-    from marinrl.levanter_configs import cpu_trainer_config
-    from test_train_worker import TINY
 
     cfg = cpu_trainer_config(num_train_steps=1, train_batch_size=4, log_dir=tmp_path / "logs", tracker=(), id="ref",
                              checkpointer=CheckpointerConfig(base_path=str(tmp_path / "ckpt")))

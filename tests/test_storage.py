@@ -12,16 +12,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from factories import batches, encode_batch_v1, make_batch
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from factories import batches, encode_batch_v1, make_batch
 from marinrl.storage import fs as marinrl_fs
 from marinrl.storage import rollouts as storage
-from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
+from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.types import RolloutGroup
 

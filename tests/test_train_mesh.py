@@ -22,16 +22,15 @@ import optax
 import pytest
 from levanter.checkpoint import CheckpointerConfig
 from levanter.trainer import Trainer
-
-from marinrl.models.policy_model import build_model
-from marinrl.config.batching import BatchingConfig
-from marinrl.train.batching import make_training_batch
-from marinrl.config.loss import LossConfig
-from marinrl.train.losses import rl_loss, token_logprobs
-from marinrl.train.batching import row_alignment
-from marinrl.train.worker import StepInput, _step_loss
-from marinrl.levanter_configs import cpu_trainer_config
 from test_train_worker import TINY, make_rollout_batch
+
+from marinrl.config.batching import BatchingConfig
+from marinrl.config.loss import LossConfig
+from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.models.policy_model import build_model
+from marinrl.train.batching import make_training_batch, row_alignment
+from marinrl.train.losses import rl_loss, token_logprobs
+from marinrl.train.worker import StepInput, _step_loss
 
 LOSS = LossConfig.preset("grpo", kl_beta=0.04)
 BATCHING = BatchingConfig(max_length=64, min_bucket=16, layout="packed")  # one rollout per row: 16 rows, 2 microbatches

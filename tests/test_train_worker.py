@@ -14,20 +14,20 @@ import numpy as np
 from levanter.checkpoint import CheckpointerConfig
 from levanter.models.llama import LlamaConfig
 
-from marinrl.config.model import ModelConfig
-from marinrl.models.policy_model import build_model
-from marinrl.storage.rollouts import RolloutWriter
 from marinrl.config.batching import BatchingConfig
 from marinrl.config.loss import LossConfig
-from marinrl.train.replay.buffer import ReplayBuffer
+from marinrl.config.model import ModelConfig
 from marinrl.config.replay import ReplayConfig
+from marinrl.config.train_worker import TrainWorkerConfig
+from marinrl.config.transfer import FilesystemTransferConfig
+from marinrl.levanter_configs import cpu_trainer_config
+from marinrl.models.policy_model import build_model
+from marinrl.storage.rollouts import RolloutWriter
+from marinrl.train.replay.buffer import ReplayBuffer
 from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainWorker
-from marinrl.config.train_worker import TrainWorkerConfig
-from marinrl.levanter_configs import cpu_trainer_config
-from marinrl.config.transfer import FilesystemTransferConfig
-from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 from marinrl.transfer.endpoints import build_client
+from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 VOCAB, GROUPS, G = 64, 2, 4
 TINY = ModelConfig(
@@ -197,6 +197,7 @@ def test_rollout_files_of_format_version_1_still_train(tmp_path):
     """Files written before per-token weight steps (format 1) are read, with every token at the file's
     weight step, and trained on."""
     from factories import encode_batch_v1
+
     from marinrl.train.replay.sampling import OffPolicyConfig
 
     cfg = worker_config(tmp_path, steps=2, sampling=OffPolicyConfig(staleness=1), run_id="v1files")
@@ -287,9 +288,10 @@ def test_a_replayed_file_ingested_before_its_step_is_held_not_dropped_as_a_previ
     """The SIGKILL test's reference-run race, without the timing: a recorded file of weights 1 read
     while the buffer is still at step 0 is dropped as a previous run's future as recorded, and held
     for step 1 once the replayer stamps it as made now."""
-    from marinrl.storage.format import decode_batch, encode_batch
-    from marinrl.config.replay import ReplayConfig
     from test_replay import batch_of, drops
+
+    from marinrl.config.replay import ReplayConfig
+    from marinrl.storage.format import decode_batch, encode_batch
 
     recorded = encode_batch(batch_of(1, "g", created_at=time.time() - 3600))  # recorded an hour ago
     as_recorded = ReplayBuffer(ReplayConfig(), start_step=0)

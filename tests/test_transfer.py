@@ -17,14 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import GCS_BUCKET, GCS_OPTIONS
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from conftest import GCS_BUCKET, GCS_OPTIONS
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
-from marinrl.transfer.base import ModelSkeleton, VersionId, WeightFormatError, WeightPublishError, WeightUpdate, WeightWaitTimeout
+from marinrl.transfer.base import (
+    ModelSkeleton,
+    VersionId,
+    WeightFormatError,
+    WeightPublishError,
+    WeightUpdate,
+    WeightWaitTimeout,
+)
 from marinrl.transfer.checkpoint import PACKED_NAME, POINTER_NAME, _Root, version_dir_name
-from marinrl.transfer.packed import read_packed, write_packed
 from marinrl.transfer.endpoints import build_client, build_server
+from marinrl.transfer.packed import read_packed, write_packed
 
 
 def _tiny_llama(hidden: int = 32, seed: int = 0):

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
 from conftest import GCS_BUCKET, GCS_OPTIONS
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from test_transfer import _tiny_llama
+
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import ModelSkeleton, WeightFormatError, WeightPublishError
 from marinrl.transfer.checkpoint import DELTA_NAME, PACKED_NAME, SNAPSHOT_REQUEST_PREFIX, _Root
@@ -29,9 +30,8 @@ from marinrl.transfer.delta import (
     array_crc,
     encode_array,
 )
-from marinrl.transfer.packed import read_packed_meta, write_packed
-from test_transfer import _tiny_llama
 from marinrl.transfer.endpoints import build_client, build_server
+from marinrl.transfer.packed import read_packed_meta, write_packed
 
 
 def as_dtype(model, dtype):

@@ -2,8 +2,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from factories import make_batch, make_rollout
+
 from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata, RolloutValidationError
 
 

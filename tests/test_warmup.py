@@ -4,15 +4,15 @@ InferenceServer, the echo environment, filesystem weight transfer, a RolloutWrit
 
 from __future__ import annotations
 
+import faulty_envs
+
+from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
+from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.envs.toy import EchoEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.sampler import compiled_shapes
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
-from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.rollout.worker import RolloutWorker
-from marinrl.config.transfer import FilesystemTransferConfig
-
-import faulty_envs
 from marinrl.transfer.endpoints import build_server
 
 LESSON = "echo-warm"

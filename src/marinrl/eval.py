@@ -33,13 +33,12 @@ import numpy as np
 import yaml
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
-from marinrl.envs.base import Env, with_endpoint_if_needed
 from marinrl.config.env import EnvConfig
-from marinrl.config.server import InferenceServerConfig
-from marinrl.models.policy_model import MODEL_CONFIG_FILE
 from marinrl.config.model import ModelConfig
-from marinrl.envs.base import make_env
+from marinrl.config.server import InferenceServerConfig
+from marinrl.envs.base import Env, make_env, with_endpoint_if_needed
 from marinrl.inference.context import lesson_sampling
+from marinrl.models.policy_model import MODEL_CONFIG_FILE
 
 logger = logging.getLogger(__name__)
 

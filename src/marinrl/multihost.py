@@ -41,6 +41,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from marinrl.config.checks import require_at_least
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["PEER_LOST_EXIT_CODE", "ProcessGroupConfig", "Cohort", "current_cohort", "initialize", "finish"]

@@ -58,7 +58,7 @@ class BatchingConfig:
             raise ValueError(f"BatchingConfig.attention_break_even must be >= 1 (or null), got "
                              f"{self.attention_break_even}")
 
-    def for_model(self, hidden_dim: int | None) -> "BatchingConfig":
+    def for_model(self, hidden_dim: int | None) -> BatchingConfig:
         """This config with `attention_break_even` set from the model's hidden size, unless the user set it."""
         if self.attention_break_even is not None or not hidden_dim:
             return self

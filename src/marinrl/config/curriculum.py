@@ -7,7 +7,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from marinrl.config.env import EnvConfig
 

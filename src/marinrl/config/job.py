@@ -8,22 +8,28 @@ import dataclasses
 import logging
 from typing import Optional
 
-from marinrl.config.curriculum import CurriculumConfig
-from marinrl.config.inflight import InflightConfig
-from marinrl.config.server import InferenceServerConfig
-from marinrl.config.lora import LoraRLConfig
-from marinrl.config.model import ModelConfig
-from marinrl.config.policies import PolicyConfig, check_policies
-from marinrl.config.placement import PlacementConfig
-from marinrl.config.errors import ConfigError
 from marinrl.config.batching import BatchingConfig
+from marinrl.config.curriculum import CurriculumConfig
+from marinrl.config.errors import ConfigError
+from marinrl.config.inflight import InflightConfig
+from marinrl.config.lora import LoraRLConfig
 from marinrl.config.loss import LossConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.placement import PlacementConfig
+from marinrl.config.policies import PolicyConfig, check_policies
 from marinrl.config.replay import ReplayConfig
-from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
+from marinrl.config.server import InferenceServerConfig
+from marinrl.config.trainer import (
+    JobOptimizerConfig,
+    JobTrainerConfig,
+    RLAdamConfig,
+    check_optimizer_ranges,
+    check_trainer_ranges,
+    parse_mp,
+)
 from marinrl.config.trainer_group import TrainerGroupConfig
-from marinrl.config.trainer import (JobOptimizerConfig, JobTrainerConfig, RLAdamConfig, check_optimizer_ranges,
-                                          check_trainer_ranges, parse_mp)
 from marinrl.config.transfer import WeightTransferConfig
+from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 
 logger = logging.getLogger(__name__)
 

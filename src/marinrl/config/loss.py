@@ -138,7 +138,7 @@ class LossConfig:
         return self.kl_beta != 0.0
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "LossConfig":
+    def preset(cls, name: str, **overrides: Any) -> LossConfig:
         """A named preset of `LOSS_PRESETS`, with fields overridden by keyword (e.g. `max_response_tokens=512`)."""
         if name not in LOSS_PRESETS:
             raise ValueError(f"unknown loss preset {name!r}; expected one of {sorted(LOSS_PRESETS)}")

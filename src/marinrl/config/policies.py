@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
+from marinrl.config.errors import ConfigError
 from marinrl.config.lora import LoraRLConfig
+from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
-from marinrl.config.errors import ConfigError
-from marinrl.config.loss import LossConfig
 from marinrl.config.trainer import JobOptimizerConfig
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.types import DEFAULT_POLICY
@@ -61,12 +61,12 @@ class PolicyConfig:
         return [f for f in ("model", "optimizer", "loss", "placement") if getattr(self, f) is not None]
 
 
-def policy_names(job: "RLJobConfig") -> tuple[str, ...]:
+def policy_names(job: RLJobConfig) -> tuple[str, ...]:
     """The policies the job trains: the keys of `policies`, or the one default policy."""
     return tuple(job.policies) if job.policies else (DEFAULT_POLICY,)
 
 
-def check_policies(job: "RLJobConfig") -> None:
+def check_policies(job: RLJobConfig) -> None:
     """Raises ConfigError naming the first bad `policies.<name>.<field>` (or `lora`)."""
     policies = job.policies
     if not policies:
@@ -110,7 +110,7 @@ def check_policies(job: "RLJobConfig") -> None:
         _check_policy_models(job, models)
 
 
-def _check_policy_models(job: "RLJobConfig", models: tuple["PolicyModel", ...]) -> None:
+def _check_policy_models(job: RLJobConfig, models: tuple[PolicyModel, ...]) -> None:
     """What a job of several policy models cannot do (yet), named before anything starts."""
     first = models[0]
     for m in models[1:]:
@@ -141,10 +141,10 @@ class PolicyModel:
 
     name: str
     policies: tuple[str, ...]
-    job: "RLJobConfig"
+    job: RLJobConfig
 
 
-def policy_models(job: "RLJobConfig") -> tuple[PolicyModel, ...]:
+def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
     """The models the job trains, the first one holding the shared policies (if any) and the curriculum's
     clock: one for a job without `policies:`, one policy, or only shared policies (the job itself); else
     one for the shared policies together and one per `lora` or `full` policy."""
@@ -158,7 +158,7 @@ def policy_models(job: "RLJobConfig") -> tuple[PolicyModel, ...]:
     return tuple(PolicyModel(name, members, _model_job(job, name, policy)) for name, members, policy in groups)
 
 
-def _model_job(job: "RLJobConfig", name: str, policy: PolicyConfig) -> "RLJobConfig":
+def _model_job(job: RLJobConfig, name: str, policy: PolicyConfig) -> RLJobConfig:
     lora = (policy.lora or LoraRLConfig()) if policy.specialization == "lora" else None
     weights = job.weights
     if weights is not None:
@@ -179,14 +179,14 @@ def _weights_of(weights, name: str):
                                  "model; use {type: filesystem} or {type: ray}")
 
 
-def resolve_policies(job: "RLJobConfig") -> "RLJobConfig":
+def resolve_policies(job: RLJobConfig) -> RLJobConfig:
     """The job with its single policy's model, optimizer, loss and adapters as the job's own (what the
     trainer and the rollout workers read); unchanged without `policies:` or with several (shared)."""
     check_policies(job)
     return _resolved(job)
 
 
-def _resolved(job: "RLJobConfig") -> "RLJobConfig":
+def _resolved(job: RLJobConfig) -> RLJobConfig:
     if len(job.policies) != 1:
         return job
     (policy,) = job.policies.values()

@@ -14,7 +14,6 @@ from marinrl.train.replay.sampling import OffPolicyConfig, SamplingConfig
 from marinrl.train.replay.staleness import TOKEN_VERSION_REDUCTIONS, TokenVersionReduction
 from marinrl.types import RolloutGroup
 
-
 RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 """Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
 trainable)` where `trainable[i] = False` keeps rollout i in its group's baseline but trains none of its

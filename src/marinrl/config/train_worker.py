@@ -30,7 +30,7 @@ class TrainWorkerConfig:
         default_factory=lambda: FilesystemTransferConfig(root="runs/default/weights"))
     """How new weights reach the rollout workers."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    trainer: Optional["TrainerConfig"] = None
+    trainer: Optional[TrainerConfig] = None
     """Levanter's trainer (None: `levanter_configs.cpu_trainer_config()`, one for a laptop CPU): mesh, batch size (`train_batch_size` rows = groups_per_step × samples
     per prompt), `num_train_steps`, microbatching (`per_device_parallelism`), checkpointer, tracker."""
     optimizer: Any = dataclasses.field(default_factory=RLAdamConfig)

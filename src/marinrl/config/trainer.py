@@ -16,7 +16,7 @@ tests/test_layers.py checks every mirrored field against Levanter's class.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional, Tuple, Union
+from typing import ClassVar, Optional, Union
 
 import draccus
 
@@ -132,7 +132,7 @@ class JobTrainerConfig:
 
     mp: str = "f32"
     """Mixed precision as jmp reads it: `p=f32,c=bfloat16` keeps float32 masters and computes in bfloat16."""
-    tracker: Union[TrackerConfig, Tuple[TrackerConfig, ...]] = dataclasses.field(
+    tracker: Union[TrackerConfig, tuple[TrackerConfig, ...]] = dataclasses.field(
         default_factory=lambda: (JsonLoggerTracker(), TensorboardTracker()))
     """marinrl: JSON (read by `marinrl report`) and TensorBoard under `<run_dir>/tensorboard/trainer`. Add
     `{type: wandb, project: …}` for Weights & Biases."""

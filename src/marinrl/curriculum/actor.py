@@ -13,8 +13,8 @@ from typing import Any, Optional, Sequence
 import fsspec
 import numpy as np
 
-from marinrl.curriculum.lessons import Curriculum
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.curriculum.lessons import Curriculum
 from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,7 @@ class ModelDims:
     """The LM head is the embedding matrix (counted once in the parameters, used as a matmul)."""
 
     @classmethod
-    def of(cls, model_config, vocab_size: int) -> "ModelDims":
+    def of(cls, model_config, vocab_size: int) -> ModelDims:
         head = (getattr(model_config, "actual_head_size", None) or getattr(model_config, "head_dim", None)
                 or model_config.hidden_dim // model_config.num_heads)
         return cls(hidden=model_config.hidden_dim, intermediate=model_config.intermediate_dim,

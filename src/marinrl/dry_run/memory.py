@@ -50,11 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from marinrl.config.trainer import parse_mp
 from marinrl.dry_run.flops import ModelDims
 from marinrl.inference.levanter_engine import resolved_engine_config
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
-from marinrl.config.trainer import parse_mp
 
 Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)

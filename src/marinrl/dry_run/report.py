@@ -10,10 +10,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from marinrl.config.checks import require_at_least
 import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
 import marinrl.dry_run.programs as programs
+from marinrl.config.checks import require_at_least
 from marinrl.dry_run.memory import GiB
 from marinrl.levanter_configs import to_levanter
 

@@ -362,7 +362,7 @@ class OpenAIAgentEnv:
             grade = result if isinstance(result, Grade) else Grade(reward=_reward(result))
             out.grade = grade
             out.status, out.segments, out.temperature = "ok", *self._usable(episode)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             out.status = "timed_out"
             logger.warning("%s: episode of problem %d cut after %.1f s", self.env_name, problem_index,
                            self.config.episode_timeout)

@@ -37,7 +37,15 @@ from typing import Any, Mapping, Optional
 import numpy as np
 
 from marinrl.config.checks import require_above, require_at_least
-from marinrl.envs.base import Mode, check_sample_args, completion_text, encode_prompt, new_group_id, optional_package, register_env
+from marinrl.envs.base import (
+    Mode,
+    check_sample_args,
+    completion_text,
+    encode_prompt,
+    new_group_id,
+    optional_package,
+    register_env,
+)
 from marinrl.envs.episode import EpisodeRecord, episode_metrics, episode_rollout
 from marinrl.envs.openai_env import _run_coroutine
 from marinrl.inference.context import InferenceContext, SamplingParams
@@ -227,9 +235,9 @@ class OpenEnvEnv:
         action = {**dict(cfg.action_args), cfg.action_field: s.record.actions[-1]}
         try:
             if left <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             result = await asyncio.wait_for(s.client.step(action), timeout=min(left, cfg.request_timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             s.status = "timed_out" if left <= cfg.request_timeout else "failed"  # the episode's clock, or the step's
             logger.warning("%s: an episode's step timed out (%s)", self.env_name, s.status)
             return

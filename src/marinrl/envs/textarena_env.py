@@ -31,8 +31,17 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from marinrl.envs.base import (Mode, Problem, check_sample_args, completion_text, encode_prompt, make_rollout,
-                               new_group_id, optional_package, register_env)
+from marinrl.envs.base import (
+    Mode,
+    Problem,
+    check_sample_args,
+    completion_text,
+    encode_prompt,
+    make_rollout,
+    new_group_id,
+    optional_package,
+    register_env,
+)
 from marinrl.envs.multiagent import Agent
 from marinrl.inference.context import InferenceContext, SamplingParams
 from marinrl.rollout.policy_router import policy_context

@@ -13,6 +13,7 @@ import numpy as np
 
 from marinrl.config.checks import require_at_least
 
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How to sample one turn. `temperature == 0` is greedy."""
@@ -44,7 +45,7 @@ class Generation:
     """int64 weight step of the weights that sampled each new token, when the server swapped weights in
     flight (`InferenceServer.inflight_updates`); None: all by the weights the call began with."""
 
-    def truncated(self, k: int) -> "Generation":
+    def truncated(self, k: int) -> Generation:
         """The first `k` tokens, finish_reason "length" (a prefix's logprobs do not depend on what follows)."""
         steps = None if self.weight_steps is None else np.asarray(self.weight_steps)[:k]
         return Generation(np.asarray(self.tokens)[:k], np.asarray(self.logprobs)[:k], "length", steps)

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marinrl.config.inflight import INFLIGHT_KV, InflightKV
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.decoder import cache_layout, forward, pack_layer
-from marinrl.config.inflight import INFLIGHT_KV, InflightKV
+
 
 @dataclasses.dataclass
 class WeightSwaps:

@@ -25,6 +25,7 @@ from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Re
 from levanter.inference.jit_scheduler import SeqDecodingParams
 
 from marinrl.config.server import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 

@@ -34,14 +34,14 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionTokenLogprob
-from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, ConfigDict
 
@@ -64,7 +64,7 @@ class TokenRequest:
     """The prompt's position in its HTTP request: sample j depends on (seed, index, j) only."""
 
 
-GenerateFn = Callable[[Sequence[TokenRequest]], List[List[Generation]]]
+GenerateFn = Callable[[Sequence[TokenRequest]], list[list[Generation]]]
 """Samples of each request, in order; raises ValueError (naming the problem) for a request it cannot serve."""
 
 
@@ -76,16 +76,16 @@ class _Request(BaseModel):
     temperature: float = 1.0
     top_p: Optional[float] = None
     n: int = 1
-    stop: Optional[Union[str, List[str]]] = None
+    stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     stream: Optional[bool] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None
 
 
 class CompletionRequest(_Request):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None
     echo: Optional[bool] = None
     best_of: Optional[int] = None
@@ -95,11 +95,11 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
 
 
 class ChatCompletionRequest(_Request):
-    messages: List[ChatMessage]
+    messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -225,7 +225,7 @@ class OpenAIEndpoint:
         """The key every request (but `/health`) must send as `Authorization: Bearer <key>`."""
         return self._api_key
 
-    def start(self) -> "OpenAIEndpoint":
+    def start(self) -> OpenAIEndpoint:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+
 from marinrl.inference.decoder import cache_layout, constrain, forward, pack_layer
 from marinrl.inference.sampler_families import check_window, sampler_family
 from marinrl.inference.sharding import DATA

@@ -27,15 +27,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from marinrl.config.inflight import InflightConfig
+from marinrl.config.model import ModelConfig
+from marinrl.config.server import InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.inflight import WeightSwaps
-from marinrl.config.inflight import InflightConfig
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
-from marinrl.config.server import InferenceServerConfig
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
-from marinrl.config.model import ModelConfig
 from marinrl.models.policy_model import abstract_model, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -79,14 +79,14 @@ class InferenceServer:
     @classmethod
     def from_model_config(
         cls, config: InferenceServerConfig, model_config: ModelConfig, *, weight_step: int = 0
-    ) -> "InferenceServer":
+    ) -> InferenceServer:
         """A server for the model and tokenizer `model_config` describes (not started)."""
         return cls(config, load_served_model(model_config, config, dtype=config.dtype), build_tokenizer(model_config),
                    weight_step=weight_step)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "InferenceServer":
+    def start(self) -> InferenceServer:
         """Build the engine (if anything uses it) and start the endpoint. Returns self."""
         if self._started:
             return self
@@ -126,7 +126,7 @@ class InferenceServer:
         self._engine = None
         self._started = False
 
-    def __enter__(self) -> "InferenceServer":
+    def __enter__(self) -> InferenceServer:
         self.start().wait_until_ready()
         return self
 

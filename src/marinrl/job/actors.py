@@ -15,13 +15,13 @@ import psutil
 import ray
 
 from marinrl import program_audit
+from marinrl.config.job import RLJobConfig
+from marinrl.config.policies import policy_models
 from marinrl.curriculum.actor import CurriculumClient
 from marinrl.envs.base import make_env, with_endpoint_if_needed
 from marinrl.inference.context import lesson_sampling
-from marinrl.config.job import RLJobConfig
 from marinrl.job.plan import rollout_worker_config
 from marinrl.logs import log_to_file
-from marinrl.config.policies import policy_models
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ def actor_env(compilation_cache: Optional[str] = None) -> dict[str, str]:
 
 @ray.remote(max_concurrency=2)
 class TrainerActor:
-    def __init__(self, plan: Callable[[], "TrainWorkerConfig"], curriculum_name: Optional[str], namespace: Optional[str],
+    def __init__(self, plan: Callable[[], TrainWorkerConfig], curriculum_name: Optional[str], namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer"):
         """`plan` derives the trainer's config here, in the actor (`job_plan.train_worker_config`: it imports
         Levanter, which the driver never does). `curriculum_name` None: a trainer that does not keep the

@@ -10,9 +10,9 @@ import dataclasses
 from typing import TYPE_CHECKING, Optional
 
 from marinrl.config.job import RLJobConfig
+from marinrl.config.policies import policy_models, policy_names
 from marinrl.job.placement import joins_jax_distributed
 from marinrl.levanter_configs import levanter_trainer, to_levanter
-from marinrl.config.policies import policy_models, policy_names
 
 if TYPE_CHECKING:
     from marinrl.config.rollout_worker import RolloutWorkerConfig
@@ -34,7 +34,7 @@ def trainer_config(job: RLJobConfig):
     return dataclasses.replace(config, distributed=DistributedConfig(initialize_jax_distributed=False))
 
 
-def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> "TrainWorkerConfig":
+def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> TrainWorkerConfig:
     """The trainer's config; `policies`: those its model plays (default: every policy of the job)."""
     from marinrl.config.train_worker import TrainWorkerConfig
 
@@ -49,7 +49,7 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
         audit_root=f"{job.run_dir}/trained")
 
 
-def rollout_worker_config(job: RLJobConfig, index: int) -> "RolloutWorkerConfig":
+def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
     """Rollout worker `index`'s config: its share of each step's groups, its seed, a stream per policy model."""
     from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 

@@ -26,15 +26,15 @@ from marinrl.models.tokenizers import byte_tokenizer_errors
 
 if TYPE_CHECKING:
     from marinrl.config.curriculum import CurriculumConfig
-    from marinrl.job.rl_job import RLJobConfig
     from marinrl.config.model import ModelConfig
+    from marinrl.job.rl_job import RLJobConfig
 
 logger = logging.getLogger(__name__)
 
 HF_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
-def check_job(config: "RLJobConfig") -> None:
+def check_job(config: RLJobConfig) -> None:
     """Everything about `config` that can be known before Ray starts; raises the first ConfigError."""
     from marinrl.config.policies import policy_models, policy_names
 
@@ -53,7 +53,7 @@ def check_job(config: "RLJobConfig") -> None:
     check_writable(config.run_dir, "run_root")
 
 
-def check_policy_model(config: "RLJobConfig") -> None:
+def check_policy_model(config: RLJobConfig) -> None:
     """The optimizer, model, adapters and row length of one trained model (`marinrl/config/policies.py`)."""
     check_optimizer(config)
     seq_len = check_model(config.model)
@@ -64,7 +64,7 @@ def check_policy_model(config: "RLJobConfig") -> None:
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
 
 
-def check_optimizer(config: "RLJobConfig") -> None:
+def check_optimizer(config: RLJobConfig) -> None:
     """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
     unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
     if getattr(type(config.optimizer), "LEVANTER", ""):  # marinrl's AdamW: checked purely (config/trainer.py)
@@ -75,7 +75,7 @@ def check_optimizer(config: "RLJobConfig") -> None:
         raise ConfigError("optimizer", _one_line(e)) from e
 
 
-def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequence[str]] = None) -> None:
+def check_environments(curriculum: CurriculumConfig, policies: Optional[Sequence[str]] = None) -> None:
     """Resolve and construct every lesson's environment once: an unknown name, arguments its
     constructor rejects or a missing data file fail here instead of in every rollout call; so does an
     environment whose agents play a policy not in `policies` (the job's: `marinrl/config/policies.py`)."""
@@ -105,7 +105,7 @@ def check_environments(curriculum: "CurriculumConfig", policies: Optional[Sequen
                                                "model)")
 
 
-def check_model(model: "ModelConfig") -> Optional[int]:
+def check_model(model: ModelConfig) -> Optional[int]:
     """The model's architecture and tokenizer load (its weights are not read). Returns the model's
     number of positions when known (the longest row a training batch may have)."""
     seq_len: Optional[int] = getattr(model.model, "seq_len", None)
@@ -166,7 +166,7 @@ def check_writable(url: str, field: str) -> None:
 # ------------------------------------------------------------------------------------ models
 
 
-def check_lora(config: "RLJobConfig") -> None:
+def check_lora(config: RLJobConfig) -> None:
     """The LoRA block against the model's architecture (shapes only): its regex must adapt a module."""
     from marinrl.models.lora import check_targets
 
@@ -238,7 +238,7 @@ def _check_hf_checkpoint(path: str) -> tuple[Optional[int], Optional[int]]:
     return getattr(lev_config, "seq_len", None), raw.get("vocab_size")
 
 
-def _check_levanter_checkpoint(path: str, model: "ModelConfig") -> tuple[Optional[int], Optional[int]]:
+def _check_levanter_checkpoint(path: str, model: ModelConfig) -> tuple[Optional[int], Optional[int]]:
     from levanter.checkpoint import discover_latest_checkpoint
 
     from marinrl.models.policy_model import _read_model_config
@@ -260,7 +260,7 @@ def _check_levanter_checkpoint(path: str, model: "ModelConfig") -> tuple[Optiona
     return getattr(lm_config, "seq_len", None), vocab_size
 
 
-def _load_tokenizer(model: "ModelConfig") -> Any:
+def _load_tokenizer(model: ModelConfig) -> Any:
     from marinrl.models.policy_model import build_tokenizer
 
     field = "model.tokenizer" if model.tokenizer else ("model.hf_checkpoint" if model.hf_checkpoint

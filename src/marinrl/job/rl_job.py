@@ -20,18 +20,18 @@ from typing import Any, Optional
 
 import ray
 
-from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
-from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
-from marinrl.logs import local_log_dir, log_actor_to_file
-from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
-from marinrl.config.policies import policy_models, resolve_policies
 from marinrl.config.errors import ConfigError  # noqa: F401  (raised by RLJob(config))
+from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
+from marinrl.config.policies import policy_models, resolve_policies
+from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
+from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
+from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
+from marinrl.job.plan import train_worker_config
 from marinrl.job.preflight import check_job
-from marinrl.rollout.errors import EnvironmentFailedError
 from marinrl.job.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.job.trainer_group import TrainerGroup, TrainerGroupDied
-from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
-from marinrl.job.plan import train_worker_config
+from marinrl.logs import local_log_dir, log_actor_to_file
+from marinrl.rollout.errors import EnvironmentFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ class Lease:
         return json.dumps({"format_version": LEASE_FORMAT_VERSION, **dataclasses.asdict(self)}).encode()
 
     @staticmethod
-    def from_json(data: bytes, where: str) -> "Lease":
+    def from_json(data: bytes, where: str) -> Lease:
         try:
             raw = json.loads(data)
             fields = {f.name for f in dataclasses.fields(Lease)}
@@ -94,7 +94,7 @@ class Lease:
             raise ValueError(f"{where}: not a run lease ({type(e).__name__}: {e})") from e
 
     def describe(self, now: float) -> str:
-        since = datetime.datetime.fromtimestamp(self.started_at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        since = datetime.datetime.fromtimestamp(self.started_at, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return f"host {self.host}, pid {self.pid}, since {since} (renewed {max(0.0, now - self.renewed_at):.0f} s ago)"
 
 
@@ -236,7 +236,7 @@ class RunLock:
             logger.warning("releasing the run lease %s failed: %r", self.location, e)
         self._lease = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.acquire()
         return self
 

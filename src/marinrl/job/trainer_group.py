@@ -29,11 +29,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marinrl import multihost
-from marinrl.curriculum.actor import CurriculumClient
-from marinrl.logs import log_to_file
 from marinrl.config.placement import PlacementConfig, tpu_head_resource
-from marinrl.job.placement import bundles, ray_options
 from marinrl.config.trainer_group import TrainerGroupConfig
+from marinrl.curriculum.actor import CurriculumClient
+from marinrl.job.placement import bundles, ray_options
+from marinrl.logs import log_to_file
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,14 @@ import time
 import equinox as eqx
 import haliax as hax
 import jax
-from levanter.lora import LoraConfig, LoraLinear, filter_lora_params, is_lora_param, loraize
-from levanter.lora import lora_trainable_params_filter
+from levanter.lora import (
+    LoraConfig,
+    LoraLinear,
+    filter_lora_params,
+    is_lora_param,
+    lora_trainable_params_filter,
+    loraize,
+)
 from levanter.utils.jax_utils import leaf_key_paths
 
 from marinrl.config.errors import ConfigError

@@ -27,11 +27,11 @@ from levanter.checkpoint import discover_latest_checkpoint, load_checkpoint, sav
 from levanter.models.lm_model import LmConfig, LmHeadModel
 from transformers import PreTrainedTokenizerBase
 
+from marinrl.config.model import ModelConfig
+from marinrl.levanter_configs import to_levanter
 from marinrl.models.hf_checkpoints import default_mesh as _default_mesh
 from marinrl.models.hf_checkpoints import has_tokenizer as _has_tokenizer
 from marinrl.models.hf_checkpoints import load_hf_checkpoint
-from marinrl.levanter_configs import to_levanter
-from marinrl.config.model import ModelConfig
 from marinrl.models.tokenizers import byte_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)

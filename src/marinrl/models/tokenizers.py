@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-
 from typing import TYPE_CHECKING
 
 import fsspec
@@ -46,7 +45,7 @@ def byte_tokenizer_errors(vocab_size: int) -> str | None:
     return None
 
 
-def byte_tokenizer(vocab_size: int = 512) -> "PreTrainedTokenizerFast":
+def byte_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level `PreTrainedTokenizerFast`: token id = byte value for ids 0..255, then BOS, EOS, PAD
     and the role markers, then reserved tokens up to `vocab_size`. Built offline in milliseconds."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -79,7 +78,7 @@ def byte_tokenizer(vocab_size: int = 512) -> "PreTrainedTokenizerFast":
     return tok
 
 
-def load_tokenizer(path: str) -> "PreTrainedTokenizerBase":
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load a Hugging Face tokenizer from a local directory or an fsspec URL (gs://, file://, ...).
 
     Never contacts a hub: a path that does not exist raises FileNotFoundError naming it."""
@@ -95,7 +94,7 @@ def load_tokenizer(path: str) -> "PreTrainedTokenizerBase":
     return _load_local_tokenizer(path.removeprefix("file://"), shown_as=path)
 
 
-def _load_local_tokenizer(path: str, *, shown_as: str) -> "PreTrainedTokenizerBase":
+def _load_local_tokenizer(path: str, *, shown_as: str) -> PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory not found: {shown_as}")
     if not any(os.path.exists(os.path.join(path, f)) for f in TOKENIZER_FILES):

@@ -30,7 +30,6 @@ from marinrl.report.sources import (  # noqa: F401  (read_*: part of this module
     read_rollouts,
 )
 
-
 MISMATCH_METRICS = ("abs_logprob_mean", "abs_logprob_max", "k3_kl", "tis_clipped_frac", "mis_masked_frac")
 """The loss's `mismatch/*` metrics (marinrl/train/mismatch.py), logged as `train/mismatch/<name>`."""
 

@@ -14,8 +14,8 @@ from typing import Callable, Literal, Mapping, Optional, Protocol
 
 import numpy as np
 
-from marinrl.inference.context import SamplingParams
 from marinrl.envs.base import COUNTERS, Env, safe_sample
+from marinrl.inference.context import SamplingParams
 from marinrl.logs import ENV_ERRORS
 from marinrl.types import RolloutBatch, RolloutMetadata
 

@@ -44,7 +44,7 @@ class DryRunContext:
                  seed: int) -> list[list[Generation]]:
         return self._server.generate_dry(prompts, n, sampling, seed)
 
-    def for_policy(self, policy: str) -> "DryRunContext":
+    def for_policy(self, policy: str) -> DryRunContext:
         """The dry run of `policy`'s model (several policy models: `marinrl/rollout/policy_router.py`)."""
         route = getattr(self._server, "for_policy", None)
         return self if route is None else DryRunContext(route(policy))

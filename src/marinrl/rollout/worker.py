@@ -23,20 +23,20 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.envs.base import COUNTERS
-from marinrl.storage.fs import RolloutStorageError
 from marinrl.logs import ENV_ERRORS
 from marinrl.models.lora import AdapterMergingClient
 from marinrl.rollout.errors import EnvironmentFailedError
 from marinrl.rollout.policy_router import split_by_model
-from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
+from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.staleness import version_spread_metrics
 from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightWaitTimeout
-from marinrl.types import RolloutBatch
 from marinrl.transfer.endpoints import build_client
+from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from typing import Optional
 
 import fsspec
 
+
 class Store:
     """Reads and conditionally writes one small object; `token` identifies the version read."""
 

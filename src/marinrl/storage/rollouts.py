@@ -18,8 +18,8 @@ from typing import Iterable
 
 import numpy as np
 
-from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, RolloutStorageError, list_names, open_root, with_retries
 from marinrl.storage.format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
+from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, RolloutStorageError, list_names, open_root, with_retries
 from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from levanter.trainer import Trainer
 
-from marinrl.models import lora as lora_rl
 from marinrl.config.model import ModelConfig
+from marinrl.models import lora as lora_rl
 from marinrl.models.policy_model import build_model, init_model, model_architecture
 
 

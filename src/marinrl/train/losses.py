@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from haliax import NamedArray
 from levanter.models.lm_model import LmHeadModel
 
-from marinrl.train.batching import TrainingBatch
 from marinrl.config.loss import (  # noqa: F401  (re-exported)
     LOSS_PRESETS,
     Correction,
@@ -51,6 +50,7 @@ from marinrl.config.loss import (  # noqa: F401  (re-exported)
     RatioLevel,
     describe,
 )
+from marinrl.train.batching import TrainingBatch
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.policy_forward import policy_forward, token_logprobs  # noqa: F401  (re-exported)
 

@@ -30,22 +30,35 @@ from levanter.metrics import Metric, ReductionType
 from levanter.trainer import Trainer
 
 from marinrl import multihost, program_audit
-from marinrl.models import lora as lora_rl
+from marinrl.config.loss import LossConfig
+from marinrl.config.replay import overlong_reward_fn
+from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.levanter_configs import cpu_trainer_config, to_levanter
+from marinrl.models import lora as lora_rl
 from marinrl.startup import StartupClock
 from marinrl.storage.rollouts import RolloutReader
 from marinrl.train.audit import AuditTrail, new_trainer_id
 from marinrl.train.batching import TrainingBatch, row_alignment
+from marinrl.train.checkpoints import (
+    SIDECAR,
+    StepFolder,
+    apply_retention,
+    bound_restore_memory,
+    load_newest,
+    read_sidecar,
+    release_host_memory,
+    remove_folder,
+)
 from marinrl.train.cohort_batch import next_batch
-from marinrl.train.initial_weights import (CheckpointWeights, build_reference, fresh_model_init,
-                                           is_initial_policy, resume_model_init)
-from marinrl.train.checkpoints import (SIDECAR, StepFolder, apply_retention, bound_restore_memory, load_newest,
-                                       read_sidecar, release_host_memory, remove_folder)
-from marinrl.config.loss import LossConfig
+from marinrl.train.initial_weights import (
+    CheckpointWeights,
+    build_reference,
+    fresh_model_init,
+    is_initial_policy,
+    resume_model_init,
+)
 from marinrl.train.losses import describe, rl_loss, token_logprobs
 from marinrl.train.replay.buffer import ReplayBuffer
-from marinrl.config.replay import overlong_reward_fn
-from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.transfer.base import cast_for_publish
 from marinrl.transfer.endpoints import build_server
 
@@ -275,7 +288,7 @@ class TrainWorker:
     def _program_constants(trainer: Trainer, state, step_input, ref_fn, ref_model) -> int:
         """The largest constant bytes of this trainer's programs: the train step and the reference's
         logprobs (docs/models.md, "Loading": weights are arguments, never constants)."""
-        step = getattr(trainer, "_jit_train_step_fn_no_hook")  # what `trainer.train_step` runs without hooks
+        step = trainer._jit_train_step_fn_no_hook  # what `trainer.train_step` runs without hooks
         sizes = [program_audit.constant_bytes(step, state, (step_input,), {})]
         if ref_model is not None:
             sizes.append(program_audit.constant_bytes(ref_fn, ref_model, step_input.batch))

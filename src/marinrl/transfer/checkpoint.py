@@ -34,8 +34,8 @@ from jax.experimental.array_serialization.serialization import GlobalAsyncCheckp
 from levanter.tensorstore_serialization import tree_serialize_leaves_tensorstore
 
 from marinrl import multihost
-from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
 from marinrl.config.transfer import FilesystemTransferConfig
+from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, list_names, open_root, with_retries
 from marinrl.transfer.base import (
     VersionId,
     WeightFormatError,

@@ -4,8 +4,8 @@ built here, where importing them costs nothing extra (docs/architecture.md, "Lay
 
 from __future__ import annotations
 
-from marinrl.transfer.base import WeightTransferClient, WeightTransferServer
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig, WeightTransferConfig
+from marinrl.transfer.base import WeightTransferClient, WeightTransferServer
 
 
 def build_server(config: WeightTransferConfig) -> WeightTransferServer:

@@ -29,15 +29,15 @@ from typing import Callable, Collection, Iterable, Sequence
 
 import numpy as np
 
+from marinrl.config.replay import ReplayConfig, RewardFn
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.train.advantages import AdvantageKind, advantage_scale, group_advantages
 from marinrl.train.replay.filters import ScoredGroup
-from marinrl.config.replay import ReplayConfig, RewardFn
 from marinrl.train.replay.groups import BufferedGroup, ReplaySample, SampledGroup
 from marinrl.train.replay.ingest import UnknownPolicyError, prepare_batch  # noqa: F401  (UnknownPolicyError: API)
 from marinrl.train.replay.report import ReplayReporting
-from marinrl.train.replay.state import ReplayCheckpointing, file_key
 from marinrl.train.replay.staleness import StalenessWindow, group_weight_step, newest_weight_step
+from marinrl.train.replay.state import ReplayCheckpointing, file_key
 from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)

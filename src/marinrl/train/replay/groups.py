@@ -7,8 +7,8 @@ import dataclasses
 
 import numpy as np
 
-from marinrl.train.advantages import token_advantages
 from marinrl.config.batching import BatchingConfig
+from marinrl.train.advantages import token_advantages
 from marinrl.train.batching import TrainingBatch, make_training_batch
 from marinrl.train.replay.staleness import version_spread_metrics
 from marinrl.types import Rollout, RolloutGroup

@@ -11,8 +11,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from marinrl.train.replay.filters import GroupFilterConfig, ScoredGroup
 from marinrl.config.replay import RewardFn
+from marinrl.train.replay.filters import GroupFilterConfig, ScoredGroup
 from marinrl.types import RolloutBatch, RolloutGroup
 
 logger = logging.getLogger(__name__)
