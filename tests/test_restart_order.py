@@ -19,7 +19,7 @@ from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.rollout.worker import RolloutWorker
 from marinrl.storage.rollouts import summarize
-from marinrl.transfer.endpoints import build_server
+from marinrl.transfer.endpoints import build_client, build_server
 
 DEADLINE_S = 120.0
 
@@ -47,7 +47,8 @@ def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None):
     config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=1,
                                  n_generations=2, max_staleness=0, final_step=final_step, eval_every=0,
                                  eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
-    return RolloutWorker(config, manager, OneLesson(lesson), worker_id="w0", min_epoch=min_epoch), weights
+    clients = {"policy": build_client(weights, tiny_server.model)}
+    return RolloutWorker(config, manager, OneLesson(lesson), clients=clients, worker_id="w0", min_epoch=min_epoch), weights
 
 
 def _steps_written(tmp_path) -> dict[int, int]:
@@ -86,7 +87,7 @@ def _train_on_policy(trainer, model, thread, tmp_path, steps):
     for s in steps:
         before = _steps_written(tmp_path).get(s, 0)
         trainer.publish(model, s)
-        _until(lambda s=s: _steps_written(tmp_path).get(s, 0) > before, thread, f"a new batch for step {s}")
+        _until(lambda s=s, before=before: _steps_written(tmp_path).get(s, 0) > before, thread, f"a new batch for step {s}")
 
 
 def _publish_final(trainer, model, step: int, thread, outcome) -> dict:

@@ -19,7 +19,7 @@ from marinrl.inference.context import SamplingParams
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.rollout.worker import BACKOFF_FIRST_S, EnvironmentFailedError, RolloutWorker
 from marinrl.storage.rollouts import summarize
-from marinrl.transfer.endpoints import build_server
+from marinrl.transfer.endpoints import build_client, build_server
 
 DEADLINE_S = 120.0
 
@@ -66,7 +66,8 @@ def make_worker(tmp_path, tiny_server, env, *, budget: int, env_name: str = "fau
                                  max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S,
                                  warm_up_sampler=False)  # the calls counted here are the worker's own (test_warmup.py)
     tracker = RecordingTracker()
-    worker = RolloutWorker(config, manager, OneLesson(lesson), worker_id="w0", tracker=tracker)
+    worker = RolloutWorker(config, manager, OneLesson(lesson), clients={"policy": build_client(weights, tiny_server.model)},
+                           worker_id="w0", tracker=tracker)
     return worker, lesson, tracker, publisher
 
 

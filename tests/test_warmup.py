@@ -13,7 +13,7 @@ from marinrl.inference.context import SamplingParams
 from marinrl.inference.sampler import compiled_shapes
 from marinrl.rollout.manager import LessonRuntime, RolloutManager
 from marinrl.rollout.worker import RolloutWorker
-from marinrl.transfer.endpoints import build_server
+from marinrl.transfer.endpoints import build_client, build_server
 
 LESSON = "echo-warm"
 
@@ -50,7 +50,8 @@ def make_worker(tmp_path, server, make_env, **overrides):
                                  n_generations=3, max_staleness=0, final_step=1, eval_examples=5,
                                  weight_timeout_s=120.0, **overrides)
     tracker = CompileWatch(publisher, server.model)
-    return RolloutWorker(config, manager, OneLesson(), worker_id="w0", tracker=tracker), publisher, tracker
+    clients = {"policy": build_client(weights, server.model)}
+    return RolloutWorker(config, manager, OneLesson(), clients=clients, worker_id="w0", tracker=tracker), publisher, tracker
 
 
 def test_after_the_warm_up_the_first_eval_and_batch_compile_nothing(tmp_path, tiny_server):

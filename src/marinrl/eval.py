@@ -302,28 +302,24 @@ def run(prepared: Prepared) -> dict:
     metrics.json holds."""
     from tqdm import tqdm
 
-    from marinrl.inference.server import InferenceServer
-    from marinrl.rollout.manager import LessonRuntime, RolloutManager
+    from marinrl.job.plan import lesson_runtimes, serve
+    from marinrl.rollout.manager import RolloutManager
     from marinrl.storage.rollouts import RolloutWriter
 
     config, step = prepared.config, prepared.weight_step
     model, tokenizer = load_policy(prepared.checkpoint, config)
-    runtimes, lesson_info = {}, {}
-    for lesson in config.lessons:
-        sampling = dataclasses.replace(lesson_sampling(lesson, tokenizer, "eval"),
-                                       temperature=config.temperature_of(lesson),
-                                       max_tokens=config.max_tokens_of(lesson))
-        env = prepared.envs[lesson.lesson_id]
-        runtimes[lesson.lesson_id] = LessonRuntime(make_env=lambda env=env: env, sampling=sampling,
-                                                   eval_sampling=sampling)
-        lesson_info[lesson.lesson_id] = {"env": {"name": lesson.env.name, "args": dict(lesson.env.args)},
-                                         "temperature": sampling.temperature, "max_tokens": sampling.max_tokens}
+    runtimes = lesson_runtimes(config.lessons, tokenizer, envs=prepared.envs, sampling=lambda lesson: dataclasses.replace(
+        lesson_sampling(lesson, tokenizer, "eval"), temperature=config.temperature_of(lesson),
+        max_tokens=config.max_tokens_of(lesson)))
+    lesson_info = {lesson.lesson_id: {"env": {"name": lesson.env.name, "args": dict(lesson.env.args)},
+                                      "temperature": runtimes[lesson.lesson_id].sampling.temperature,
+                                      "max_tokens": runtimes[lesson.lesson_id].sampling.max_tokens}
+                   for lesson in config.lessons}
     writer = RolloutWriter(f"{prepared.output}/{ROLLOUTS_DIR}") if prepared.output else None
     sizes = [min(config.batch_size, config.n_examples - i) for i in range(0, config.n_examples, config.batch_size)]
     inference = with_endpoint_if_needed(config.inference, [lesson.env for lesson in config.lessons])
-    server = InferenceServer(inference, model, tokenizer, weight_step=step).start()
+    server = serve(inference, model, tokenizer, weight_step=step)
     try:
-        server.wait_until_ready()
         manager = RolloutManager(server, runtimes, curriculum=None)
         with tqdm(total=len(sizes) * len(config.lessons), unit="batch", disable=not config.progress) as bar:
             for lesson in config.lessons:

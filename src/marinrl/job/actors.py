@@ -6,21 +6,16 @@ Heavy imports (JAX, Levanter, the inference server) happen in the actors, never 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import pathlib
 from typing import TYPE_CHECKING, Callable, Optional
 
-import psutil
 import ray
 
 from marinrl import program_audit
 from marinrl.config.job import RLJobConfig
-from marinrl.config.policies import policy_models
 from marinrl.curriculum.actor import CurriculumClient
-from marinrl.envs.base import make_env, with_endpoint_if_needed
-from marinrl.inference.context import lesson_sampling
-from marinrl.job.plan import rollout_worker_config
+from marinrl.job.plan import build_rollout_host
 from marinrl.logs import log_to_file
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 
@@ -119,48 +114,26 @@ class RolloutActor:
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         import_tensorboardx_without_torch()  # before its tracker imports it
-        from marinrl.inference.server import InferenceServer, load_served_model
-        from marinrl.models.policy_model import build_tokenizer
-        from marinrl.rollout.manager import LessonRuntime, RolloutManager
-        from marinrl.rollout.policy_router import PolicyRouter
+        from marinrl.rollout.manager import RolloutManager
         from marinrl.rollout.worker import RolloutWorker
 
         if log_dir:  # the root logger: environments' own loggers included
             log_to_file(log_dir, f"rollout-{index}")
 
-        tokenizer = build_tokenizer(job.model)
-        inference = with_endpoint_if_needed(dataclasses.replace(job.inference, dtype=job.rollout_dtype()),
-                                            [lesson.env for lesson in job.curriculum.lessons])
-        models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
-        rss_before_model = psutil.Process().memory_info().rss
-        weights = [load_served_model(m.job.model, inference, dtype=m.job.rollout_dtype()) for m in models]
-        clock.mark("model")
-        servers = {m.name: InferenceServer(inference if k == 0 else dataclasses.replace(inference, serve_http=False),
-                                           w, tokenizer).start() for k, (m, w) in enumerate(zip(models, weights))}
-        for s in servers.values():
-            s.wait_until_ready()
-        server = (servers[models[0].name] if len(models) == 1
-                  else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
-        clock.mark("server")
-        lessons = {
-            lesson.lesson_id: LessonRuntime(make_env=functools.partial(make_env, lesson.env),
-                                            sampling=lesson_sampling(lesson, tokenizer, "train"),
-                                            eval_sampling=lesson_sampling(lesson, tokenizer, "eval"),
-                                            env_name=lesson.env.name)
-            for lesson in job.curriculum.lessons
-        }
+        host = build_rollout_host(job, index, clock)
         curriculum = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
-        manager = RolloutManager(server, lessons, curriculum)
-        self.worker = RolloutWorker(rollout_worker_config(job, index), manager, curriculum,
+        manager = RolloutManager(host.server, host.lessons, curriculum)
+        self.worker = RolloutWorker(host.config, manager, curriculum, clients=host.clients,
                                     worker_id=f"rollout-{index}", tracker=_rollout_tracker(job, index),
                                     startup=clock,  # a previous job's weights on this run are not this trainer's:
                                     min_epoch=None if job_started_at is None else int(job_started_at * 1e9))
-        self._rss_before_model = rss_before_model
+        self._rss_before_model = host.rss_before_model
         self._program_constants = None
         if program_audit.auditing():  # the scan sampler's program; Levanter's engine takes its model as an
             # argument too (swapping `engine.model` never recompiles), so it holds no weights either
-            self._program_constants = max(program_audit.sampler_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)
-                                          for s in servers.values())
+            self._program_constants = max(
+                program_audit.sampler_constant_bytes(s.model, None if s.mesh is None else s.mesh.mesh)
+                for s in host.servers.values())
 
     def run(self) -> dict:
         try:

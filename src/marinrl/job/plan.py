@@ -1,13 +1,22 @@
-"""What each actor of a job gets: the trainer's `TrainWorkerConfig` (with Levanter's `TrainerConfig` and
-optimizer) and each rollout worker's `RolloutWorkerConfig`, derived from an `RLJobConfig`. Runtime, above
-the config layer: the job config itself imports neither workers nor Levanter (docs/architecture.md). The
-workers' modules are imported when a config is derived, in the actor that runs it: the driver stays free of
-JAX and Levanter."""
+"""One builder per role: what the trainer, each rollout host and an offline evaluation are given, built from
+their configs in one place, so that the Ray actors (job/actors.py) and `marinrl eval` (eval.py) are thin
+shells around the same wiring.
+
+- the trainer: `train_worker_config` (with Levanter's `TrainerConfig` and optimizer); the TrainWorker builds
+  its weight server inside Levanter's trainer context;
+- a rollout host: `build_rollout_host` — the tokenizer, one inference server per policy model in the dtype
+  its trainer publishes (behind a `PolicyRouter` when there are several), each lesson's runtime, a weight
+  client per stream, and the `RolloutWorkerConfig`;
+- an offline evaluation: `lesson_runtimes` and `serve`, as a rollout host builds them.
+
+The job config itself imports neither workers nor Levanter (docs/architecture.md, "Layers"); the workers'
+modules are imported when a role is built, in the process that runs it: the driver stays free of JAX and
+Levanter."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from marinrl.config.job import RLJobConfig
 from marinrl.config.policies import policy_models, policy_names
@@ -15,8 +24,15 @@ from marinrl.job.placement import joins_jax_distributed
 from marinrl.levanter_configs import levanter_trainer, to_levanter
 
 if TYPE_CHECKING:
-    from marinrl.config.rollout_worker import RolloutWorkerConfig
+    from marinrl.config.curriculum import LessonConfig
+    from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
+    from marinrl.config.server import InferenceServerConfig
     from marinrl.config.train_worker import TrainWorkerConfig
+    from marinrl.envs.base import Env
+    from marinrl.inference.context import SamplingParams
+    from marinrl.rollout.manager import LessonRuntime
+    from marinrl.startup import StartupClock
+    from marinrl.transfer.base import WeightTransferClient
 
 
 def trainer_config(job: RLJobConfig):
@@ -64,3 +80,108 @@ def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
         micro_eval_examples=job.micro_eval_examples, seed=job.seed * 1000 + index,
         max_consecutive_env_failures=job.max_consecutive_env_failures, warm_up_sampler=job.warm_up_sampler,
         inflight=job.inflight)
+
+
+# ------------------------------------------------------------------------------------- a rollout host
+
+
+@dataclasses.dataclass
+class RolloutHost:
+    """The parts of one rollout host, ready to hand to a `RolloutManager` and a `RolloutWorker`."""
+
+    config: "RolloutWorkerConfig"
+    tokenizer: Any
+    servers: dict[str, Any]
+    """Policy model name → its started `InferenceServer`."""
+    server: Any
+    """What the manager generates with: the one server, or a `PolicyRouter` over several."""
+    lessons: dict[str, "LessonRuntime"]
+    clients: dict[str, "WeightTransferClient"]
+    """Stream name → the weight client that fills its server's model."""
+    rss_before_model: int
+    """This process's resident memory before the models were built (for the program audit)."""
+
+
+def build_rollout_host(job: RLJobConfig, index: int, clock: Optional["StartupClock"] = None) -> RolloutHost:
+    """Everything rollout worker `index` of `job` runs with, built in the process that runs it."""
+    import psutil
+
+    from marinrl.envs.base import with_endpoint_if_needed
+    from marinrl.inference.server import load_served_model
+    from marinrl.models.policy_model import build_tokenizer
+    from marinrl.rollout.policy_router import PolicyRouter
+
+    config = rollout_worker_config(job, index)
+    tokenizer = build_tokenizer(job.model)
+    inference = with_endpoint_if_needed(dataclasses.replace(job.inference, dtype=job.rollout_dtype()),
+                                        [lesson.env for lesson in job.curriculum.lessons])
+    models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
+    rss_before_model = psutil.Process().memory_info().rss
+    weights = [load_served_model(m.job.model, inference, dtype=m.job.rollout_dtype()) for m in models]
+    if clock is not None:
+        clock.mark("model")
+    servers = {m.name: serve(inference if k == 0 else dataclasses.replace(inference, serve_http=False), w, tokenizer)
+               for k, (m, w) in enumerate(zip(models, weights))}
+    server = (servers[models[0].name] if len(models) == 1
+              else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
+    if clock is not None:
+        clock.mark("server")
+    held = {s.name: (servers[s.name] if len(models) > 1 else server).model for s in config.streams}
+    clients = {s.name: weight_client(s, held[s.name]) for s in config.streams}
+    return RolloutHost(config=config, tokenizer=tokenizer, servers=servers, server=server,
+                       lessons=lesson_runtimes(job.curriculum.lessons, tokenizer), clients=clients,
+                       rss_before_model=rss_before_model)
+
+
+def weight_client(stream: "ModelStream", model) -> "WeightTransferClient":
+    """A stream's weight client: full versions into `model`'s skeleton; with LoRA, adapter versions merged
+    into `model` (the base)."""
+    if stream.lora is None:
+        from marinrl.transfer.endpoints import build_client
+
+        return build_client(stream.weights, model)
+    from marinrl.models.lora import AdapterMergingClient
+
+    return AdapterMergingClient(stream.weights, stream.lora, model)
+
+
+# ------------------------------------------------------------------------------------- shared parts
+
+
+def lesson_runtimes(lessons: Sequence["LessonConfig"], tokenizer, *, envs: Optional[dict[str, "Env"]] = None,
+                    sampling: Optional[Callable[["LessonConfig"], "SamplingParams"]] = None
+                    ) -> dict[str, "LessonRuntime"]:
+    """Lesson id → what the manager runs it with: its environment (built on first use, or the one in `envs`,
+    already built) and its train and eval sampling (`sampling`: one for both, e.g. an evaluation's)."""
+    import functools
+
+    from marinrl.envs.base import make_env
+    from marinrl.inference.context import lesson_sampling
+    from marinrl.rollout.manager import LessonRuntime
+
+    out = {}
+    for lesson in lessons:
+        built = None if envs is None else envs[lesson.lesson_id]
+        make = functools.partial(make_env, lesson.env) if built is None else functools.partial(_same, built)
+        train, evaluate = ((lesson_sampling(lesson, tokenizer, "train"), lesson_sampling(lesson, tokenizer, "eval"))
+                           if sampling is None else (sampling(lesson),) * 2)
+        out[lesson.lesson_id] = LessonRuntime(make_env=make, sampling=train, eval_sampling=evaluate,
+                                              env_name=lesson.env.name)
+    return out
+
+
+def _same(env: "Env") -> "Env":
+    return env
+
+
+def serve(inference: "InferenceServerConfig", model, tokenizer, *, weight_step: int = 0):
+    """A started `InferenceServer` for `model`, ready for requests."""
+    from marinrl.inference.server import InferenceServer
+
+    server = InferenceServer(inference, model, tokenizer, weight_step=weight_step).start()
+    try:
+        server.wait_until_ready()
+    except BaseException:
+        server.shutdown()
+        raise
+    return server

@@ -43,9 +43,6 @@ class PolicyRouter:
     def for_policy(self, policy: str):
         return self.servers[self.model_of.get(policy, next(iter(self.servers)))]
 
-    def server_of(self, model_name: str):
-        return self.servers[model_name]
-
     # --- the InferenceContext of the first model (environments that name no policy)
 
     @property

@@ -23,10 +23,9 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
+from marinrl.config.rollout_worker import RolloutWorkerConfig
 from marinrl.envs.base import COUNTERS
 from marinrl.logs import ENV_ERRORS
-from marinrl.models.lora import AdapterMergingClient
 from marinrl.rollout.errors import EnvironmentFailedError
 from marinrl.rollout.policy_router import split_by_model
 from marinrl.rollout.warmup import warm_up_sampler
@@ -34,8 +33,7 @@ from marinrl.startup import StartupClock
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.staleness import version_spread_metrics
-from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightWaitTimeout
-from marinrl.transfer.endpoints import build_client
+from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferClient, WeightWaitTimeout
 from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -75,10 +73,11 @@ class _Counters:
 class RolloutWorker:
     """One rollout worker. `run()` loops until the trainer's final weights arrive or `stop()`."""
 
-    def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *, worker_id: str,
-                 tracker: Tracker | None = None, startup: StartupClock | None = None,
-                 min_epoch: int | None = None):
-        """`min_epoch`: weights of an older trainer epoch (`transfer.base.VersionId.epoch`, the trainer's
+    def __init__(self, config: RolloutWorkerConfig, manager, lessons: LessonSource, *,
+                 clients: dict[str, WeightTransferClient], worker_id: str, tracker: Tracker | None = None,
+                 startup: StartupClock | None = None, min_epoch: int | None = None):
+        """`clients`: a weight client per stream of `config` (`marinrl.job.plan.build_rollout_host` builds
+        them, each filling the model its stream's server holds). `min_epoch`: weights of an older trainer epoch (`transfer.base.VersionId.epoch`, the trainer's
         start in ns) belong to a previous job on this run: never generated for, never taken as final.
         The job passes its own start time."""
         self.config = config
@@ -99,22 +98,16 @@ class RolloutWorker:
         self._stop = threading.Event()
         self._writers = {s.name: RolloutWriter(s.rollout_root, storage_options=config.storage_options)
                          for s in streams}
-        servers = ({s.name: manager.server.server_of(s.name) for s in streams} if len(streams) > 1
-                   else {streams[0].name: manager.server})
-        self._clients = {s.name: self._weight_client(s, servers[s.name].model) for s in streams}
+        missing = sorted({s.name for s in streams} - set(clients))
+        if missing:
+            raise ValueError(f"RolloutWorker: no weight client for the streams {missing}")
+        self._clients = {s.name: clients[s.name] for s in streams}
         self._model_of = {p: s.name for s in streams for p in s.policies}
         self._several = len(streams) > 1
         self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
         self._env_totals: dict[str, float] = {}  # "<lesson>/<counter>" -> running total
         self._failure_streak = 0  # failed calls in a row, any lesson: paces the backoff
         self._lesson_streaks: dict[str, int] = {}  # failed calls in a row per lesson: the budget
-
-    @staticmethod
-    def _weight_client(stream: ModelStream, model):
-        """Full versions into `model`'s skeleton; with LoRA, adapter versions merged into `model` (the base)."""
-        if stream.lora is None:
-            return build_client(stream.weights, model)
-        return AdapterMergingClient(stream.weights, stream.lora, model)
 
     @property
     def weight_step(self) -> int | None:
