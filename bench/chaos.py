@@ -85,7 +85,8 @@ class Job:
         self.logs.append(log)
         env = {**os.environ, MARKER: self.marker, "RAY_TMPDIR": self.ray_tmp,
                "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-               "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(self.workdir / "jax_cache"))}
+               "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                           str(self.workdir / "jax_cache"))}
         self.proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(self.config)], cwd=self.workdir,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
@@ -216,8 +217,8 @@ def soak(args) -> dict:
                         kills[kill.target] += 1
                         plan.pop(0)
                         dying = dying or kill.target == "trainer"
-                        print(f"[chaos {time.monotonic() - started:6.1f}s] step {step}: SIGKILL {kill.target} (pid {victim.pid})",
-                              file=sys.stderr, flush=True)
+                        print(f"[chaos {time.monotonic() - started:6.1f}s] step {step}: "
+                              f"SIGKILL {kill.target} (pid {victim.pid})", file=sys.stderr, flush=True)
                     except psutil.Error:
                         pass
             time.sleep(0.2)

@@ -276,7 +276,8 @@ def main() -> int:
     print(f"RLJob at the {args.shape} shape, {args.steps} steps per mode; median [min, max] over steps 3..{args.steps}")
     for r in results:
         layout = f" policies={r['policies']}" if r["policies"] else ""
-        print(f"\n{r['mode']}{layout} ({r['steps']} steps, job {r['job_s']} s, max staleness trained {r['staleness_max']})")
+        print(f"\n{r['mode']}{layout} ({r['steps']} steps, job {r['job_s']} s, "
+              f"max staleness trained {r['staleness_max']})")
         for key in ("step_s", "update_s", "wait_s", "batch_s", "publish_s", "generation_s", "gen_tokens_per_s",
                     "idle_fraction", "token_staleness", "version_spread_max", "response_length"):
             print(f"  {key:18s} {_fmt(r[key])}")

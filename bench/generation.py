@@ -70,10 +70,7 @@ import numpy as np  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 
 from marinrl.config.model import ModelConfig  # noqa: E402
-from marinrl.config.server import (
-    EngineConfig,  # noqa: E402
-    InferenceServerConfig,  # noqa: E402
-)
+from marinrl.config.server import EngineConfig, InferenceServerConfig  # noqa: E402
 from marinrl.inference.context import SamplingParams  # noqa: E402
 from marinrl.inference.server import InferenceServer  # noqa: E402
 from marinrl.models.policy_model import build_model, build_tokenizer  # noqa: E402

@@ -50,7 +50,8 @@ def _fake_devices_from_argv(argv: list[str]) -> int:
 
 
 if __name__ == "__main__" and _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}={_fake_devices_from_argv(sys.argv)}".strip()
+    os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                               f"{_DEVICES_FLAG}={_fake_devices_from_argv(sys.argv)}").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -346,8 +347,9 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     phases = watched["phases"]
     checkpoint = root / "hf-checkpoint"
     t = time.time()
-    writer = multiprocessing.get_context("spawn").Process(target=write_hf_checkpoint,
-                                                          args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype, 0, cfg.init == "hf"))
+    writer = multiprocessing.get_context("spawn").Process(
+        target=write_hf_checkpoint,
+        args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype, 0, cfg.init == "hf"))
     writer.start()
     writer.join()
     if writer.exitcode != 0:

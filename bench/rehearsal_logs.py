@@ -123,8 +123,8 @@ def published_versions(root: pathlib.Path) -> list[dict]:
     for folder in sorted(p for p in root.glob("step-*") if p.is_dir()):
         snapshot, delta = folder / "weights.bin", folder / "delta.bin"
         if snapshot.exists():
-            out.append({"version": folder.name, "kind": "snapshot", "bytes": snapshot.stat().st_size, "path": str(snapshot),
-                        "float_dtypes": _packed_float_dtypes(snapshot)})
+            out.append({"version": folder.name, "kind": "snapshot", "bytes": snapshot.stat().st_size,
+                        "path": str(snapshot), "float_dtypes": _packed_float_dtypes(snapshot)})
         elif delta.exists():
             out.append({"version": folder.name, "kind": "delta", "bytes": delta.stat().st_size})
     return out

@@ -111,15 +111,18 @@ def main() -> None:
                 "mode": mode,
                 "write_rollouts_per_s": summary(pq_w), "read_rollouts_per_s": summary(pq_r),
                 "bytes_per_rollout": pq_bytes / n_rollouts,
-                "reader_poll_rollouts_per_s": {"median": statistics.median(polls), "min": min(polls), "max": max(polls)},
+                "reader_poll_rollouts_per_s": {"median": statistics.median(polls), "min": min(polls),
+                                               "max": max(polls)},
                 "pickle_write_rollouts_per_s": summary(pk_w), "pickle_read_rollouts_per_s": summary(pk_r),
                 "pickle_bytes_per_rollout": pk_bytes / n_rollouts,
             }
-            res["read_ratio_vs_pickle"] = res["pickle_read_rollouts_per_s"]["median"] / res["read_rollouts_per_s"]["median"]
+            res["read_ratio_vs_pickle"] = (res["pickle_read_rollouts_per_s"]["median"]
+                                           / res["read_rollouts_per_s"]["median"])
             res["size_ratio_vs_pickle"] = res["bytes_per_rollout"] / res["pickle_bytes_per_rollout"]
             results.append(res)
             mb = lambda rate, bpr: rate * bpr / 1e6  # noqa: E731
-            print(f"[{mode}] {GROUPS * GROUP_SIZE} rollouts × {PROMPT + RESPONSE} tokens per batch, {N_BATCHES} batches × 3")
+            print(f"[{mode}] {GROUPS * GROUP_SIZE} rollouts × {PROMPT + RESPONSE} tokens per batch, "
+                  f"{N_BATCHES} batches × 3")
             for label, prefix, bpr in (("parquet", "", res["bytes_per_rollout"]),
                                        ("pickle ", "pickle_", res["pickle_bytes_per_rollout"])):
                 w, r = res[f"{prefix}write_rollouts_per_s"]["median"], res[f"{prefix}read_rollouts_per_s"]["median"]

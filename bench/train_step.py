@@ -31,10 +31,10 @@ defaults are what marinrl ships: the `shared` row layout (batching.py), the geom
 unrolled layers (`scan_layers=False`, as `model_config.reference_llama`). Variants: `padded`, `packed`, `shared`
 (BatchingConfig.layout: one rollout per row as before packing, rollouts packed into rows, and each group's
 prompt computed once), `bucket<N>` (BatchingConfig(min_bucket=N)), `bf16` (`trainer.mp: p=f32,c=bfloat16`: float32
-master weights and AdamW state, bfloat16 matmuls; XLA:CPU uses AVX-512 BF16 where the CPU has it) and `scanned` (LlamaConfig
-scan_layers=True, Levanter's default) and `levanter_dots` (the projections' dots as Levanter writes them, 3-D: what
-ran before marinrl/train/flat_dots.py merged the token axes on the CPU). The first mode is the reference of the paired
-ratios. For example:
+master weights and AdamW state, bfloat16 matmuls; XLA:CPU uses AVX-512 BF16 where the CPU has it) and `scanned`
+(LlamaConfig scan_layers=True, Levanter's default) and `levanter_dots` (the projections' dots as Levanter writes
+them, 3-D: what ran before marinrl/train/flat_dots.py merged the token axes on the CPU). The first mode is the
+reference of the paired ratios. For example:
 
     python bench/train_step.py                                   # kl_0.04,kl_0 as the TrainWorker runs them
     python bench/train_step.py --modes kl_0.04+levanter_dots,kl_0.04,kl_0.04+bf16   # the update's levers
@@ -132,8 +132,8 @@ def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan
     """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds); `seq_len` 768 for the
     realistic shape's longest rollouts."""
     backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
-    llama = LlamaConfig(seq_len=seq_len, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4, num_kv_heads=4,
-                        tie_word_embeddings=False, gradient_checkpointing=False, attn_backend=backend,
+    llama = LlamaConfig(seq_len=seq_len, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4,
+                        num_kv_heads=4, tie_word_embeddings=False, gradient_checkpointing=False, attn_backend=backend,
                         scan_layers=scan_layers)
     return ModelConfig(model=llama, vocab_size=VOCAB, seed=seed, init_std=0.02, dtype="float32")
 
@@ -145,7 +145,8 @@ SHAPES = {  # prompts, samples, rows' max_length, min_bucket
 }
 
 
-def synthetic_rollouts(rng: np.random.Generator, step: int, shape: str = "reference") -> tuple[list[Rollout], np.ndarray]:
+def synthetic_rollouts(rng: np.random.Generator, step: int,
+                       shape: str = "reference") -> tuple[list[Rollout], np.ndarray]:
     """One step's groups (8 × 8 at the reference shape, 16 × 8 at the realistic one) and their group
     mean/std advantages."""
     prompts, samples = SHAPES[shape][:2]
@@ -286,9 +287,11 @@ class Mode:
                 "first_step_s": stats([self.first_step_s]),
                 "step_s": stats([u[0] + r[0] for u, r in zip(self.update, self.ref)]),
                 "update_cpu_s": timed(self.update, 1), "ref_logprobs_cpu_s": timed(self.ref, 1),
-                "trained_tokens_per_s": stats([t / u[0] for t, u in zip(self.trained[FIRST_MEASURED - 1:], self.update)]),
+                "trained_tokens_per_s": stats([t / u[0]
+                                               for t, u in zip(self.trained[FIRST_MEASURED - 1:], self.update)]),
                 "padding_fraction": float(np.mean(self.padding)),
-                "rows": sorted({b.Batch.size for b in self.batches}), "positions": sorted({b.Pos.size for b in self.batches}),
+                "rows": sorted({b.Batch.size for b in self.batches}),
+                "positions": sorted({b.Pos.size for b in self.batches}),
                 "devices": jax.device_count()}
 
 

@@ -235,8 +235,10 @@ def part_delta(args, tmp: str) -> list[dict]:
                          "delta_bytes": statistics.median(delta["bytes"]),
                          "full_publish_s": stats(full["publish_s"]), "delta_publish_s": stats(delta["publish_s"]),
                          "full_receive_s": stats(full["receive_s"]), "delta_receive_s": stats(delta["receive_s"]),
-                         "publish_ratio": statistics.median(d / f for d, f in zip(delta["publish_s"], full["publish_s"])),
-                         "receive_ratio": statistics.median(d / f for d, f in zip(delta["receive_s"], full["receive_s"])),
+                         "publish_ratio": statistics.median(d / f for d, f in zip(delta["publish_s"],
+                                                                                    full["publish_s"])),
+                         "receive_ratio": statistics.median(d / f for d, f in zip(delta["receive_s"],
+                                                                                    full["receive_s"])),
                          "changed_fraction": statistics.median(x["changed_fraction"] for x in enc),
                          **{f"{k}_{m}": statistics.median(x[k][m] for x in enc)
                             for k in ENCODINGS_COMPARED for m in ("bytes", "apply_s")},

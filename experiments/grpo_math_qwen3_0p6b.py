@@ -44,7 +44,8 @@ run_root: gs://MY_BUCKET/runs
 model:
   hf_checkpoint: gs://MY_BUCKET/models/Qwen3-0.6B
   vocab_size: 151936              # the dry run's vocabulary (the checkpoint's own at run time)
-  model:                          # Qwen3-0.6B's config.json, for the dry run; only gradient_checkpointing (GRPO_AT_SCALE) is read at run time
+  model:                          # Qwen3-0.6B's config.json, for the dry run; only gradient_checkpointing
+                                  # (GRPO_AT_SCALE) is read at run time
     type: qwen3
     seq_len: 2048
     hidden_dim: 1024

@@ -2,15 +2,16 @@
 
 A tiny random-init Llama (2 layers, hidden 64, byte-level vocabulary of 512) learns the `echo` task
 with GRPO (and a KL to its initial weights, which keeps every letter sampled): prompt `37c=` answers
-`c` (10 letters, two distractor digits). One local Ray, one rollout worker and the trainer, asynchronous (max_staleness 1),
-rollouts as Parquet files under runs/<run_id>/, JSON and TensorBoard tracking. Greedy eval reward is
+`c` (10 letters, two distractor digits). One local Ray, one rollout worker and the trainer, asynchronous
+(max_staleness 1), rollouts as Parquet files under runs/<run_id>/, JSON and TensorBoard tracking. Greedy eval reward is
 measured on held-out prompts: a fifth of the 1,000 prompts are never drawn for training
 (`holdout: 0.2`), so the eval measures the rule the model learned, not prompts it memorized.
 
 The job is experiments/quickstart.yaml (the same file `marinrl train` runs, with the same `--key value`
 overrides); this script adds a fresh run id, a summary, a plot and a pass/fail check:
 
-    python experiments/quickstart.py [--num_train_steps N] [--max_staleness 0] [--run_id NAME] [--target_eval_reward 0.8]
+    python experiments/quickstart.py [--num_train_steps N] [--max_staleness 0] [--run_id NAME] \
+        [--target_eval_reward 0.8]
 """
 
 from __future__ import annotations

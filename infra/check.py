@@ -8,8 +8,8 @@ the fields fails), then `prepare_config` + `validate_config`. Ray leaves `node_c
 the GCP part is checked here: the fields each node kind accepts (a Compute VM or a TPU VM), TPU types
 and chips per host from Ray's own TPU tables, GPUs per machine type, that the `resources` a node
 type declares are what the hardware has, and a GPU VM's network interface (gVNIC on A3) and image (a
-Deep Learning VM family with a CUDA 12 driver, installed on first boot). Last, the placement marinrl asks for (`metadata.marinrl`:
-`RLJobConfig.ray.trainer` / `.rollout`, marinrl/config/placement.py) must fit a node type with an
+Deep Learning VM family with a CUDA 12 driver, installed on first boot). Last, the placement marinrl asks for
+(`metadata.marinrl`: `RLJobConfig.ray.trainer` / `.rollout`, marinrl/config/placement.py) must fit a node type with an
 accelerator, and the trainer and the rollout workers on different node types.
 
 Nothing here reaches the network; GCP quota, zones, images and runtime versions are not checked.
@@ -119,7 +119,8 @@ def _tpu_host(node_config: dict, where: str, errors: list[str]) -> dict | None:
     if not node_config.get("runtimeVersion"):
         errors.append(f"{where}.runtimeVersion: a TPU VM needs its software version (e.g. v2-alpha-tpuv5)")
     per_host = tpu.get_num_tpu_visible_chips_per_host(accelerator)
-    return {"accelerator": accelerator, "chips_per_host": per_host, "head_resource": f"TPU-{accelerator}-head", "accelerator_label": f"TPU-{generation.upper()}"}
+    return {"accelerator": accelerator, "chips_per_host": per_host, "head_resource": f"TPU-{accelerator}-head",
+            "accelerator_label": f"TPU-{generation.upper()}"}
 
 
 def _product(topology: str) -> int:
@@ -151,9 +152,11 @@ def _node_type_errors(name: str, node_type: dict, errors: list[str]) -> dict:
     declared = node_type.get("resources")
     declared = dict(declared) if isinstance(declared, dict) else {}
     offered = dict(declared)
-    is_tpu = "machineType" not in node_config and ("acceleratorType" in node_config or "acceleratorConfig" in node_config)
+    is_tpu = "machineType" not in node_config and ("acceleratorType" in node_config
+                                                   or "acceleratorConfig" in node_config)
     if not is_tpu and "machineType" not in node_config:
-        errors.append(f"{where}: needs machineType (a Compute VM) or acceleratorType (a TPU VM); got {sorted(node_config)}")
+        errors.append(f"{where}: needs machineType (a Compute VM) or acceleratorType (a TPU VM); "
+                      f"got {sorted(node_config)}")
         return offered
     allowed = TPU_FIELDS if is_tpu else COMPUTE_FIELDS
     for key in sorted(set(node_config) - allowed):
@@ -169,15 +172,19 @@ def _node_type_errors(name: str, node_type: dict, errors: list[str]) -> dict:
                           f"the config says {declared.get('TPU')}")
         for key in declared:
             if key.startswith("TPU-") and key.endswith("-head") and key != host["head_resource"]:
-                errors.append(f"{res}.{key}: the slice head resource of a {host['accelerator']} is {host['head_resource']}")
+                errors.append(f"{res}.{key}: the slice head resource of a {host['accelerator']} "
+                              f"is {host['head_resource']}")
             if key.startswith("accelerator_type:") and key != f"accelerator_type:{host['accelerator_label']}":
-                errors.append(f"{res}.{key}: Ray labels a {host['accelerator']} host accelerator_type:{host['accelerator_label']}")
-        offered[host["head_resource"]] = 1  # Ray's GCP provider adds it (GCPNodeProvider.fillout_available_node_types_resources)
+                errors.append(f"{res}.{key}: Ray labels a {host['accelerator']} host "
+                              f"accelerator_type:{host['accelerator_label']}")
+        # Ray's GCP provider adds it (GCPNodeProvider.fillout_available_node_types_resources)
+        offered[host["head_resource"]] = 1
     else:
         gpus = _gpus(node_config, where, errors)
         if gpus is None:
             if declared.get("GPU"):
-                errors.append(f"{res}.GPU: machine type {node_config['machineType']} has no GPU, the config says {declared['GPU']}")
+                errors.append(f"{res}.GPU: machine type {node_config['machineType']} has no GPU, "
+                              f"the config says {declared['GPU']}")
         else:
             kind, count = gpus
             if declared.get("GPU") != count:

@@ -27,8 +27,10 @@ SMALL = BatchingConfig(max_length=16, min_bucket=8, layout="padded")  # buckets 
 
 def test_bucket_lengths():
     # Geometric: powers of two with a 1.5x step inside each octave, from any min_bucket.
-    assert BatchingConfig(max_length=1000, min_bucket=64).bucket_lengths() == (64, 96, 128, 192, 256, 384, 512, 768, 1000)
-    assert BatchingConfig(max_length=1024, min_bucket=64).bucket_lengths() == (64, 96, 128, 192, 256, 384, 512, 768, 1024)
+    assert BatchingConfig(max_length=1000, min_bucket=64).bucket_lengths() == (
+        64, 96, 128, 192, 256, 384, 512, 768, 1000)
+    assert BatchingConfig(max_length=1024, min_bucket=64).bucket_lengths() == (
+        64, 96, 128, 192, 256, 384, 512, 768, 1024)
     assert BatchingConfig(max_length=64).bucket_lengths() == (16, 24, 32, 48, 64)
     assert BatchingConfig(max_length=40, min_bucket=5).bucket_lengths() == (5, 6, 8, 12, 16, 24, 32, 40)
     assert BatchingConfig(max_length=200, buckets="multiple", min_bucket=64).bucket_lengths() == (64, 128, 192, 200)

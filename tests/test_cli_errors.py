@@ -61,7 +61,8 @@ def test_an_unknown_nested_key_without_a_close_match_lists_the_valid_ones(tmp_pa
 def test_a_wrong_type_names_the_value(tmp_path, capsys):
     path = _config(tmp_path, "groups_per_step: 32", "groups_per_step: lots")
     err = _fails(["train", path], capsys)
-    assert err == f"marinrl train: {path}:{_line_col(path, 'lots')}: RLJobConfig.groups_per_step: Couldn't parse 'lots' into an int"
+    assert err == (f"marinrl train: {path}:{_line_col(path, 'lots')}: "
+                   "RLJobConfig.groups_per_step: Couldn't parse 'lots' into an int")
 
 
 def test_a_missing_config_file(tmp_path, capsys):
@@ -73,8 +74,9 @@ def test_invalid_yaml_gives_the_parser_line_and_column(tmp_path, capsys):
     path = _config(tmp_path, "loss: {kl_beta: 0.04}", "loss: {kl_beta: 0.04")
     err = _fails(["train", path], capsys)
     next_key = _line_col(path, "eval_every")
-    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:{next_key.split(':')[0]}:\d+: invalid YAML: expected ',' or "
-                        rf"'}}', but got ':' \(while parsing a flow mapping at {_line_col(path, '{kl_beta')}\)", err), err
+    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:{next_key.split(':')[0]}:\d+: "
+                        r"invalid YAML: expected ',' or '}', but got ':' "
+                        rf"\(while parsing a flow mapping at {_line_col(path, '{kl_beta')}\)", err), err
     assert "TextIOWrapper" not in err
 
 
@@ -104,10 +106,14 @@ def test_a_lesson_field_check_points_at_the_lesson(tmp_path, capsys):
          r"RLJobConfig.curriculum.lessons\[echo\].env.args: environment 'echo' rejected args .*'frobnicate'"),
         ("alphabet_size: 10,", "alphabet_size: 99,", "{alphabet_size",
          r"RLJobConfig.curriculum.lessons\[echo\].env.args: echo: alphabet_size must be in \[2, 26\], got 99"),
-        ("{name: echo,", "{name: nope,", "nope", r"RLJobConfig.curriculum.lessons\[echo\].env.name: unknown environment 'nope'"),
-        ("learning_rate: 0.001}", "learning_rate: -1}", "-1", r"RLJobConfig.optimizer.learning_rate: must be finite and > 0"),
-        ("n_generations: 16", "n_generations: 1", "1", r"RLJobConfig.n_generations: 1 sample per prompt .* every advantage 0"),
-        ("eval_every: 10", "eval_every: 10\ncheckpoint_every: -1", "-1", r"RLJobConfig.checkpoint_every: must be >= 0, got -1"),
+        ("{name: echo,", "{name: nope,", "nope",
+         r"RLJobConfig.curriculum.lessons\[echo\].env.name: unknown environment 'nope'"),
+        ("learning_rate: 0.001}", "learning_rate: -1}", "-1",
+         r"RLJobConfig.optimizer.learning_rate: must be finite and > 0"),
+        ("n_generations: 16", "n_generations: 1", "1",
+         r"RLJobConfig.n_generations: 1 sample per prompt .* every advantage 0"),
+        ("eval_every: 10", "eval_every: 10\ncheckpoint_every: -1", "-1",
+         r"RLJobConfig.checkpoint_every: must be >= 0, got -1"),
     ],
 )
 def test_a_preflight_failure_points_at_its_field(tmp_path, capsys, old, new, needle, message):
@@ -131,7 +137,8 @@ def test_a_preflight_failure_of_a_default_names_the_file_and_field(tmp_path, cap
     [
         (["--max_staleness", "x"], "--max_staleness x: RLJobConfig.max_staleness: Couldn't parse 'x' into an int"),
         (["--max_stalenes", "2"], "--max_stalenes 2: unknown flag; did you mean --max_staleness?"),
-        (["--loss.kl_beta=-1"], "--loss.kl_beta -1: RLJobConfig.loss: LossConfig.kl_beta: must be finite and >= 0, got -1.0"),
+        (["--loss.kl_beta=-1"],
+         "--loss.kl_beta -1: RLJobConfig.loss: LossConfig.kl_beta: must be finite and >= 0, got -1.0"),
         (["--optimizer.learning_rate", "-3"],
          "--optimizer.learning_rate -3: RLJobConfig.optimizer.learning_rate: must be finite and > 0, got -3.0"),
         # a scalar where a mapping or a list of them goes: what the field takes, not draccus' AttributeError
@@ -173,7 +180,8 @@ def test_inspect_of_a_run_folder_names_the_rollout_root_to_inspect(tmp_path, cap
     RolloutWriter(str(tmp_path / "run" / "rollouts")).write(make_batch(n_groups=1, group_size=2, weight_step=0))
     (tmp_path / "run" / "checkpoints").mkdir()
     err = _fails(["inspect", str(tmp_path / "run")], capsys)
-    assert err == f"marinrl inspect: {tmp_path}/run is a run folder, not a rollout root: inspect {tmp_path}/run/rollouts"
+    assert err == (f"marinrl inspect: {tmp_path}/run is a run folder, not a rollout root: "
+                   f"inspect {tmp_path}/run/rollouts")
     assert main(["inspect", str(tmp_path / "run" / "rollouts")]) == 0
     assert "1 files, 2 rollouts" in capsys.readouterr().out
 
@@ -209,10 +217,11 @@ def test_a_config_error_answers_before_jax_is_imported(tmp_path):
     import sys
 
     path = _config(tmp_path)
-    script = ("import json, sys\nfrom marinrl.cli import main\ntry:\n    main(['train', %r, '--groups_per_step', '0'])\n"
+    script = ("import json, sys\nfrom marinrl.cli import main\ntry:\n"
+              f"    main(['train', {path!r}, '--groups_per_step', '0'])\n"
               "except SystemExit as e:\n    code = e.code\n"
               "print(json.dumps(dict(code=code, loaded=[m for m in ('jax', 'levanter', 'ray', 'torch', 'transformers') "
-              "if m in sys.modules])))" % path)
+              "if m in sys.modules])))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"code": 2, "loaded": []}

@@ -80,7 +80,8 @@ def test_the_policy_forward_runs_its_projections_as_2d_matmuls():
     ranks = _dot_lhs_ranks(lambda p: grad(eqx.combine(p, static)), params)
     # The 7 projections of a layer (one scanned body) run their forward and their gradients' products on
     # [tokens, features] operands (17 two-dimensional dots in all here); Levanter's own dots are all 3-D or more.
-    without = _dot_lhs_ranks(lambda p: jax.grad(lambda m: _plain_loss(m, batch, config))(eqx.combine(p, static)), params)
+    without = _dot_lhs_ranks(lambda p: jax.grad(lambda m: _plain_loss(m, batch, config))(eqx.combine(p, static)),
+                             params)
     assert without.count(2) == 0
     assert ranks.count(2) >= 7 * 2
 

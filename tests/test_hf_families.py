@@ -24,7 +24,8 @@ import pytest
 from levanter.layers.attention import AttentionMask
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 
-torch = pytest.importorskip("torch", reason="torch (CPU) is in the dev extra: pip install -c constraints.txt -e '.[dev]'")
+torch = pytest.importorskip("torch",
+                            reason="torch (CPU) is in the dev extra: pip install -c constraints.txt -e '.[dev]'")
 transformers = pytest.importorskip("transformers")
 
 from marinrl.config.model import ModelConfig  # noqa: E402
@@ -211,7 +212,8 @@ def test_loads_onto_a_mesh_in_bfloat16(family):
     leaves = jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array))
     for leaf, expected_sharding in zip(leaves, jax.tree_util.tree_leaves(expected), strict=True):
         assert leaf.dtype == jnp.bfloat16
-        assert leaf.sharding.is_equivalent_to(expected_sharding, leaf.ndim), (leaf.shape, leaf.sharding, expected_sharding)
+        assert leaf.sharding.is_equivalent_to(expected_sharding, leaf.ndim), (leaf.shape, leaf.sharding,
+                                                                              expected_sharding)
     total = sum(x.nbytes for x in leaves)
     on_device0 = sum(s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == mesh.devices.flat[0])
     assert on_device0 < total / 2
@@ -244,10 +246,12 @@ def test_a_checkpoint_levanter_cannot_represent_is_one_clear_error(tmp_path):
     # Levanter's Gemma (v1) attention uses hidden / heads as its head size: gemma-7b's 256 != 3072 / 16
     cfg = transformers.GemmaConfig(**_COMMON, head_dim=32)
     cfg.save_pretrained(tmp_path / "gemma")
-    with pytest.raises(ValueError, match=r"gemma/config.json: head_dim is 32, .* hidden_size / num_attention_heads = 16"):
+    with pytest.raises(ValueError,
+                       match=r"gemma/config.json: head_dim is 32, .* hidden_size / num_attention_heads = 16"):
         load_hf_checkpoint(str(tmp_path / "gemma"))
     transformers.BertConfig(vocab_size=VOCAB).save_pretrained(tmp_path / "bert")
-    with pytest.raises(ValueError, match=r"bert/config.json: model_type 'bert' has no Levanter model; supported: .*qwen2"):
+    with pytest.raises(ValueError,
+                       match=r"bert/config.json: model_type 'bert' has no Levanter model; supported: .*qwen2"):
         load_hf_checkpoint(str(tmp_path / "bert"))
     with pytest.raises(FileNotFoundError, match="not-there"):
         load_hf_checkpoint(str(tmp_path / "not-there"))

@@ -55,8 +55,8 @@ def model():
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
     # the endpoint through Levanter's engine (tests/test_openai_env.py covers it through the scan sampler)
-    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, http_backend="engine", serve_http=True), model, tokenizer,
-                          weight_step=0).start()
+    srv = InferenceServer(InferenceServerConfig(engine=ENGINE, http_backend="engine", serve_http=True), model,
+                          tokenizer, weight_step=0).start()
     srv.wait_until_ready()
     yield srv
     srv.shutdown()
@@ -416,7 +416,7 @@ def test_context_manager_and_no_http(model, tokenizer):
     with InferenceServer(cfg, model, tokenizer) as srv:
         assert len(srv.generate([[1, 2]], 1, SamplingParams(max_tokens=4), 0)[0][0].tokens) >= 1
         with pytest.raises(RuntimeError, match="endpoint"):
-            srv.url
+            _ = srv.url
 
 
 # ------------------------------------------------------------------------------ scan sampler parts

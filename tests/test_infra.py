@@ -93,18 +93,21 @@ def _roles(config: dict) -> dict:
 
 # Each: (config, how to break it, what the error must name).
 BREAKAGES = {
-    "top-level field": ("tpu-v5e.yaml", lambda c: _rename(c, "setup_commands", "setup_command"), "'setup_command' was unexpected"),
+    "top-level field": ("tpu-v5e.yaml", lambda c: _rename(c, "setup_commands", "setup_command"),
+                        "'setup_command' was unexpected"),
     "node type field": ("tpu-v5p-multihost.yaml",
                         lambda c: _rename(_node(c, "trainer_v5p_64"), "min_workers", "min_worker"),
                         "available_node_types.trainer_v5p_64: Additional properties are not allowed ('min_worker'"),
     "TPU node_config field": ("tpu-v5p-multihost.yaml",
                               lambda c: _rename(_node(c, "rollout_v5p_8", "node_config"),
                                                 "runtimeVersion", "runtimeVerison"),
-                              "available_node_types.rollout_v5p_8.node_config.runtimeVerison: not a field of a GCP TPU VM"),
+                              "available_node_types.rollout_v5p_8.node_config.runtimeVerison: "
+                              "not a field of a GCP TPU VM"),
     "Compute node_config field": ("gpu.yaml",
                                   lambda c: _rename(_node(c, "rollout_a100", "node_config"),
                                                     "scheduling", "schedulling"),
-                                  "available_node_types.rollout_a100.node_config.schedulling: not a field of a GCP Compute VM"),
+                                  "available_node_types.rollout_a100.node_config.schedulling: "
+                                  "not a field of a GCP Compute VM"),
     "TPU type": ("tpu-v6e.yaml",
                  lambda c: _node(c, "trainer_v6e_8", "node_config").update(acceleratorType="v6-8"),
                  "trainer_v6e_8.node_config.acceleratorType: 'v6-8' is not a TPU type Ray knows"),
@@ -334,5 +337,6 @@ def test_readme_says_no_stale_thing():
     """What infra/ once said and is no longer true: the v5p-64 trainer refused, the runtime-env cache tip."""
     for path in [INFRA / "README.md", *CONFIGS, REPO / "experiments" / "grpo_math_llama3_8b_v5p.py"]:
         text = " ".join(path.read_text().split())
-        assert "refuses `ray.trainer.tpu: v5p-64`" not in text and "until the multi-host trainer lands" not in text, path
+        assert "refuses `ray.trainer.tpu: v5p-64`" not in text, path
+        assert "until the multi-host trainer lands" not in text, path
         assert "--runtime-env-json '{\"env_vars\": {\"JAX_COMPILATION_CACHE_DIR\"" not in text, path

@@ -35,7 +35,8 @@ def job_config(tmp_path, **overrides) -> RLJobConfig:
         model=ModelConfig(model=LlamaConfig(seq_len=32, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2,
                                             num_kv_heads=2, gradient_checkpointing=False), vocab_size=512),
         curriculum=CurriculumConfig(lessons=(ECHO,)), num_train_steps=5, groups_per_step=4, n_generations=4,
-        eval_every=2, eval_examples=8, optimizer=RLAdamConfig(learning_rate=1e-3), batching=BatchingConfig(max_length=32, min_bucket=8))
+        eval_every=2, eval_examples=8, optimizer=RLAdamConfig(learning_rate=1e-3),
+        batching=BatchingConfig(max_length=32, min_bucket=8))
     base.update(overrides)
     return RLJobConfig(**base)
 
@@ -120,7 +121,8 @@ def test_async_job_overlaps_generation_with_training(tmp_path, ray_session):
     cfg, result = _run(tmp_path, ray_session, max_staleness=1)
     history = result.train["history"]
     assert result.train["final_step"] == 5 and result.curriculum_step == 5
-    made_with = {g.group_id: b.weight_step for b in RolloutReader(f"{cfg.run_dir}/rollouts").read_new() for g in b.groups}
+    made_with = {g.group_id: b.weight_step
+                 for b in RolloutReader(f"{cfg.run_dir}/rollouts").read_new() for g in b.groups}
     staleness = [{h["step"] - 1 - made_with[g] for g in groups}
                  for h, groups in zip(history, result.train["trained_groups"])]
     assert all(s <= {0, 1} for s in staleness), staleness  # the window, from the files
@@ -207,7 +209,8 @@ def test_a_multi_agent_job_trains_every_agents_turns_under_its_policy(tmp_path, 
             tag_of[group.group_id] = tag = names.pop()
             tags[tag] += 1
             versions[tag].add(batch.weight_step)
-    assert set(tags) == {("solver", "policy"), ("checker", "critic")} and tags[("solver", "policy")] == tags[("checker", "critic")]
+    assert set(tags) == {("solver", "policy"), ("checker", "critic")}
+    assert tags[("solver", "policy")] == tags[("checker", "critic")]
     # What the trainer took: groups of both agents, each under its own policy, each once, from the files
     trained = [g for step in result.train["trained_groups"] for g in step]
     assert len(trained) == 3 * cfg.groups_per_step and len(set(trained)) == len(trained)

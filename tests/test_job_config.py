@@ -62,7 +62,8 @@ def test_levanter_knobs_reach_the_train_worker_config(tmp_path):
     job = _parse(tmp_path, {
         "trainer": {"model_axis_size": 2, "tensor_parallel_axes": ["mlp", "heads"], "per_device_parallelism": 4,
                     "mp": "p=f32,c=bfloat16", "jax_compilation_cache_dir": str(tmp_path / "jax_cache"),
-                    "tracker": [{"type": "json_logger"}, {"type": "wandb", "project": "marinrl-test", "mode": "offline"}]},
+                    "tracker": [{"type": "json_logger"},
+                                {"type": "wandb", "project": "marinrl-test", "mode": "offline"}]},
         "optimizer": {"type": "adam", "learning_rate": 3e-4, "lr_schedule": "cosine", "warmup": 0.1, "decay": 0.2,
                       "weight_decay": 0.01, "max_grad_norm": 0.5, "min_lr_ratio": 0.05},
         "sync_interval": 2, "micro_eval_every": 3,
@@ -96,7 +97,8 @@ def test_a_flag_on_one_knob_keeps_marinrls_defaults_for_the_others(tmp_path):
     "args, derived_from",
     [
         (("--trainer.num_train_steps", "50"), "the job sets trainer.num_train_steps from num_train_steps"),
-        (("--trainer.train_batch_size", "64"), "the job sets trainer.train_batch_size from groups_per_step × n_generations"),
+        (("--trainer.train_batch_size", "64"),
+         "the job sets trainer.train_batch_size from groups_per_step × n_generations"),
         (("--trainer.id", "other"), "the job sets trainer.id from run_id"),
         (("--trainer.seed", "3"), "the job sets trainer.seed from seed"),
         (("--trainer.log_dir", "/elsewhere"), "the job sets trainer.log_dir from run_root and run_id"),
@@ -129,11 +131,13 @@ def test_a_derived_trainer_field_is_refused_naming_where_the_job_sets_it(tmp_pat
         (("--trainer.per_device_parallelism", "5"), "trainer.per_device_parallelism",
          "5 rows per device do not divide the batch of groups_per_step × n_generations = 32 × 16 = 512 rows"),
         (("--ray.trainer.num_gpus", "8", "--trainer.model_axis_size", "3"), "trainer.model_axis_size",
-         r"model_axis_size=3 × replica_ici_axis_size=1 does not divide the trainer's 8 devices \(ray.trainer.num_gpus=8\)"),
+         r"model_axis_size=3 × replica_ici_axis_size=1 does not divide the trainer's 8 devices "
+         r"\(ray.trainer.num_gpus=8\)"),
         (("--ray.trainer.num_gpus", "8", "--groups_per_step", "2", "--n_generations", "3"), "groups_per_step",
          "the batch of groups_per_step × n_generations = 2 × 3 = 6 rows does not divide among the trainer's 8"),
         (("--ray.trainer.tpu", "v5litepod-8", "--trainer.per_device_parallelism", "128"),
-         "trainer.per_device_parallelism", "microbatches of 128 rows × 8 data-parallel devices do not divide the batch"),
+         "trainer.per_device_parallelism",
+         "microbatches of 128 rows × 8 data-parallel devices do not divide the batch"),
         (("--sync_interval", "3"), "sync_interval",
          "weights published every 3 steps .* with max_staleness=1 they must be at most 2 steps apart"),
         (("--sync_interval", "2", "--max_staleness", "0"), "sync_interval",
@@ -143,6 +147,9 @@ def test_a_derived_trainer_field_is_refused_naming_where_the_job_sets_it(tmp_pat
         (("--optimizer.warmup", "1.5"), "optimizer.warmup", "1.5 is neither a fraction of the steps in"),
         (("--optimizer.cycle_length", "10", "--optimizer.cycles", "2"), "optimizer.cycle_length",
          "set cycle_length, cycles or haps, not two of them"),
+        (("--replay.sampling", '{"type": "replay", "uses": 3}'), "replay.sampling",
+         "a job's sampling strategy follows from max_staleness and max_uses"),
+        (("--replay.seed", "7"), "replay.seed", "a job's replay buffer draws with the job's `seed`"),
     ],
 )
 def test_a_knob_out_of_range_is_refused_naming_it(tmp_path, args, field, problem):
@@ -161,6 +168,17 @@ def test_the_accelerator_is_required_where_the_placement_asks_for_one(tmp_path):
     assert not train_worker_config(_parse(tmp_path)).trainer.require_accelerator
     explicit = _parse(tmp_path, args=("--ray.trainer.num_gpus", "8", "--trainer.require_accelerator", "false"))
     assert train_worker_config(explicit).trainer.require_accelerator is False
+
+
+def test_the_trainers_replay_takes_the_jobs_sampling_and_seed(tmp_path):
+    """What `replay.sampling` / `replay.seed` would set is derived from the job's own fields (the YAML forms are
+    refused above), and reaches the trainer."""
+    from marinrl.train.replay.sampling import ReplaySamplingConfig
+
+    job = _parse(tmp_path, args=("--max_uses", "3", "--max_staleness", "2", "--seed", "5"))
+    job.validate()
+    replay = train_worker_config(job).replay
+    assert replay.sampling == ReplaySamplingConfig(staleness=2, uses=3) and replay.seed == 5
 
 
 def test_wandb_mode_is_the_users(monkeypatch):

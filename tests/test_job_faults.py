@@ -341,7 +341,8 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         rollouts = tmp_path / "job" / "rollouts"
-        _poll(lambda: proc.poll() is not None or len(list(rollouts.glob("step=*"))) >= 3, "three trainer steps' rollouts")
+        _poll(lambda: proc.poll() is not None or len(list(rollouts.glob("step=*"))) >= 3,
+              "three trainer steps' rollouts")
         assert proc.poll() is None, log.read_text()[-3000:]
         started = _descendants(proc.pid)
         assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers

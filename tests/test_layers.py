@@ -21,7 +21,7 @@ import marinrl
 from marinrl.config.model import DefaultRope, Llama3Rope, LlamaArchitecture, Qwen3Architecture, YarnRope
 from marinrl.config.trainer import (
     MARINRL_TRAINER_DEFAULTS,
-    AdamConfig,
+    JobAdamConfig,
     JobTrainerConfig,
     JsonLoggerTracker,
     NoopTracker,
@@ -168,7 +168,7 @@ MIRRORS = [  # (mirror, fields whose default is marinrl's)
     (Llama3Rope, ()),
     (YarnRope, ()),
     (JobTrainerConfig, MARINRL_TRAINER_DEFAULTS + ("require_accelerator",)),
-    (AdamConfig, ()),
+    (JobAdamConfig, ()),
     (JsonLoggerTracker, ()),
     (TensorboardTracker, ()),
     (WandbTracker, ()),
@@ -184,7 +184,8 @@ def test_a_mirror_has_levanters_fields_and_defaults(mirror, ours):
     for f in dataclasses.fields(mirror):
         assert f.name in theirs, f"{mirror.__name__}.{f.name} is not a field of {levanter.__name__}"
         if f.name not in ours:
-            assert getattr(mine, f.name) == theirs[f.name], f"{mirror.__name__}.{f.name}: default differs from Levanter's"
+            assert getattr(mine, f.name) == theirs[f.name], (
+                f"{mirror.__name__}.{f.name}: default differs from Levanter's")
 
 
 def test_marinrls_adam_and_trainer_convert_to_levanters_objects():
@@ -240,3 +241,42 @@ def test_the_driver_checks_the_quickstart_without_jax_levanter_or_transformers(t
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+NUMPY_STRATEGIES = {"marinrl.train.advantages", "marinrl.train.replay.sampling", "marinrl.train.replay.filters",
+                    "marinrl.train.replay.staleness"}
+"""Modules of the runtime that the config layer may name: NumPy functions and the strategy registries."""
+
+
+def test_the_config_package_imports_only_itself_types_and_the_numpy_strategies():
+    graph = import_graph()
+    allowed = {"marinrl", "marinrl.types", "marinrl.config"} | NUMPY_STRATEGIES
+    for module, edges in graph.items():
+        if module.startswith("marinrl.config") or module in NUMPY_STRATEGIES:
+            outside = {e for e in edges if not e.startswith("marinrl.config.") and e not in allowed}
+            assert outside == set(), f"{module} imports {sorted(outside)}"
+
+
+def test_the_package_root_holds_at_most_twelve_modules():
+    root = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(root) <= 12, root
+
+
+PLACEMENT_FIELDS = {"num_gpus", "tpu", "tpu_chips", "memory_fraction", "accelerator_type", "num_hosts"}
+
+
+def test_only_the_placement_modules_read_placement_fields():
+    """A new accelerator kind has one place to go (job/placement.py's docstring says how): every other module
+    asks `PlacementConfig`'s methods or job/placement.py's functions."""
+    seam = {PACKAGE / "config" / "placement.py", PACKAGE / "job" / "placement.py"}
+    readers = []
+    for path in PACKAGE.rglob("*.py"):
+        if path in seam:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in PLACEMENT_FIELDS:
+                readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
+    assert readers == []

@@ -79,9 +79,9 @@ def _linear_matrix(weight: hax.NamedArray, in_names: set[str]) -> np.ndarray:
 
 def test_lora_trains_only_the_adapters_and_publishes_only_them(tmp_path):
     """3 on-policy steps with a KL term (its reference is the frozen base): the base's arrays are
-    bit-identical to the model config's, weight step 0 is the base exactly, every adapter changed, the optimizer state and the checkpoint
-    hold the adapters only, each published version is only the adapter arrays, and the rollout side's
-    merged weights are W + (alpha / r)·B·A."""
+    bit-identical to the model config's, weight step 0 is the base exactly, every adapter changed, the
+    optimizer state and the checkpoint hold the adapters only, each published version is only the adapter
+    arrays, and the rollout side's merged weights are W + (alpha / r)·B·A."""
     cfg = lora_config(tmp_path, steps=3, run_id="lora", loss=LossConfig.preset("grpo", kl_beta=0.04))
     producer = _adapt_client(Producer(cfg.weights, cfg.rollout_root), cfg.weights, LORA)
     producer.start()

@@ -118,7 +118,7 @@ def test_full_eval_updates_the_curriculum_and_micro_eval_does_not(server):
     assert all(r.temperature == 0.0 for r in batch.rollouts) and all(len(g) == 1 for g in batch.groups)
     results = manager.evaluate_curriculum(4, "eval", np.random.default_rng(0), step=5, weight_step=5, worker_id="w")
     assert set(results) == {"ok", "raises", "malformed"}
-    assert ("ok", 4, 5) in curriculum.evals and not any(l == "raises" for l, _, _ in curriculum.evals)
+    assert ("ok", 4, 5) in curriculum.evals and not any(lesson == "raises" for lesson, _, _ in curriculum.evals)
     assert results["raises"][0]["env_failures"] == 1 and results["raises"][1] is None
     batch, _ = manager.sample_batch("ok", 2, 2, "train", np.random.default_rng(0), 5, "w")
     manager.update_training_stats("ok", batch, step=5)

@@ -89,7 +89,8 @@ def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkp
     for pid in range(2):
         log = tmp / f"{name}-{pid}.jsonl"
         code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import test_multihost as t; "
-                f"t.child_main({pid}, {port}, {str(tmp)!r}, {str(log)!r}, {steps}, {run_id!r}, {checkpoint_every}, {kl_beta})")
+                f"t.child_main({pid}, {port}, {str(tmp)!r}, {str(log)!r}, {steps}, {run_id!r}, "
+                f"{checkpoint_every}, {kl_beta})")
         procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE))
         logs.append(log)

@@ -50,8 +50,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
-    srv = InferenceServer(InferenceServerConfig(serve_http=True), build_model(ModelConfig(model=ARCH, vocab_size=VOCAB, seed=0)),
-                          tokenizer)
+    srv = InferenceServer(InferenceServerConfig(serve_http=True),
+                          build_model(ModelConfig(model=ARCH, vocab_size=VOCAB, seed=0)), tokenizer)
     with srv:
         yield srv
 
@@ -74,7 +74,8 @@ def test_endpoint_token_ids_and_logprobs_equal_the_scan_sampler(server, tokenize
     # prompt 0 of a 2-prompt call has the same key, (3, 0); 2 prompts: the shape compiled below too
     (ref,) = server.generate([prompt, prompt], 1, SamplingParams(temperature=0.7, max_tokens=8), seed=3)[0]
     assert choice.token_ids == ref.tokens.tolist()
-    np.testing.assert_allclose([c.logprob for c in choice.logprobs.content], ref.logprobs, atol=1e-5)  # other batch shape
+    # other batch shape
+    np.testing.assert_allclose([c.logprob for c in choice.logprobs.content], ref.logprobs, atol=1e-5)
     assert choice.finish_reason == ref.finish_reason
     # completions: prompt i of a request is sampled with (seed, i), as `generate` samples prompt i
     prompts = [[97, 98], [99, 100, 101]]
@@ -111,7 +112,8 @@ class RecordingEcho(EchoChatAgent):
         self.seen: dict[tuple, list] = {}
 
     async def run_episode(self, client, model, problem):
-        reply = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": problem.prompt}])
+        reply = await client.chat.completions.create(model=model,
+                                                     messages=[{"role": "user", "content": problem.prompt}])
         ch = reply.choices[0]
         self.seen.setdefault(tuple(ch.token_ids), []).append([c.logprob for c in ch.logprobs.content])
         return Grade(reward=len(ch.token_ids) / 10, indicators={"long": float(len(ch.token_ids) == 4)})
@@ -145,7 +147,8 @@ def test_two_call_episodes_are_stitched_or_split(server, tokenizer):
     groups, m = _sample(env, server, 4, 8, sampling)
     assert m["l/malformed_groups"] == 0 and m["l/episodes_ok"] == 32 and m["l/requests"] == 64
     eos = tokenizer.eos_token_id
-    again = chat_prompt_tokens(tokenizer, [{"role": "user", "content": "again"}])[1:]  # <|user|>again<|eos|><|assistant|>
+    # <|user|>again<|eos|><|assistant|>
+    again = chat_prompt_tokens(tokenizer, [{"role": "user", "content": "again"}])[1:]
     stitched = split_first = split_second = 0
     for g in groups:
         for r in g.rollouts:

@@ -31,7 +31,8 @@ def _actor_ids() -> set:
          r"^RLJobConfig\.ray\.rollout\.tpu: 4 TPU chips per rollout worker \(one host of a v5litepod-4\), but no node "
          r"has more than 0 TPU chips"),
         (dict(trainer=PlacementConfig(resources={"trainer": 1})),
-         r"^RLJobConfig\.ray\.trainer\.resources\.trainer: trainer: 1 per trainer, but no node has more than 0 trainer"),
+         r"^RLJobConfig\.ray\.trainer\.resources\.trainer: trainer: 1 per trainer, "
+         r"but no node has more than 0 trainer"),
         (dict(trainer=PlacementConfig(accelerator_type="H100")),
          r"^RLJobConfig\.ray\.trainer\.accelerator_type: a node labelled accelerator_type:H100 per trainer"),
         (dict(trainer=PlacementConfig(num_cpus=3), rollout=PlacementConfig(num_cpus=1)),

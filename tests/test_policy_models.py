@@ -49,7 +49,8 @@ def test_a_batch_is_split_per_policy_model_and_stamped_with_its_weights():
     assert [g.rollouts[0].policy_name for g in a.groups] == ["policy", "stranger"]
     assert {g.rollouts[0].policy_name for g in b.groups} == {"other"}
     assert a.weight_step == 3 and b.weight_step == 5
-    assert all(r.metadata == RolloutMetadata(batch.metadata.worker_id, 5, batch.metadata.created_at) for r in b.rollouts)
+    assert all(r.metadata == RolloutMetadata(batch.metadata.worker_id, 5, batch.metadata.created_at)
+               for r in b.rollouts)
     assert {g.group_id for _, p in parts for g in p.groups} == {g.group_id for g in batch.groups}
 
 

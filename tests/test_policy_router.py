@@ -25,7 +25,8 @@ def other_server(tiny_server):
     from marinrl.models.policy_model import build_model
 
     model = build_model(ModelConfig(model=tiny_server.model.config, vocab_size=512, seed=1))
-    with InferenceServer(InferenceServerConfig(serve_http=False), model, tiny_server.tokenizer, weight_step=7) as server:
+    with InferenceServer(InferenceServerConfig(serve_http=False), model, tiny_server.tokenizer,
+                         weight_step=7) as server:
         yield server
 
 

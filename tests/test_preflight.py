@@ -44,7 +44,8 @@ def test_an_environment_that_cannot_be_built_fails_in_the_constructor(tmp_path, 
 @pytest.mark.parametrize(
     "overrides, field, problem",
     [
-        (dict(optimizer=RLAdamConfig(learning_rate=-1.0)), "optimizer.learning_rate", "must be finite and > 0, got -1.0"),
+        (dict(optimizer=RLAdamConfig(learning_rate=-1.0)), "optimizer.learning_rate",
+         "must be finite and > 0, got -1.0"),
         (dict(optimizer=RLAdamConfig(learning_rate=float("nan"))), "optimizer.learning_rate", "must be finite and > 0"),
         (dict(checkpoint_every=-1), "checkpoint_every", "must be >= 0, got -1"),
         (dict(eval_every=-2), "eval_every", "must be >= 0"),
@@ -99,7 +100,8 @@ def test_a_missing_empty_or_corrupt_hf_checkpoint_is_one_line(tmp_path, files, p
 
 def test_a_missing_tokenizer_or_levanter_checkpoint_names_its_field(tmp_path):
     with pytest.raises(ConfigError, match=r"^RLJobConfig\.model\.tokenizer: .*tokenizer directory not found"):
-        RLJob(job_config(tmp_path, model=dataclasses.replace(job_config(tmp_path).model, tokenizer=str(tmp_path / "t"))))
+        RLJob(job_config(tmp_path,
+                         model=dataclasses.replace(job_config(tmp_path).model, tokenizer=str(tmp_path / "t"))))
     with pytest.raises(ConfigError, match=r"^RLJobConfig\.model\.levanter_checkpoint: Levanter checkpoint not found"):
         RLJob(job_config(tmp_path, model=ModelConfig(levanter_checkpoint=str(tmp_path / "ckpt"))))
 

@@ -1,8 +1,8 @@
 """The real-size rehearsal (bench/rehearsal.py): Qwen3-0.6B's recipe end to end on this CPU, killed after
 its step-3 checkpoint and resumed to step 4. About 6.5 minutes of a 2-core machine and 22 of its 24 GiB
 (docs/performance.md, "Rehearsal"): `make test-slow` runs it, `make test` leaves it out (and nothing else
-should run beside it). It runs in its own process, as `python bench/rehearsal.py` does, because the job's actors inherit the
-fake-device count from the environment."""
+should run beside it). It runs in its own process, as `python bench/rehearsal.py` does, because the job's
+actors inherit the fake-device count from the environment."""
 
 from __future__ import annotations
 

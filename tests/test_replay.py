@@ -134,7 +134,8 @@ def mixed_group(gid: str, steps_per_rollout, *, start: int, created_at: float = 
     """A group whose rollouts began with weights `start` and had tokens sampled by newer ones (in flight)."""
     group = make_group(gid, [float(i % 2) for i in range(len(steps_per_rollout))], w=start, created_at=created_at,
                        lengths=[len(s) for s in steps_per_rollout])
-    return RolloutGroup(tuple(dataclasses.replace(r, weight_steps=s) for r, s in zip(group.rollouts, steps_per_rollout)))
+    return RolloutGroup(tuple(dataclasses.replace(r, weight_steps=s)
+                              for r, s in zip(group.rollouts, steps_per_rollout)))
 
 
 MIXED_STEPS = ([3, 3, 5, 5], [3, 5, 5, 5])
@@ -143,7 +144,8 @@ MIXED_STEPS = ([3, 3, 5, 5], [3, 5, 5, 5])
 
 @pytest.mark.parametrize("reduction, staleness", [("oldest", 3), ("newest", 1), ("mean", 2)])
 def test_token_version_reduction_decides_a_mixed_groups_staleness(reduction, staleness):
-    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=10), token_version_reduction=reduction), clock=Clock())
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=10), token_version_reduction=reduction),
+                       clock=Clock())
     buf.ingest([make_batch([mixed_group("mixed", MIXED_STEPS, start=3)], w=3, created_at=1001.0)])
     sample = buf.sample(6, 1, timeout_s=0)
     assert [g.staleness for g in sample.groups] == [staleness]
@@ -193,7 +195,8 @@ def test_age_limit_uses_the_injected_clock_with_an_inclusive_boundary():
 
 
 def test_capacity_is_per_env_and_evicts_the_oldest():
-    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=3), capacity_per_env=2), clock=Clock(), start_step=2)
+    buf = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=3), capacity_per_env=2), clock=Clock(),
+                       start_step=2)
     buf.ingest([batch_of(1, "a1"), batch_of(2, "a2"), batch_of(2, "b2", env="code")])
     buf.ingest([batch_of(2, "a3")])  # a1 (weight step 1) goes
     buf.ingest([batch_of(0, "a0")])  # older than everything kept: evicted at once
@@ -263,9 +266,9 @@ def test_off_policy_uses_each_group_once():
 
 def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
     strategy = ReplaySamplingConfig(staleness=3, uses=1, recency_decay=0.5)
-    candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32), advantage_scale=1.0,
-                                rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool), env_name="math",
-                                weight_step=w, created_at=1000.0, seq=seq, source=None)
+    candidates = [BufferedGroup(group=make_group(gid, [0, 1], w=w), advantages=np.zeros(2, np.float32),
+                                advantage_scale=1.0, rewards=np.array([0.0, 1.0]), trainable=np.ones(2, bool),
+                                env_name="math", weight_step=w, created_at=1000.0, seq=seq, source=None)
                   for seq, (gid, w) in enumerate([("new", 3), ("old", 0)])]
     rng = np.random.default_rng(0)
     trials = 20000
@@ -363,7 +366,8 @@ def test_filter_ratio_outside_zero_to_one_is_refused_naming_the_field(ratio, tmp
     path = tmp_path / "job.yaml"
     yaml_ratio = ".nan" if np.isnan(ratio) else ratio
     path.write_text(f"run_id: x\nreplay:\n  filters:\n    - {{type: reward_mean, filter_ratio: {yaml_ratio}}}\n")
-    with pytest.raises(ConfigInputError, match=r"job.yaml:4:\d+: .*replay\.filters\[0\].*reward_mean\.filter_ratio must be"):
+    with pytest.raises(ConfigInputError,
+                       match=r"job.yaml:4:\d+: .*replay\.filters\[0\].*reward_mean\.filter_ratio must be"):
         load_job_config(RLJobConfig, str(path), [])
 
 
@@ -396,10 +400,12 @@ def test_trim_outliers_on_length_and_min_size():
 
 def test_filters_compose_in_order():
     outlier = [1, 1, 1, 1, 1, 1, 1, 1, 10]
-    trim_then_flat = ReplayBuffer(ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5), ZeroVarianceFilter()]), clock=Clock())
+    trim_then_flat = ReplayBuffer(ReplayConfig(filters=[TrimOutliersFilter(max_z=2.5), ZeroVarianceFilter()]),
+                                  clock=Clock())
     trim_then_flat.ingest([make_batch([make_group("g", outlier)])])
     assert drops(trim_then_flat) == {"zero_variance": 1}
-    flat_then_trim = ReplayBuffer(ReplayConfig(filters=[ZeroVarianceFilter(), TrimOutliersFilter(max_z=2.5)]), clock=Clock())
+    flat_then_trim = ReplayBuffer(ReplayConfig(filters=[ZeroVarianceFilter(), TrimOutliersFilter(max_z=2.5)]),
+                                  clock=Clock())
     flat_then_trim.ingest([make_batch([make_group("g", outlier)])])
     s = flat_then_trim.sample(0, 1, timeout_s=0)
     assert len(s.rollouts) == 8 and np.all(s.advantages == 0)
@@ -457,15 +463,16 @@ def test_multi_turn_credit_reaches_the_batch_per_token(kind):
     # A single-turn group (reward on the last token) is unchanged: every token gets the episode advantage.
     buf.ingest([make_batch([make_group("single", [0, 1, 1, 0.5])])])
     single = buf.sample(0, 1, timeout_s=0)
-    packed = np.asarray(single.training_batch(batch_size=4, config=BatchingConfig(max_length=8, min_bucket=8, layout="padded"))
-                        .advantages.array)
+    padded = BatchingConfig(max_length=8, min_bucket=8, layout="padded")
+    packed = np.asarray(single.training_batch(batch_size=4, config=padded).advantages.array)
     np.testing.assert_allclose(packed[:, 1:4], np.repeat(single.advantages[:, None], 3, axis=1), rtol=1e-6)
 
 
 def test_a_zero_variance_multi_turn_group_contributes_nothing():
     buf = ReplayBuffer(ReplayConfig(), clock=Clock(), advantage="group_mean")
     buf.ingest([make_batch([two_turn_group("tie", [(1.0, 0.0), (0.0, 1.0)])])])  # equal returns, different turns
-    batch = buf.sample(0, 1, timeout_s=0).training_batch(batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4, layout="padded"))
+    batch = buf.sample(0, 1, timeout_s=0).training_batch(
+        batch_size=2, config=BatchingConfig(max_length=8, min_bucket=4, layout="padded"))
     assert np.all(np.asarray(batch.advantages.array) == 0)
 
 

@@ -42,13 +42,15 @@ class GatedEnv:
 def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None):
     lesson = f"lesson-{uuid.uuid4().hex[:8]}"
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
-    manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
+    manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env,
+                                                                 SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name="faulty_envs:StartsWithA")})
-    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=1,
-                                 n_generations=2, max_staleness=0, final_step=final_step, eval_every=0,
-                                 eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),),
+                                 groups_per_batch=1, n_generations=2, max_staleness=0, final_step=final_step,
+                                 eval_every=0, eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
     clients = {"policy": build_client(weights, tiny_server.model)}
-    return RolloutWorker(config, manager, OneLesson(lesson), clients=clients, worker_id="w0", min_epoch=min_epoch), weights
+    return (RolloutWorker(config, manager, OneLesson(lesson), clients=clients, worker_id="w0", min_epoch=min_epoch),
+            weights)
 
 
 def _steps_written(tmp_path) -> dict[int, int]:
@@ -87,7 +89,8 @@ def _train_on_policy(trainer, model, thread, tmp_path, steps):
     for s in steps:
         before = _steps_written(tmp_path).get(s, 0)
         trainer.publish(model, s)
-        _until(lambda s=s, before=before: _steps_written(tmp_path).get(s, 0) > before, thread, f"a new batch for step {s}")
+        _until(lambda s=s, before=before: _steps_written(tmp_path).get(s, 0) > before, thread,
+               f"a new batch for step {s}")
 
 
 def _publish_final(trainer, model, step: int, thread, outcome) -> dict:

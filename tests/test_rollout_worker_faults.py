@@ -59,15 +59,17 @@ def make_worker(tmp_path, tiny_server, env, *, budget: int, env_name: str = "fau
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
     publisher = build_server(weights)
     publisher.publish(tiny_server.model, 0)
-    manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env, SamplingParams(temperature=1.0, max_tokens=2),
+    manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env,
+                                                                 SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name=env_name)})
-    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=2,
-                                 n_generations=2, max_staleness=1000, final_step=1000, eval_examples=2,
-                                 max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S,
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),),
+                                 groups_per_batch=2, n_generations=2, max_staleness=1000, final_step=1000,
+                                 eval_examples=2, max_consecutive_env_failures=budget, weight_timeout_s=DEADLINE_S,
                                  warm_up_sampler=False)  # the calls counted here are the worker's own (test_warmup.py)
     tracker = RecordingTracker()
-    worker = RolloutWorker(config, manager, OneLesson(lesson), clients={"policy": build_client(weights, tiny_server.model)},
-                           worker_id="w0", tracker=tracker)
+    worker = RolloutWorker(config, manager, OneLesson(lesson),
+                           clients={"policy": build_client(weights, tiny_server.model)}, worker_id="w0",
+                           tracker=tracker)
     return worker, lesson, tracker, publisher
 
 

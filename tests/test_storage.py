@@ -302,7 +302,8 @@ def test_unparseable_files_are_quarantined_and_counted(fsspec_root):
     assert len(batches_read) == 1
     assert reader.metrics["quarantined_files"] == 2 and reader.metrics["files_read"] == 1
     fs.invalidate_cache()
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/quarantine")) == ["a-garbage.parquet", "b-foreign.parquet"]
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/quarantine")) == ["a-garbage.parquet",
+                                                                                    "b-foreign.parquet"]
     assert fs.exists(fs._strip_protocol(good))
     summary = storage.summarize(url, storage_options=opts)
     assert summary["totals"]["quarantined"] == 2 and summary["totals"]["files"] == 1

@@ -112,7 +112,7 @@ def weight_bounds(models: list, n_terms: int) -> list[float]:
     differ by n·eps32·Σ_t max|Δ_t|, plus a few eps32·|w| per step for rounding the weights themselves.
     A safety factor of 4 covers the second-order terms (later gradients at slightly different weights)."""
     bounds = []
-    for i, w_final in enumerate(_leaves(models[-1])):
+    for i, _w_final in enumerate(_leaves(models[-1])):
         update_scale = sum(float(np.max(np.abs(_leaves(b)[i] - _leaves(a)[i]))) for a, b in zip(models, models[1:]))
         weight_scale = max(float(np.max(np.abs(_leaves(m)[i]))) for m in models)
         bounds.append(4 * EPS32 * (n_terms * update_scale + len(models) * weight_scale))

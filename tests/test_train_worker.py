@@ -65,7 +65,8 @@ class WeightFollower(threading.Thread):
     def run(self):
         while not self.halt.is_set():
             try:
-                update = self.client.wait_for(0, timeout_s=0.5) if self.client.weight_step is None else self.client.poll()
+                update = (self.client.wait_for(0, timeout_s=0.5) if self.client.weight_step is None
+                          else self.client.poll())
             except TimeoutError:
                 continue
             if update is None:
@@ -279,7 +280,8 @@ def restamped(data: bytes, created_at: float) -> bytes:
 
     batch = decode_batch(data)
     meta = dataclasses.replace(batch.metadata, created_at=created_at)
-    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, metadata=dataclasses.replace(r.metadata, created_at=created_at))
+    groups = tuple(RolloutGroup(tuple(dataclasses.replace(r, metadata=dataclasses.replace(r.metadata,
+                                                                                          created_at=created_at))
                                       for r in g.rollouts)) for g in batch.groups)
     return encode_batch(RolloutBatch(groups, meta))
 

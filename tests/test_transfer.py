@@ -545,3 +545,17 @@ def test_ray_trainer_death_then_restart(ray_config, model, ray_session):
         assert_same_model(got, shifted(model, 3))
     finally:
         restarted.close()
+
+
+def test_every_transfer_type_has_a_transport_and_is_exercised_here():
+    """A `type:` registered in config/transfer.py without a row in TRANSPORTS, or a row this file's
+    `any_config` does not run, fails here (transfer/endpoints.py says how to add a transport)."""
+    from marinrl.config.transfer import WeightTransferConfig
+    from marinrl.transfer.endpoints import TRANSPORTS
+
+    registered = {WeightTransferConfig.get_choice_class(name) for name in WeightTransferConfig.get_known_choices()}
+    assert registered == set(TRANSPORTS)
+    exercised = {FilesystemTransferConfig, RayTransferConfig}  # any_config's params: packed, tensorstore, ray
+    assert exercised == set(TRANSPORTS)
+    with pytest.raises(TypeError, match="register it in marinrl.transfer.endpoints.TRANSPORTS"):
+        build_server(object())

@@ -46,12 +46,13 @@ def make_worker(tmp_path, server, make_env, **overrides):
     manager = RolloutManager(server, {LESSON: LessonRuntime(make_env, sampling, env_name="echo")})
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
     publisher = build_server(weights)
-    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),), groups_per_batch=3,
-                                 n_generations=3, max_staleness=0, final_step=1, eval_examples=5,
-                                 weight_timeout_s=120.0, **overrides)
+    config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),),
+                                 groups_per_batch=3, n_generations=3, max_staleness=0, final_step=1,
+                                 eval_examples=5, weight_timeout_s=120.0, **overrides)
     tracker = CompileWatch(publisher, server.model)
     clients = {"policy": build_client(weights, server.model)}
-    return RolloutWorker(config, manager, OneLesson(), clients=clients, worker_id="w0", tracker=tracker), publisher, tracker
+    return (RolloutWorker(config, manager, OneLesson(), clients=clients, worker_id="w0", tracker=tracker), publisher,
+            tracker)
 
 
 def test_after_the_warm_up_the_first_eval_and_batch_compile_nothing(tmp_path, tiny_server):

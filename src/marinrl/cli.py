@@ -150,7 +150,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise InputError(str(e)) from e
     train = result.train
     print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
-          f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; rollout worker restarts {result.rollout_restarts}")
+          f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; "
+          f"rollout worker restarts {result.rollout_restarts}")
     for summary in result.rollouts:
         evals = [e for e in summary.get("evals", []) if e["kind"] == "eval"]
         if evals:
@@ -244,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="run an RL job (trainer, rollout workers, curriculum) on Ray from a YAML config")
     p.add_argument("config", help="RLJobConfig YAML, e.g. experiments/quickstart.yaml")
-    p.add_argument("overrides", nargs=argparse.REMAINDER, help="--key value overrides (draccus), e.g. --max_staleness 0")
+    p.add_argument("overrides", nargs=argparse.REMAINDER,
+                   help="--key value overrides (draccus), e.g. --max_staleness 0")
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("report", help="PNG plots and an HTML page of a run (rewards, evals, staleness, step times)")

@@ -308,9 +308,12 @@ def run(prepared: Prepared) -> dict:
 
     config, step = prepared.config, prepared.weight_step
     model, tokenizer = load_policy(prepared.checkpoint, config)
-    runtimes = lesson_runtimes(config.lessons, tokenizer, envs=prepared.envs, sampling=lambda lesson: dataclasses.replace(
-        lesson_sampling(lesson, tokenizer, "eval"), temperature=config.temperature_of(lesson),
-        max_tokens=config.max_tokens_of(lesson)))
+
+    def sampling(lesson: LessonConfig):
+        return dataclasses.replace(lesson_sampling(lesson, tokenizer, "eval"),
+                                   temperature=config.temperature_of(lesson), max_tokens=config.max_tokens_of(lesson))
+
+    runtimes = lesson_runtimes(config.lessons, tokenizer, envs=prepared.envs, sampling=sampling)
     lesson_info = {lesson.lesson_id: {"env": {"name": lesson.env.name, "args": dict(lesson.env.args)},
                                       "temperature": runtimes[lesson.lesson_id].sampling.temperature,
                                       "max_tokens": runtimes[lesson.lesson_id].sampling.max_tokens}

@@ -72,10 +72,12 @@ class ProcessGroupConfig:
     def __post_init__(self):
         require_at_least(self, 1, "num_processes", "heartbeat_timeout_s", "initialization_timeout_s")
         if not 0 <= self.process_id < self.num_processes:
-            raise ValueError(f"ProcessGroupConfig.process_id must be in [0, {self.num_processes}), got {self.process_id}")
+            raise ValueError(f"ProcessGroupConfig.process_id must be in [0, {self.num_processes}), "
+                             f"got {self.process_id}")
         require_at_least(self, 0, "cpu_devices")
         if self.coordinator_address is not None and ":" not in self.coordinator_address:
-            raise ValueError(f"ProcessGroupConfig.coordinator_address must be host:port, got {self.coordinator_address!r}")
+            raise ValueError("ProcessGroupConfig.coordinator_address must be host:port, "
+                             f"got {self.coordinator_address!r}")
 
 
 class Cohort:

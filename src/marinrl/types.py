@@ -1,8 +1,8 @@
 """The rollout data model: what crosses from the rollout side to the trainer.
 
-Token ids, not strings, are the source of truth (docs/architecture.md, "The contracts"). Every object checks itself when it
-is built, so a bad rollout fails where it was made, with the field named, instead of deep inside a
-jitted loss three processes later.
+Token ids, not strings, are the source of truth (docs/architecture.md, "The contracts"). Every object checks
+itself when it is built, so a bad rollout fails where it was made, with the field named, instead of deep
+inside a jitted loss three processes later.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class BatchingConfig:
     def bucket_for(self, n_tokens: int) -> int:
         """The shortest bucket that holds `n_tokens`; a ValueError past `max_length`."""
         if n_tokens > self.max_length:
-            raise ValueError(f"a sequence of {n_tokens} tokens does not fit BatchingConfig.max_length={self.max_length}")
+            raise ValueError(f"a sequence of {n_tokens} tokens does not fit "
+                             f"BatchingConfig.max_length={self.max_length}")
         for length in self.bucket_lengths():
             if length >= n_tokens:
                 return length

@@ -119,7 +119,8 @@ class CurriculumConfig:
 
     def fingerprint(self) -> str:
         """Stable hash of the configuration (to tell whether an existing actor runs this config)."""
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr).encode()).hexdigest()[:16]
+        encoded = json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr).encode()
+        return hashlib.sha256(encoded).hexdigest()[:16]
 
 
 def _find_cycle(graph: dict[str, list[str]]) -> Optional[list[str]]:

@@ -90,7 +90,8 @@ def _refuse_tags(path: str, node: Optional[yaml.Node]) -> None:
         n = stack.pop()
         if n.tag not in _PLAIN_TAGS:
             tag = n.tag.replace("tag:yaml.org,2002:", "!!")
-            raise ConfigInputError(f"{path}:{n.start_mark.line + 1}:{n.start_mark.column + 1}: the tag {tag} is refused: "
+            raise ConfigInputError(f"{path}:{n.start_mark.line + 1}:{n.start_mark.column + 1}: "
+                                   f"the tag {tag} is refused: "
                                    "a config is plain YAML (mappings, lists, strings, numbers, booleans, null), "
                                    "without tags")
         if isinstance(n, yaml.MappingNode):

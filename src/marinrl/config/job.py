@@ -174,7 +174,7 @@ class RLJobConfig:
         rollout = self.ray.rollout
         if rollout.hosts() > 1:
             bad(f"ray.rollout.{rollout.hosts_field}",
-                f"{rollout.tpu or rollout.num_hosts!r} spans {rollout.hosts()} hosts, but a rollout worker is one "
+                f"{rollout.hosts_setting!r} spans {rollout.hosts()} hosts, but a rollout worker is one "
                 "process on one host: use a single-host slice and n_rollout_workers for more")
         if self.ray.trainer.hosts() > 1:
             self._check_multihost()
@@ -192,7 +192,8 @@ class RLJobConfig:
         for lesson in self.curriculum.lessons:  # ids, dependencies and cycles are checked by CurriculumConfig
             if not lesson.temperature > 0:
                 bad(f"curriculum.lessons[{lesson.lesson_id}].temperature",
-                    f"training needs a temperature > 0 (greedy has no logprobs to learn from), got {lesson.temperature}")
+                    "training needs a temperature > 0 (greedy has no logprobs to learn from), "
+                    f"got {lesson.temperature}")
             if lesson.max_tokens >= self.batching.max_length:
                 bad(f"curriculum.lessons[{lesson.lesson_id}].max_tokens",
                     f"{lesson.max_tokens} new tokens do not fit a training row of batching.max_length="

@@ -11,6 +11,7 @@ from typing import Any, Literal, Mapping, get_args
 from marinrl.train.advantages import AdvantageKind, OverlongMode
 
 Objective = Literal["ppo", "cispo"]
+"""The per-token objectives of `train/losses.OBJECTIVES` (its docstring says how to add one)."""
 RatioLevel = Literal["token", "sequence"]
 Normalization = Literal["token", "sequence", "constant"]
 RatioAnchor = Literal["sampler", "recomputed"]
@@ -191,16 +192,20 @@ def _closest_preset(config: LossConfig) -> str:
     return name if not diff else f"{name} + {', '.join(diff)}"
 
 
+OBJECTIVE_WORDS: Mapping[str, str] = MappingProxyType({
+    "ppo": "PPO clip on the {ratio}, min(r·A, clip(r, {lo:g}, {hi:g})·A)",
+    "cispo": "CISPO on the {ratio}, sg(clip(r, {lo:g}, {hi:g}))·A·log π",
+})
+"""Each objective in words for the run header (`{ratio}`, `{lo}`, `{hi}`: the ratio and the clip bounds)."""
+
+
 def describe(config: LossConfig) -> str:
     """One line stating the objective, normalization, ratio anchor and correction, KL placement and the
     ingestion-time choices, in words. Every run prints it: results under one preset name are not
     comparable unless these match."""
     lo, hi = 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high
     ratio = "token ratio r" if config.ratio_level == "token" else "sequence ratio s_i = exp(mean_t log r) (GSPO)"
-    if config.objective == "ppo":
-        objective = f"PPO clip on the {ratio}, min(r·A, clip(r, {lo:g}, {hi:g})·A)"
-    else:
-        objective = f"CISPO on the {ratio}, sg(clip(r, {lo:g}, {hi:g}))·A·log π"
+    objective = OBJECTIVE_WORDS[config.objective].format(ratio=ratio, lo=lo, hi=hi)
     normalization = {
         "token": "one token-level mean over the batch",
         "sequence": "mean over each response's tokens, then over responses",

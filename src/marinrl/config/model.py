@@ -1,8 +1,8 @@
 """`model:` of a job config: where a policy comes from (from scratch, a Levanter checkpoint or a Hugging Face
-checkpoint) and, from scratch, its architecture. Configs only: models.py builds and loads the model.
+checkpoint) and, from scratch, its architecture. Configs only: models/policy_model.py builds and loads the model.
 
 The architecture is our own mirror of Levanter's `LlamaConfig` fields (`type: llama`), converted by
-`levanter_configs.levanter_config` when a model is built, so a job config parses without importing
+`levanter_configs.to_levanter` when a model is built, so a job config parses without importing
 Levanter (docs/architecture.md, "Layers"). Other families come from a checkpoint's config.json; Python
 callers may also hand Levanter's own `LmConfig` here, which is used as it is."""
 
@@ -113,7 +113,8 @@ class LlamaArchitecture(ArchitectureConfig):
         if self.num_heads % self.num_kv_heads:
             return f"{field}.num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}"
         if self.head_dim is None and self.hidden_dim % self.num_heads:
-            return f"{field}.num_heads", f"{self.num_heads} heads do not divide hidden_dim={self.hidden_dim} (or set head_dim)"
+            return (f"{field}.num_heads",
+                    f"{self.num_heads} heads do not divide hidden_dim={self.hidden_dim} (or set head_dim)")
         return None
 
 

@@ -79,15 +79,16 @@ class PlacementConfig:
             from ray._private.accelerators.tpu import TPU_VALID_CHIP_OPTIONS
 
             if self.tpu is not None or self.num_gpus:
-                raise ConfigError(f"{field}.tpu_chips", f"{self.tpu_chips} chips of one host and "
-                                                        f"{'tpu=' + repr(self.tpu) if self.tpu else f'num_gpus={self.num_gpus}'}: "
+                other = f"tpu={self.tpu!r}" if self.tpu else f"num_gpus={self.num_gpus}"
+                raise ConfigError(f"{field}.tpu_chips", f"{self.tpu_chips} chips of one host and {other}: "
                                                         "ask for one kind of accelerator")
             if self.tpu_chips not in TPU_VALID_CHIP_OPTIONS or isinstance(self.tpu_chips, bool):
                 raise ConfigError(f"{field}.tpu_chips", f"must be one of {list(TPU_VALID_CHIP_OPTIONS)} (the chip "
                                                         f"counts Ray gives a TPU actor), got {self.tpu_chips!r}")
             if self.num_hosts not in (None, 1):
                 raise ConfigError(f"{field}.num_hosts", f"{self.num_hosts} hosts with tpu_chips: a trainer over "
-                                                        "several TPU hosts takes whole hosts (set tpu to the slice type)")
+                                                        "several TPU hosts takes whole hosts (set tpu to the "
+                                                        "slice type)")
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise ConfigError(f"{field}.memory_fraction", f"must be in (0, 1] or null, got {self.memory_fraction}")
         if self.num_hosts is not None:
@@ -114,6 +115,11 @@ class PlacementConfig:
     def hosts_field(self) -> str:
         """The field that sets `hosts()`."""
         return "tpu" if self.tpu is not None and self.num_hosts is None else "num_hosts"
+
+    @property
+    def hosts_setting(self):
+        """The value of `hosts_field` (for messages)."""
+        return self.tpu if self.hosts_field == "tpu" else self.num_hosts
 
     @property
     def has_accelerator(self) -> bool:

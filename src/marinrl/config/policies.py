@@ -75,7 +75,8 @@ def check_policies(job: RLJobConfig) -> None:
     resolved = only is not None and only.specialization == "lora" and job.lora == (only.lora or LoraRLConfig())
     if job.lora is not None and not resolved:  # (`resolve_policies` lifts a single policy's adapters to `lora`)
         raise ConfigError("lora", "with `policies:` each policy says its own specialization: use "
-                                  "`policies.<name>: {specialization: lora, lora: {...}}` instead of a top-level `lora`")
+                                  "`policies.<name>: {specialization: lora, lora: {...}}` "
+                                  "instead of a top-level `lora`")
     for name, policy in policies.items():
         where = f"policies.{name}"
         if not isinstance(name, str) or not name or "/" in name:

@@ -31,8 +31,9 @@ class TrainWorkerConfig:
     """How new weights reach the rollout workers."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     trainer: Optional[TrainerConfig] = None
-    """Levanter's trainer (None: `levanter_configs.cpu_trainer_config()`, one for a laptop CPU): mesh, batch size (`train_batch_size` rows = groups_per_step × samples
-    per prompt), `num_train_steps`, microbatching (`per_device_parallelism`), checkpointer, tracker."""
+    """Levanter's trainer (None: `levanter_configs.cpu_trainer_config()`, one for a laptop CPU): mesh, batch size
+    (`train_batch_size` rows = groups_per_step × samples per prompt), `num_train_steps`, microbatching
+    (`per_device_parallelism`), checkpointer, tracker."""
     optimizer: Any = dataclasses.field(default_factory=RLAdamConfig)
     """Levanter's `OptimizerConfig` or the config layer's mirror of one (`config/trainer.py`). The default is
     the reference of docs/performance.md: AdamW, lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0."""

@@ -1,7 +1,7 @@
 """The job's Levanter knobs, `trainer:` and `optimizer:` of a job config, as plain dataclasses: mirrors of
 Levanter's `TrainerConfig`, its trackers and its AdamW with the same field names and Levanter's defaults
 except where marked, so a config parses and is checked without importing Levanter (seconds and hundreds
-of MB). `levanter_configs.levanter_config` makes Levanter's objects when the trainer starts;
+of MB). `levanter_configs.to_levanter` makes Levanter's objects when the trainer starts;
 tests/test_layers.py checks every mirrored field against Levanter's class.
 
 - `JobTrainerConfig` exposes the mesh, microbatching, mixed precision, profiler, tracker and compile
@@ -55,15 +55,18 @@ def parse_mp(mp: str) -> dict[str, str]:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrackerConfig(draccus.ChoiceRegistry):
-    """Where the trainer's metrics go, by `type:` (Levanter's trackers)."""
+class JobTrackerConfig(draccus.ChoiceRegistry):
+    """Where the trainer's metrics go, by `type:` (Levanter's trackers). To add one: register a frozen
+    dataclass below with Levanter's field names and defaults and `LEVANTER = "module:Class"` naming the config
+    it becomes (`levanter_configs.to_levanter` builds it when the trainer starts), and add it to
+    tests/test_layers.py's MIRRORS, which checks the fields against Levanter's class."""
 
     LEVANTER: ClassVar[str] = ""
 
 
-@TrackerConfig.register_subclass("json_logger")
+@JobTrackerConfig.register_subclass("json_logger")
 @dataclasses.dataclass(frozen=True)
-class JsonLoggerTracker(TrackerConfig):
+class JsonLoggerTracker(JobTrackerConfig):
     """JSON lines through Python logging (read by `marinrl report`)."""
 
     LEVANTER: ClassVar[str] = "levanter.tracker.json_logger:JsonLoggerConfig"
@@ -71,9 +74,9 @@ class JsonLoggerTracker(TrackerConfig):
     level: int = 20
 
 
-@TrackerConfig.register_subclass("tensorboard")
+@JobTrackerConfig.register_subclass("tensorboard")
 @dataclasses.dataclass(frozen=True)
-class TensorboardTracker(TrackerConfig):
+class TensorboardTracker(JobTrackerConfig):
     """TensorBoard event files; left at `tblogs`, the job writes them to `<run_dir>/tensorboard/trainer`."""
 
     LEVANTER: ClassVar[str] = "levanter.tracker.tensorboard:TensorboardConfig"
@@ -86,9 +89,9 @@ class TensorboardTracker(TrackerConfig):
     write_to_disk: Optional[bool] = True
 
 
-@TrackerConfig.register_subclass("wandb")
+@JobTrackerConfig.register_subclass("wandb")
 @dataclasses.dataclass(frozen=True)
-class WandbTracker(TrackerConfig):
+class WandbTracker(JobTrackerConfig):
     """Weights & Biases: online unless `mode: offline` or `WANDB_MODE` says otherwise."""
 
     LEVANTER: ClassVar[str] = "levanter.tracker.wandb:WandbConfig"
@@ -104,9 +107,9 @@ class WandbTracker(TrackerConfig):
     save_xla_dumps: bool = False
 
 
-@TrackerConfig.register_subclass("noop")
+@JobTrackerConfig.register_subclass("noop")
 @dataclasses.dataclass(frozen=True)
-class NoopTracker(TrackerConfig):
+class NoopTracker(JobTrackerConfig):
     """No metrics."""
 
     LEVANTER: ClassVar[str] = "levanter.tracker:NoopConfig"
@@ -132,7 +135,7 @@ class JobTrainerConfig:
 
     mp: str = "f32"
     """Mixed precision as jmp reads it: `p=f32,c=bfloat16` keeps float32 masters and computes in bfloat16."""
-    tracker: Union[TrackerConfig, tuple[TrackerConfig, ...]] = dataclasses.field(
+    tracker: Union[JobTrackerConfig, tuple[JobTrackerConfig, ...]] = dataclasses.field(
         default_factory=lambda: (JsonLoggerTracker(), TensorboardTracker()))
     """marinrl: JSON (read by `marinrl report`) and TensorBoard under `<run_dir>/tensorboard/trainer`. Add
     `{type: wandb, project: …}` for Weights & Biases."""
@@ -184,7 +187,7 @@ class JobOptimizerConfig(draccus.ChoiceRegistry):
 
 @JobOptimizerConfig.register_subclass("adam")
 @dataclasses.dataclass(frozen=True)
-class AdamConfig(JobOptimizerConfig):
+class JobAdamConfig(JobOptimizerConfig):
     """Levanter's AdamW with Levanter's defaults."""
 
     LEVANTER: ClassVar[str] = "levanter.optim:AdamConfig"
@@ -215,7 +218,7 @@ class AdamConfig(JobOptimizerConfig):
 
 @JobOptimizerConfig.register_subclass("rl_adam")
 @dataclasses.dataclass(frozen=True)
-class RLAdamConfig(AdamConfig):
+class RLAdamConfig(JobAdamConfig):
     """Levanter's AdamW (`type: adam`) with marinrl's defaults (the reference of docs/performance.md)."""
 
     learning_rate: float = 1e-4
@@ -275,7 +278,7 @@ def check_optimizer_ranges(optimizer) -> None:
     building to check a config; `preflight` builds a Levanter optimizer passed from Python once."""
     import math
 
-    if isinstance(optimizer, AdamConfig):
+    if isinstance(optimizer, JobAdamConfig):
         if optimizer.lr_schedule not in LR_SCHEDULES:
             raise ConfigError("optimizer.lr_schedule", f"unknown schedule {optimizer.lr_schedule!r}: use one of "
                                                        f"{', '.join(LR_SCHEDULES)}")

@@ -144,7 +144,8 @@ class CurriculumActor:
         self._save_if_automatic()
 
     def _maybe_save(self) -> None:
-        if self._state_path and self._save_every > 0 and abs(self._curriculum.step - self._saved_step) >= self._save_every:
+        if (self._state_path and self._save_every > 0
+                and abs(self._curriculum.step - self._saved_step) >= self._save_every):
             self.save()
 
     def _save_if_automatic(self) -> None:

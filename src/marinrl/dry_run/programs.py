@@ -60,7 +60,8 @@ def with_layers(model_config, layers: int):
     """The architecture with `layers` layers (a Qwen3 sliding window it does not use dropped, as the HF
     converter leaves it)."""
     changes = {"num_layers": layers}
-    if getattr(model_config, "sliding_window", None) is not None and not getattr(model_config, "use_sliding_window", True):
+    if (getattr(model_config, "sliding_window", None) is not None
+            and not getattr(model_config, "use_sliding_window", True)):
         changes["sliding_window"] = None
     return dataclasses.replace(model_config, **changes)
 
@@ -125,7 +126,8 @@ def check_train_step(job, layers: int, rows: int, length: int) -> ProgramCheck:
     trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=job.loss), add_default_hooks=False)
     with trainer:
         mesh = trainer.device_mesh
-        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.model.dtype))
+        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size,
+                               jnp.dtype(job.model.dtype))
         state = eqx.filter_eval_shape(
             lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=trainer.mp), model)
         state = _sharded(state, trainer.parameter_axis_mapping, mesh)
@@ -193,7 +195,8 @@ def check_engine(job, layers: int, n_devices: int, model_axis_size: int) -> list
     checks = []
     with sharding.using(where):
         started = time.perf_counter()
-        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+        model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size,
+                               jnp.dtype(job.rollout_dtype()))
         model = _sharded(model, where.axis_mapping, where.mesh)
         state = _sharded(abstract_engine_state(model, sizing), where.axis_mapping, where.mesh)
         work = _sharded(_prefill_work(state, sizing), where.axis_mapping, where.mesh)
@@ -214,7 +217,8 @@ def check_scan_sampler(job, layers: int, n_devices: int, model_axis_size: int, p
 
     where = rollout_mesh(job, n_devices, model_axis_size)
     started = time.perf_counter()
-    model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+    model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size,
+                           jnp.dtype(job.rollout_dtype()))
     model = _sharded(model, where.axis_mapping, where.mesh)
     replicated = NamedSharding(where.mesh, PartitionSpec())
 

@@ -61,7 +61,8 @@ class DryRunReport:
                f"{self.prompt_tokens}-token prompts, {self.response_tokens}-token responses; {self.seconds:.1f} s"]
         for p in self.programs:
             what = "lowered and compiled" if p.compiled else "lowered"
-            temp = f", CPU compiler scratch {p.cpu_temp_bytes_per_device / GiB:.3f} GiB per device" if p.compiled else ""
+            temp = (f", CPU compiler scratch {p.cpu_temp_bytes_per_device / GiB:.3f} GiB per device"
+                    if p.compiled else "")
             out.append(f"[dry run] {p.name}: {what} with {p.layers} of the model's layers on {p.devices} devices, "
                        f"mesh {p.mesh} ({p.lower_seconds:.1f} s + {p.compile_seconds:.1f} s){temp}")
         for plan in (self.trainer, self.rollout):

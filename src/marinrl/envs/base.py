@@ -11,6 +11,11 @@ not know *who ran it, with which weights, for which lesson*: its rollouts carry 
 `UNSTAMPED` (metadata) and `UNSTAMPED_LESSON`, and `safe_sample` replaces both with the caller's
 `RolloutMetadata` and lesson id. Stamping rebuilds every rollout, which re-runs its validation, so a
 rollout corrupted after it was built (a NaN written into a reward array) is caught there too.
+
+To add an environment: write a class with `sample(...)` (or subclass `SingleTurnEnv` for a prompt-and-grade
+task) and decorate it with `@register_env("name")`; a lesson then names it (`env: {name: ..., args: {...}}`).
+A class outside this package needs no registration: a lesson names it by its dotted path. A built-in one's
+module goes in `BUILTIN_ENVS`, so it is imported when a config names it. docs/environments.md has the recipe.
 """
 
 from __future__ import annotations
@@ -424,7 +429,7 @@ def safe_sample(
                                       "number; dropped", level=logging.WARNING)
     stamped: list[RolloutGroup] = []
     seen: set[str] = set()
-    for i, group in enumerate(groups):
+    for group in groups:
         try:
             stamped.append(_stamp(group, n_generations, metadata, lesson_id, seen))
         except Exception as e:  # malformed in any way: drop this group, keep the others
@@ -439,7 +444,8 @@ def _stamp(group: Any, n_generations: int, metadata: RolloutMetadata, lesson_id:
     if not isinstance(group, RolloutGroup):
         raise TypeError(f"expected a RolloutGroup, got {type(group).__name__}")
     if len(group) > n_generations:
-        raise ValueError(f"group {group.group_id!r} holds {len(group)} rollouts, more than n_generations={n_generations}")
+        raise ValueError(f"group {group.group_id!r} holds {len(group)} rollouts, more than "
+                         f"n_generations={n_generations}")
     if group.group_id in seen:
         raise ValueError(f"group_id {group.group_id!r} appears twice in one call")
     # dataclasses.replace re-runs Rollout validation: arrays mutated after construction are caught here.

@@ -186,7 +186,8 @@ class MultiTurnEnv:
             prompt = encode_prompt(tokenizer, problem.prompt, chat=self.chat)
             episodes.append([EpisodeRecord(problem, list(prompt)) for _ in range(n_generations)])
         flat = [e for row in episodes for e in row]
-        calls = run_turns(policy_context(ctx, self.policy_name), flat, sampling, rng, self.max_turns, self.max_episode_tokens,
+        calls = run_turns(policy_context(ctx, self.policy_name), flat, sampling, rng, self.max_turns,
+                          self.max_episode_tokens,
                           step=lambda e: self.step(e.problem, e.actions),
                           encode=lambda text: self.encode_observation(tokenizer, text))
         groups = []

@@ -145,7 +145,8 @@ class ArithmeticEnv(_MathEnv):
         out = []
         for _ in range(n):
             expr, value = arithmetic_problem(self.difficulty, rng)
-            out.append(Problem(prompt=self._prompt(f"What is {expr}?"), answer=str(value), example_id=expr.replace(" ", "")))
+            out.append(Problem(prompt=self._prompt(f"What is {expr}?"), answer=str(value),
+                               example_id=expr.replace(" ", "")))
         return out
 
 

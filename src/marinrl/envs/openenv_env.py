@@ -153,7 +153,8 @@ class OpenEnvEnv:
         context = policy_context(ctx, self.config.policy)
         k = self.config.max_concurrency
         for start in range(0, len(jobs), k):
-            sessions += _run_coroutine(lambda: self._wave(context, jobs[start:start + k], sampling, rng, counts))
+            sessions += _run_coroutine(
+                lambda start=start: self._wave(context, jobs[start:start + k], sampling, rng, counts))
         groups = []
         for i, seed in enumerate(seeds):
             done = [s.record for s in sessions if s.problem == i and s.status == "ok"]

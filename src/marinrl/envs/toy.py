@@ -65,7 +65,8 @@ class EchoEnv(SingleTurnEnv):
             raise ValueError(f"echo: length must be >= 1, got {length}")
         if context < 0:
             raise ValueError(f"echo: context must be >= 0, got {context}")
-        if context_alphabet is not None and (not context_alphabet or len(set(context_alphabet)) != len(context_alphabet)):
+        if context_alphabet is not None and (not context_alphabet
+                                             or len(set(context_alphabet)) != len(context_alphabet)):
             raise ValueError(f"echo: context_alphabet must be distinct characters, got {context_alphabet!r}")
         if not 0.0 <= holdout < 1.0:
             raise ValueError(f"echo: holdout must be in [0, 1), got {holdout}")

@@ -49,7 +49,8 @@ def compilation_cache_dir(config: RLJobConfig) -> str:
 
 
 # Passed from the driver's environment to the actors when set: wandb runs online unless WANDB_MODE says not.
-_PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+_PASSTHROUGH = ("XLA_FLAGS", "USE_TORCH", "STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL",
+                "GOOGLE_AUTH_TOKEN_FOR_TESTING",
                 "TENSORSTORE_GCS_REQUEST_CONCURRENCY", "WANDB_MODE", "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_PROJECT",
                 "WANDB_BASE_URL", "WANDB_DIR", program_audit.AUDIT_ENV,
                 # glibc's allocator: a memory-tight host returns freed weight buffers to the OS with
@@ -66,7 +67,8 @@ def actor_env(compilation_cache: Optional[str] = None) -> dict[str, str]:
     # USE_TORCH=1 in the driver's environment for an environment that needs transformers' torch models.
     env = {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "USE_TORCH": "0"}
-    cache = compilation_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(pathlib.Path(".jax_cache").resolve())
+    cache = (compilation_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+             or str(pathlib.Path(".jax_cache").resolve()))
     env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     for passthrough in _PASSTHROUGH:
         if os.environ.get(passthrough):

@@ -118,6 +118,29 @@ def cpus(placement: PlacementConfig) -> float:
     return placement.num_cpus * placement.hosts()
 
 
+def slice_selectors(placement: PlacementConfig, hosts: int, timeout_s: float) -> Optional[list[dict[str, str]]]:
+    """A multi-host trainer's placement-group label selectors: every host on the slice whose head resource a
+    probe task takes, host i on its TPU worker i (the `TPU` chips alone could come from hosts of several
+    slices). None when the role is not a TPU slice."""
+    if placement.tpu is None:
+        return None
+    import ray
+    from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
+
+    head = tpu_head_resource(placement.tpu)
+    name = ray.get(ray.remote(num_cpus=0)(_tpu_slice_name).options(resources={head: 1}).remote(), timeout=timeout_s)
+    if not name:
+        raise RuntimeError(f"the node holding {head} reports no TPU slice name: cannot keep the trainer's "
+                           f"{hosts} hosts on one slice")
+    return [{RAY_NODE_TPU_SLICE_NAME_KEY: name, "ray.io/tpu-worker-id": str(i)} for i in range(hosts)]
+
+
+def _tpu_slice_name() -> Optional[str]:
+    from ray._private.accelerators.tpu import TPUAcceleratorManager
+
+    return TPUAcceleratorManager.get_current_node_tpu_name()
+
+
 # ------------------------------------------------------------------------------------ the cluster
 
 

@@ -70,8 +70,10 @@ def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
     from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 
     models = policy_models(job)
-    streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),) if len(models) == 1
-               else tuple(ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(), m.job.lora)
+    streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),)
+               if len(models) == 1
+               else tuple(ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(),
+                                      m.job.lora)
                           for m in models))
     return RolloutWorkerConfig(
         streams=streams, groups_per_batch=job.groups_per_step // job.n_rollout_workers, n_generations=job.n_generations,
@@ -89,20 +91,20 @@ def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
 class RolloutHost:
     """The parts of one rollout host, ready to hand to a `RolloutManager` and a `RolloutWorker`."""
 
-    config: "RolloutWorkerConfig"
+    config: RolloutWorkerConfig
     tokenizer: Any
     servers: dict[str, Any]
     """Policy model name → its started `InferenceServer`."""
     server: Any
     """What the manager generates with: the one server, or a `PolicyRouter` over several."""
-    lessons: dict[str, "LessonRuntime"]
-    clients: dict[str, "WeightTransferClient"]
+    lessons: dict[str, LessonRuntime]
+    clients: dict[str, WeightTransferClient]
     """Stream name → the weight client that fills its server's model."""
     rss_before_model: int
     """This process's resident memory before the models were built (for the program audit)."""
 
 
-def build_rollout_host(job: RLJobConfig, index: int, clock: Optional["StartupClock"] = None) -> RolloutHost:
+def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupClock] = None) -> RolloutHost:
     """Everything rollout worker `index` of `job` runs with, built in the process that runs it."""
     import psutil
 
@@ -133,7 +135,7 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional["StartupClo
                        rss_before_model=rss_before_model)
 
 
-def weight_client(stream: "ModelStream", model) -> "WeightTransferClient":
+def weight_client(stream: ModelStream, model) -> WeightTransferClient:
     """A stream's weight client: full versions into `model`'s skeleton; with LoRA, adapter versions merged
     into `model` (the base)."""
     if stream.lora is None:
@@ -148,9 +150,9 @@ def weight_client(stream: "ModelStream", model) -> "WeightTransferClient":
 # ------------------------------------------------------------------------------------- shared parts
 
 
-def lesson_runtimes(lessons: Sequence["LessonConfig"], tokenizer, *, envs: Optional[dict[str, "Env"]] = None,
-                    sampling: Optional[Callable[["LessonConfig"], "SamplingParams"]] = None
-                    ) -> dict[str, "LessonRuntime"]:
+def lesson_runtimes(lessons: Sequence[LessonConfig], tokenizer, *, envs: Optional[dict[str, Env]] = None,
+                    sampling: Optional[Callable[[LessonConfig], SamplingParams]] = None
+                    ) -> dict[str, LessonRuntime]:
     """Lesson id → what the manager runs it with: its environment (built on first use, or the one in `envs`,
     already built) and its train and eval sampling (`sampling`: one for both, e.g. an evaluation's)."""
     import functools
@@ -170,11 +172,11 @@ def lesson_runtimes(lessons: Sequence["LessonConfig"], tokenizer, *, envs: Optio
     return out
 
 
-def _same(env: "Env") -> "Env":
+def _same(env: Env) -> Env:
     return env
 
 
-def serve(inference: "InferenceServerConfig", model, tokenizer, *, weight_step: int = 0):
+def serve(inference: InferenceServerConfig, model, tokenizer, *, weight_step: int = 0):
     """A started `InferenceServer` for `model`, ready for requests."""
     from marinrl.inference.server import InferenceServer
 

@@ -3,9 +3,9 @@
 A mistake found here costs a second and one line naming the field; found by an actor, it costs a
 Ray start, actor restarts, a stalled trainer and thousands of tracebacks. `check_job` runs, in
 order: the field ranges (`RLJobConfig.validate`), every lesson's environment (resolved and built
-once in the driver, as `marinrl eval` does), the optimizer's schedule, the model's config and tokenizer (never its weights),
-and whether the run directory can be written. Each failure is a `ConfigError` whose message starts
-with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
+once in the driver, as `marinrl eval` does), the optimizer's schedule, the model's config and tokenizer
+(never its weights), and whether the run directory can be written. Each failure is a `ConfigError` whose
+message starts with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
 """
 
 from __future__ import annotations

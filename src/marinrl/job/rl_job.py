@@ -145,7 +145,8 @@ class RLJob:
                     ready, _ = ray.wait([*live, *pending], num_returns=1, timeout=1.0)
                     bar.update(trainer)
                     if self._lock.lost:  # another job took this run over (this one looked dead): it owns it now
-                        raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs")
+                        raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
+                                          "one runs")
                     if self._group is not None:
                         if any(ref in ready for ref in train_refs):
                             results[0] = self._train_result(train_refs[0])
@@ -236,7 +237,8 @@ class RLJob:
             return self._group.result() if self._group is not None else ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
             if self._lock.lost:  # superseded: the other job's trainer publishes now
-                raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that one runs") from e
+                raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
+                                  "one runs") from e
             checkpoints = f"{run_dir or self.config.run_dir}/checkpoints"
             raise RuntimeError(_trainer_death_message(e, checkpoints)) from e
 

@@ -29,10 +29,10 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marinrl import multihost
-from marinrl.config.placement import PlacementConfig, tpu_head_resource
+from marinrl.config.placement import PlacementConfig
 from marinrl.config.trainer_group import TrainerGroupConfig
 from marinrl.curriculum.actor import CurriculumClient
-from marinrl.job.placement import bundles, ray_options
+from marinrl.job.placement import bundles, ray_options, slice_selectors
 from marinrl.logs import log_to_file
 
 logger = logging.getLogger(__name__)
@@ -108,13 +108,6 @@ class TrainerHostActor:
             self.worker.stop()
 
 
-@ray.remote(num_cpus=0)
-def _tpu_slice_name() -> Optional[str]:
-    from ray._private.accelerators.tpu import TPUAcceleratorManager
-
-    return TPUAcceleratorManager.get_current_node_tpu_name()
-
-
 class TrainerGroup:
     """The trainer's processes on Ray: `start`, then `leader` (process 0: progress, stop) and `refs`
     (every process's `run`), `result()`, `shutdown()`."""
@@ -142,8 +135,9 @@ class TrainerGroup:
         """Reserves every host at once, starts one actor on each, and has them join and run."""
         n = self.num_processes
         options: dict[str, Any] = {}
-        if self.placement.tpu is not None:
-            options["bundle_label_selector"] = self._tpu_selectors(placement_timeout_s)
+        selectors = slice_selectors(self.placement, n, placement_timeout_s)
+        if selectors is not None:
+            options["bundle_label_selector"] = selectors
         self._pg = placement_group(bundles(self.placement), strategy=self.strategy, **options)
         ready, _ = ray.wait([self._pg.ready()], timeout=placement_timeout_s)
         if not ready:
@@ -165,18 +159,6 @@ class TrainerGroup:
                 heartbeat_timeout_s=c.heartbeat_timeout_s, initialization_timeout_s=c.initialization_timeout_s),
                 curriculum_name if i == 0 else None, namespace)
             for i, actor in enumerate(self.actors)]
-
-    def _tpu_selectors(self, timeout_s: float) -> list[dict[str, str]]:
-        """Every host on the slice whose head resource a probe task takes, host i on its TPU worker i: the
-        `TPU` chips alone could come from hosts of several slices."""
-        from ray._raylet import RAY_NODE_TPU_SLICE_NAME_KEY
-
-        head = tpu_head_resource(self.placement.tpu)
-        name = ray.get(_tpu_slice_name.options(resources={head: 1}).remote(), timeout=timeout_s)
-        if not name:
-            raise RuntimeError(f"the node holding {head} reports no TPU slice name: cannot keep the trainer's "
-                               f"{self.num_processes} hosts on one slice")
-        return [{RAY_NODE_TPU_SLICE_NAME_KEY: name, "ray.io/tpu-worker-id": str(i)} for i in range(self.num_processes)]
 
     def result(self) -> dict:
         """Process 0's result once every process has returned. When one dies, the others get

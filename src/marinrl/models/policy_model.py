@@ -55,10 +55,12 @@ def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None, dtype=None
             axis_mapping=axis_mapping, mesh=mesh,
         )
     if mesh is None and axis_mapping is None:
-        return init_model(to_levanter(config.model), config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype)
+        return init_model(to_levanter(config.model), config.vocab_size, seed=config.seed, init_std=config.init_std,
+                          dtype=dtype)
     with _default_mesh(mesh):
         return hax.named_jit(
-            lambda: init_model(to_levanter(config.model), config.vocab_size, seed=config.seed, init_std=config.init_std, dtype=dtype),
+            lambda: init_model(to_levanter(config.model), config.vocab_size, seed=config.seed,
+                               init_std=config.init_std, dtype=dtype),
             out_axis_resources=axis_mapping)()
 
 

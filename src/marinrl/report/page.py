@@ -92,7 +92,8 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
         fig.tight_layout()
         fig.savefig(out / name, dpi=90)
         plt.close(fig)
-        sections.append(f"<h2>{html.escape(title)}</h2><p>{caption}</p><img src=\"{name}\" alt=\"{html.escape(title)}\">")
+        sections.append(f"<h2>{html.escape(title)}</h2><p>{caption}</p>"
+                        f"<img src=\"{name}\" alt=\"{html.escape(title)}\">")
 
     def note(title: str, text: str) -> None:
         sections.append(f"<h2>{html.escape(title)}</h2><p class=\"note\">{text}</p>")
@@ -192,8 +193,8 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
             later = [step_s[s] for s in steps if s > 1] + [v for s, v in gen_s.items() if s > 1]
             if later and step_s[steps[0]] > 2 * max(later):  # the first step's compiles would flatten the rest
                 ax.set_ylim(0, 1.2 * max(later))
-                ax.annotate(f"step {steps[0]}: {step_s[steps[0]]:.1f} s (compiles), clipped", (steps[0], 1.15 * max(later)),
-                            fontsize=8, va="top")
+                ax.annotate(f"step {steps[0]}: {step_s[steps[0]]:.1f} s (compiles), clipped",
+                            (steps[0], 1.15 * max(later)), fontsize=8, va="top")
             ax.set_xlabel("trainer step")
             ax.set_ylabel("seconds")
         figure("step_time.png", "Step time split", draw_split,
@@ -256,7 +257,8 @@ def write_report(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path | None
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>marinrl report: {html.escape(data.run_dir.name)}</title>
 <style>body{{font-family:sans-serif;max-width:900px;margin:2em auto}} td,th{{padding:2px 10px;text-align:left}}
-table{{border-collapse:collapse}} tr:nth-child(even){{background:#f3f3f3}} .note{{color:#8a4b00}} img{{max-width:100%}}</style>
+table{{border-collapse:collapse}} tr:nth-child(even){{background:#f3f3f3}} .note{{color:#8a4b00}}
+img{{max-width:100%}}</style>
 </head><body>
 <h1>marinrl report: {html.escape(data.run_dir.name)}</h1>
 <table>{''.join(f'<tr><th>{k}</th><td>{v}</td></tr>' for k, v in rows)}</table>

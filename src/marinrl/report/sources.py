@@ -125,7 +125,7 @@ def read_rollouts(root: str) -> tuple[dict[str, LessonStats], list[str]]:
 
     lessons: dict[str, LessonStats] = defaultdict(LessonStats)
     unreadable = []
-    for step, path, batch in iter_batches(root):
+    for step, _path, batch in iter_batches(root):
         if isinstance(batch, RolloutFormatError):
             unreadable.append(str(batch))
             continue

@@ -77,7 +77,8 @@ class RolloutWorker:
                  clients: dict[str, WeightTransferClient], worker_id: str, tracker: Tracker | None = None,
                  startup: StartupClock | None = None, min_epoch: int | None = None):
         """`clients`: a weight client per stream of `config` (`marinrl.job.plan.build_rollout_host` builds
-        them, each filling the model its stream's server holds). `min_epoch`: weights of an older trainer epoch (`transfer.base.VersionId.epoch`, the trainer's
+        them, each filling the model its stream's server holds). `min_epoch`: weights of an older trainer
+        epoch (`transfer.base.VersionId.epoch`, the trainer's
         start in ns) belong to a previous job on this run: never generated for, never taken as final.
         The job passes its own start time."""
         self.config = config

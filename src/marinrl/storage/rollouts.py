@@ -72,7 +72,7 @@ def delete_steps_before(root: str, step: int, *, storage_options: dict | None = 
             break
         path = f"{root}/{step_dir_name(s)}"
         try:
-            with_retries(lambda: fs.rm(path, recursive=True), "deleting", path)
+            with_retries(lambda path=path: fs.rm(path, recursive=True), "deleting", path)
             deleted.append(s)
         except FileNotFoundError:  # another janitor got there first
             pass
@@ -192,7 +192,7 @@ class RolloutReader:
                     return out
                 path = f"{self._root}/{step_dir_name(step)}/{name}"
                 try:
-                    data = with_retries(lambda: self._fs.cat_file(path), "reading", path)
+                    data = with_retries(lambda path=path: self._fs.cat_file(path), "reading", path)
                 except FileNotFoundError:  # deleted by retention between listing and reading
                     consumed.add(name)
                     continue
@@ -273,7 +273,7 @@ def iter_batches(root: str, *, storage_options: dict | None = None,
             path = f"{root_path}/{step_dir_name(step)}/{name}"
             shown = fs.unstrip_protocol(path)
             try:
-                data = with_retries(lambda: fs.cat_file(path), "reading", path)
+                data = with_retries(lambda path=path: fs.cat_file(path), "reading", path)
             except FileNotFoundError:
                 continue
             except OSError as e:  # not transient: retrying cannot help
@@ -291,7 +291,7 @@ def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dic
     per_step: dict[int, dict] = {}
     per_env: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "rewards": [], "lengths": [], "finish": Counter()})
     unreadable = []
-    for step, path, batch in iter_batches(root_path, fs=fs):
+    for step, _path, batch in iter_batches(root_path, fs=fs):
         s = per_step.setdefault(step, {"files": 0, "rollouts": 0, "groups": 0, "rewards": []})
         if isinstance(batch, RolloutFormatError):
             unreadable.append(str(batch))

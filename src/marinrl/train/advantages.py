@@ -2,9 +2,14 @@
 the replay buffer (first `overlong_shaping`, then `group_advantages` on the shaped rewards), and the
 per-token credit of multi-turn episodes (`token_advantages`), applied when a batch is packed.
 
-Notation (docs/architecture.md, "The contracts"): a group of G responses to one prompt with rewards R_1..R_G; r_{i,t} the
-reward a multi-turn environment placed on token t of response i (the last token of the turn that
-earned it; `Rollout.token_rewards`).
+Notation (docs/architecture.md, "The contracts"): a group of G responses to one prompt with rewards
+R_1..R_G; r_{i,t} the reward a multi-turn environment placed on token t of response i (the last token of
+the turn that earned it; `Rollout.token_rewards`).
+
+To add an advantage estimator: write it below as a pure function of the group's rewards and their centred
+values, with its formula in the docstring; register it in `ADVANTAGE_ESTIMATORS` and add its name to
+`AdvantageKind` (which `LossConfig.advantage` accepts); give `advantage_scale` its divisor if it is not 1;
+add a NumPy reference to tests/test_replay.py.
 """
 
 from __future__ import annotations
@@ -32,15 +37,30 @@ def group_advantages(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps
         raise ValueError(f"rewards must be a non-empty 1-D array, got shape {r.shape}")
     if not np.all(np.isfinite(r)):
         raise ValueError(f"rewards must be finite, got {r}")
-    centered = r - r.mean()
-    if kind == "group_std":
-        return centered / (r.std() + eps)
-    if kind == "group_mean":
-        return centered
-    if kind == "rloo":
-        g = r.size
-        return centered * (g / (g - 1)) if g > 1 else np.zeros_like(r)
-    raise ValueError(f"unknown advantage kind {kind!r}; expected one of group_std, group_mean, rloo")
+    if kind not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage kind {kind!r}; expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[kind](r, r - r.mean(), eps)
+
+
+def group_std_advantages(rewards: np.ndarray, centered: np.ndarray, eps: float) -> np.ndarray:
+    """GRPO: A_i = (R_i − mean_j R_j) / (std_j R_j + eps)."""
+    return centered / (rewards.std() + eps)
+
+
+def group_mean_advantages(rewards: np.ndarray, centered: np.ndarray, eps: float) -> np.ndarray:
+    """Dr. GRPO: A_i = R_i − mean_j R_j."""
+    return centered
+
+
+def rloo_advantages(rewards: np.ndarray, centered: np.ndarray, eps: float) -> np.ndarray:
+    """Leave-one-out: A_i = R_i − mean_{j≠i} R_j = (R_i − mean_j R_j) · G / (G − 1); 0 for a group of one."""
+    g = rewards.size
+    return centered * (g / (g - 1)) if g > 1 else np.zeros_like(rewards)
+
+
+ADVANTAGE_ESTIMATORS = {"group_std": group_std_advantages, "group_mean": group_mean_advantages,
+                        "rloo": rloo_advantages}
+"""`LossConfig.advantage` → its estimator: (rewards, centred rewards, eps) → per-response advantages."""
 
 
 def advantage_scale(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps: float = 1e-6) -> float:

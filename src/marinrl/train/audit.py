@@ -199,7 +199,8 @@ def audit(trail: dict[str, Incarnation], *, num_steps: int, groups_per_step: int
     times = sorted(r["time"] for inc in trail.values() for r in inc.steps.values())
     stall = max((b - a for a, b in zip(times, times[1:])), default=0.0)
     return AuditCounts(steps=num_steps - len(missing), groups_trained=sum(len(g) for g in trained_at.values()),
-                       groups_duplicated=duplicated, groups_lost=lost, missing_steps=missing, max_stall_s=round(stall, 2))
+                       groups_duplicated=duplicated, groups_lost=lost, missing_steps=missing,
+                       max_stall_s=round(stall, 2))
 
 
 def main(argv: list[str]) -> int:

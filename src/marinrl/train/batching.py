@@ -26,7 +26,8 @@ Shapes. The row length is the shortest bucket of `BatchingConfig.bucket_lengths(
 block (one rollout when packed; a group's prompt and responses when shared, split at `max_length`): longer
 rows would only add attention over keys the mask hides. The number of rows comes from a ladder
 (`row_bucket`: 1..8, then 4 per octave) and is a multiple of `row_multiple` (the trainer's data-parallel size),
-and of `microbatch_rows` once it has more rows than one microbatch, so a run compiles a few (rows, length) shapes. Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
+and of `microbatch_rows` once it has more rows than one microbatch, so a run compiles a few (rows, length)
+shapes. Assembly is pure NumPy; the arrays move to JAX in one `jax.device_put`.
 """
 
 from __future__ import annotations
@@ -131,8 +132,9 @@ def pack_rollouts(
     masks all of its tokens out. `batch_size` is the batch's rollout slots (`len(rollouts)` or more: the
     rest count as empty rollouts, as padding rows did, for `constant` normalization); the number of rows
     is a multiple of `row_multiple` (each data-parallel device gets whole rows) and, when there are more than
-    `microbatch_rows` (gradient accumulation), of that too (Levanter splits the batch into equal microbatches). Rollouts sharing a `group_id` and an identical prompt share a block
-    under the `shared` layout.
+    `microbatch_rows` (gradient accumulation), of that too (Levanter splits the batch into equal
+    microbatches). Rollouts sharing a `group_id` and an identical prompt share a block under the `shared`
+    layout.
     """
     n = len(rollouts)
     if len(advantages) != n:
@@ -187,7 +189,8 @@ def pack_rollouts(
         lengths = [L for L in config.bucket_lengths() if config.bucket_for(longest) <= L <= top] if shared else [top]
         break_even = config.attention_break_even or DEFAULT_ATTENTION_BREAK_EVEN
         plans = [(plan_rows(prompt_lengths, members, response_lengths, length=L, split=shared), L) for L in lengths]
-        rows, length = min(plans, key=lambda p: (row_bucket(len(p[0])) * p[1] * (p[1] + break_even), -p[1]))  # ties: fewer rows
+        # ties: fewer rows
+        rows, length = min(plans, key=lambda p: (row_bucket(len(p[0])) * p[1] * (p[1] + break_even), -p[1]))
         num_rows = _round_up(row_bucket(len(rows)), row_multiple)
         if microbatch_rows is not None and num_rows > microbatch_rows:
             num_rows = _round_up(num_rows, microbatch_rows)

@@ -23,9 +23,9 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
         if not stopping:
             sample = replay.sample(step, config.groups_per_step)
             groups = [g.group.group_id for g in sample.groups]
-            arrays = pack_rollouts(sample.rollouts, sample.token_advantages(), batch_size=config.trainer.train_batch_size,
-                                   config=config.batching, trainable=sample.trainable,
-                                   **row_alignment(trainer.config))
+            arrays = pack_rollouts(sample.rollouts, sample.token_advantages(),
+                                   batch_size=config.trainer.train_batch_size, config=config.batching,
+                                   trainable=sample.trainable, **row_alignment(trainer.config))
     arrays, groups, stopping = cohort.share_batch(arrays, groups, stopping)
     if stopping:
         return None

@@ -1,9 +1,9 @@
 """GRPO-family policy losses: pure functions over named arrays (axes `batch` and `position`).
 
-Notation (docs/architecture.md, "The contracts"). Response o_i is one rollout of a `TrainingBatch`; index t is one target token
-(`target_ids[t]`, see batching.py for the alignment). m_{i,t} ∈ {0, 1} is the loss mask, |o_i| = Σ_t m_{i,t}
-the trainable tokens of response i, N = Σ_{i,t} m_{i,t} those of the batch, B the number of rollout slots.
-π_θ is the policy being trained (its logprobs carry the gradient), μ the sampler that produced the
+Notation (docs/architecture.md, "The contracts"). Response o_i is one rollout of a `TrainingBatch`; index t is
+one target token (`target_ids[t]`, see batching.py for the alignment). m_{i,t} ∈ {0, 1} is the loss mask,
+|o_i| = Σ_t m_{i,t} the trainable tokens of response i, N = Σ_{i,t} m_{i,t} those of the batch, B the number
+of rollout slots. π_θ is the policy being trained (its logprobs carry the gradient), μ the sampler that produced the
 tokens, π_old the trainer's own weights at the start of the step, π_ref a frozen reference.
 A_{i,t} is the advantage credited to token t (computed per group at ingestion, advantages.py).
 sg(·) is stop-gradient.
@@ -190,6 +190,25 @@ def cispo_objective(
     return _stop(hax.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)) * advantages * logprobs
 
 
+def _ppo_clip(ratio, advantages, logprobs, eps_low, eps_high):
+    clipped_low = (ratio < 1.0 - eps_low) & (advantages < 0)
+    clipped_high = (ratio > 1.0 + eps_high) & (advantages > 0)
+    return ppo_clip_objective(ratio, advantages, eps_low, eps_high), clipped_low, clipped_high
+
+
+def _cispo(ratio, advantages, logprobs, eps_low, eps_high):
+    return (cispo_objective(ratio, advantages, logprobs, eps_low, eps_high), ratio < 1.0 - eps_low,
+            ratio > 1.0 + eps_high)
+
+
+OBJECTIVES = {"ppo": _ppo_clip, "cispo": _cispo}
+"""`LossConfig.objective` → (ratio, A, log π_θ, ε_low, ε_high) → (J per token, where the clip is active below,
+where it is active above: the `clip_low_frac`/`clip_high_frac` metrics). To add an objective: write its pure
+function above with its formula, register it here, add its name to `Objective` and its words to
+`OBJECTIVE_WORDS` (config/loss.py: the run header states it), a preset to `LOSS_PRESETS` if it has one, and a
+NumPy reference to tests/test_losses.py."""
+
+
 def kl_estimate(logprobs: NamedArray, reference_logprobs: NamedArray, estimator: KLEstimator = "k3") -> NamedArray:
     """Per-token estimate of KL(π_θ ‖ π_ref) on the sampled token, with δ = log π_ref − log π_θ:
 
@@ -307,17 +326,10 @@ def loss_from_logprobs(
                             max_response_tokens=config.max_response_tokens, sequence_ids=sequence_ids,
                             sequence_slots=sequence_slots)
 
-    eps_low, eps_high = config.clip_eps_low, config.clip_eps_high
-    if config.objective == "ppo":
-        objective = ppo_clip_objective(ratio, adv, eps_low, eps_high)
-        clipped_low = (ratio < 1.0 - eps_low) & (adv < 0)
-        clipped_high = (ratio > 1.0 + eps_high) & (adv > 0)
-    elif config.objective == "cispo":
-        objective = cispo_objective(ratio, adv, lp, eps_low, eps_high)
-        clipped_low = ratio < 1.0 - eps_low
-        clipped_high = ratio > 1.0 + eps_high
-    else:
-        raise ValueError(f"unknown objective {config.objective!r}")
+    if config.objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {config.objective!r}; expected one of {', '.join(OBJECTIVES)}")
+    objective, clipped_low, clipped_high = OBJECTIVES[config.objective](ratio, adv, lp, config.clip_eps_low,
+                                                                         config.clip_eps_high)
     per_token = -weight * objective
     policy_loss = agg(per_token, m)
 

@@ -180,7 +180,8 @@ class TrainWorker:
             state, replay, skipped = self._initial_state(trainer, source)
             release_host_memory()  # what the checkpoint's reads left in the C heap
             clock.mark("state")
-            cfg = dataclasses.replace(cfg, batching=cfg.batching.for_model(getattr(state.model.config, "hidden_dim", None)))
+            cfg = dataclasses.replace(
+                cfg, batching=cfg.batching.for_model(getattr(state.model.config, "hidden_dim", None)))
             first_step = self.step = int(state.step)
             if self._curriculum is not None:
                 self._curriculum.set_step(first_step)
@@ -209,7 +210,8 @@ class TrainWorker:
             if replay is not None:
                 replay.start()
             try:
-                while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):  # several: stop is shared
+                # several: stop is shared
+                while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):
                     t0 = time.perf_counter()
                     if cohort.multiprocess:
                         got = next_batch(cohort, replay, self.step, cfg, self._stop, trainer)
@@ -348,7 +350,8 @@ class TrainWorker:
                 print(f"[marinrl] resumed from the previous checkpoint {resumed.folder.path}", flush=True)
             return (*resumed.loaded, resumed.skipped)
         model_init = fresh_model_init(source, cfg.lora)
-        state = trainer.initial_state(key, model_init=model_init, is_trainable=self._trainable(model_init))  # Levanter's rules: initialize_from, load_checkpoint
+        # Levanter's rules: initialize_from, load_checkpoint
+        state = trainer.initial_state(key, model_init=model_init, is_trainable=self._trainable(model_init))
         source.release()  # the state's model took the loaded buffers over (donated)
         if int(state.step) > 0:
             loaded_from = trainer.config.initialize_from or trainer.checkpoint_path

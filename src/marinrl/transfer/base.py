@@ -273,7 +273,7 @@ class WeightTransferServer(abc.ABC):
         return {"publish_s": self.last_publish_s, "bytes": self.last_bytes,
                 "versions_published": self.versions_published}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  # optional hook: servers that hold nothing need not close
         """Releases what the server holds (a no-op where it holds nothing)."""
 
 
@@ -377,5 +377,5 @@ class WeightTransferClient(abc.ABC):
             out["weight_step"] = self.version.weight_step
         return out
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  # optional hook: clients that hold nothing need not close
         """Releases what the client holds besides its model (a no-op where it holds nothing)."""

@@ -306,7 +306,7 @@ class FilesystemWeightServer(WeightTransferServer):
                 continue
             path = f"{root}/{name}"
             try:
-                with_retries(lambda: fs.rm(path, recursive=True), "deleting", path)
+                with_retries(lambda path=path: fs.rm(path, recursive=True), "deleting", path)
                 self.versions_deleted += 1
             except FileNotFoundError:
                 pass

@@ -225,7 +225,8 @@ class RayWeightClient(WeightTransferClient):
                                               payload["names"], payload["arrays"])
         except (TypeError, KeyError) as e:
             raise WeightFormatError(f"{where}: not a delta payload ({e!r})") from e
-        if fmt != DELTA_PAYLOAD_FORMAT_VERSION or kind != link.kind or not all(isinstance(a, np.ndarray) for a in arrays):
+        if (fmt != DELTA_PAYLOAD_FORMAT_VERSION or kind != link.kind
+                or not all(isinstance(a, np.ndarray) for a in arrays)):
             raise WeightFormatError(f"{where}: payload format {fmt!r}, kind {kind!r} or leaf types this client "
                                     "does not know")
         return meta, names, arrays, sum(a.nbytes for a in arrays)

@@ -8,9 +8,9 @@ capacity. `sample(step, n_groups)` hands the trainer whole groups for one optimi
 environments by configured weights; it waits for a complete batch and, if none comes in time, raises
 an error that says what the buffer holds and why groups were dropped.
 
-Weight steps follow docs/architecture.md ("The contracts"): the trainer about to apply update `step + 1` holds weights `step`;
-a group made with weights `w` has staleness `step - w` and is usable while `0 <= step - w <=
-max_staleness`. A group from the future (`w > step`) is never trained on.
+Weight steps follow docs/architecture.md ("The contracts"): the trainer about to apply update `step + 1`
+holds weights `step`; a group made with weights `w` has staleness `step - w` and is usable while
+`0 <= step - w <= max_staleness`. A group from the future (`w > step`) is never trained on.
 
 Around it, one module per concept: `replay_config` (the `replay:` config), `sampling` (strategies),
 `group_filters`, `replay_groups` (the group records and `ReplaySample`), `staleness` (the window of
@@ -225,7 +225,8 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
             for g in list(env.values()):
                 reason = self._unusable_reason(g, step, now)
                 if reason is None and g.newest_step > step:
-                    reason = "future"  # weights newer than the trainer's: never trained on (docs/architecture.md, "The contracts")
+                    # weights newer than the trainer's: never trained on (docs/architecture.md, "The contracts")
+                    reason = "future"
                 if reason is not None:
                     self._retire(g, reason)
 
