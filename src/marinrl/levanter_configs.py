@@ -1,4 +1,4 @@
-"""Levanter's config objects for marinrl's mirrors of them. The job's config layer (model_config.py,
+"""Levanter's config objects for marinrl's mirrors of them. The job's config layer (config/model.py,
 config/trainer.py) declares the Levanter knobs it exposes as plain dataclasses named `LEVANTER =
 "module:Class"`, so a config parses and is checked without importing Levanter (seconds and hundreds of
 MB); the runtime asks for the real object here. A field keeps its name; the few whose YAML form differs

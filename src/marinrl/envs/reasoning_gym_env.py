@@ -13,7 +13,7 @@ convention and its `extract_answer`, or the whole response with `answer_format: 
 Difficulty: `level` sets every knob of the task's reasoning-gym curriculum (its `RangeAttributeDefinition`s:
 number of terms, digits, ...) to that level (clamped to each knob's last level), or one level per knob
 (`level: {num_terms: 2}`); `config` sets the rest. A chain of lessons at rising levels, each unlocked
-when the one below reaches its graduation threshold (`curriculum_config.level_lessons`), raises the
+when the one below reaches its graduation threshold (`config.curriculum.level_lessons`), raises the
 knobs as the lessons graduate.
 
 reasoning_gym is imported when such an environment is built, never when marinrl is imported (it is the

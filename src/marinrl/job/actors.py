@@ -80,7 +80,7 @@ def actor_env(compilation_cache: Optional[str] = None) -> dict[str, str]:
 class TrainerActor:
     def __init__(self, plan: Callable[[], TrainWorkerConfig], curriculum_name: Optional[str], namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer"):
-        """`plan` derives the trainer's config here, in the actor (`job_plan.train_worker_config`: it imports
+        """`plan` derives the trainer's config here, in the actor (`job.plan.train_worker_config`: it imports
         Levanter, which the driver never does). `curriculum_name` None: a trainer that does not keep the
         curriculum's clock (the other policy models' trainers of a job of several: the first one's keeps it)."""
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here

@@ -68,7 +68,7 @@ class TrainerHostActor:
 
     def run(self, plan, group: multihost.ProcessGroupConfig, curriculum_name: Optional[str],
             namespace: Optional[str]) -> dict:
-        """`plan()` is the trainer's `TrainWorkerConfig`, derived here (job_plan.py: the driver never imports
+        """`plan()` is the trainer's `TrainWorkerConfig`, derived here (job/plan.py: the driver never imports
         Levanter)."""
         multihost.initialize(group)
         from levanter.tracker import NoopConfig

@@ -1,7 +1,7 @@
 """`marinrl report RUN_DIR`: PNG plots and a small HTML page from a run's tracker logs and rollout files.
 
 Its inputs (rollout files, the trainer's and rollout workers' TensorBoard event files, Levanter's JSON
-logs) are read by `report_sources.py`; trainer steps are numbered from 1 (step s publishes weight
+logs) are read by `sources.py`; trainer steps are numbered from 1 (step s publishes weight
 version s), rollout workers' metrics by the weight step they hold.
 
 The output is `RUN_DIR/report/index.html` plus one PNG per figure next to it.

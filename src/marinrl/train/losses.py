@@ -19,7 +19,7 @@ One objective, `LossConfig`, covers the family; `LossConfig.preset(name)` gives 
 
 `rl_loss(model, batch, config=...)` runs the policy forward (`token_logprobs`) and returns
 `(loss, metrics)`: a Levanter `Trainer` loss function after `functools.partial(rl_loss, config=...)`.
-The configuration and its presets are in loss_config.py, the model forward in policy_forward.py (both
+The configuration and its presets are in config/loss.py, the model forward in policy_forward.py (both
 re-exported here).
 
 Rows of a packed batch hold several responses: every per-response quantity (|o_i|, the GSPO sequence ratio,

@@ -1,2 +1,2 @@
 """Weight transfer from the trainer to the rollout workers (docs/weight_transfer.md). The configs are in
-`transfer_config.py` (no JAX, no Ray), their servers and clients are built by `endpoints.py`."""
+config/transfer.py (no JAX, no Ray); `endpoints.py` builds their servers and clients from its `TRANSPORTS`."""

@@ -12,11 +12,11 @@ Weight steps follow docs/architecture.md ("The contracts"): the trainer about to
 holds weights `step`; a group made with weights `w` has staleness `step - w` and is usable while
 `0 <= step - w <= max_staleness`. A group from the future (`w > step`) is never trained on.
 
-Around it, one module per concept: `replay_config` (the `replay:` config), `sampling` (strategies),
-`group_filters`, `replay_groups` (the group records and `ReplaySample`), `staleness` (the window of
-usable weight steps), `replay_ingest` (what a file's groups go through before they enter),
-`replay_report` (metrics and the timeout's description) and `replay_state` (checkpoints: exactly once
-across restarts, docs/replay.md).
+Around it, one module per concept in this folder: `sampling` (strategies), `filters` (group filters),
+`groups` (the group records and `ReplaySample`), `staleness` (the window of usable weight steps), `ingest`
+(what a file's groups go through before they enter), `report` (metrics and the timeout's description) and
+`state` (checkpoints: exactly once across restarts, docs/replay.md); its config, `replay:`, is
+config/replay.py.
 """
 
 from __future__ import annotations
