@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Literal, Optional, Sequence
+from typing import Iterable, Literal, Optional, Sequence
 
 import numpy as np
 
@@ -278,3 +278,14 @@ def group_rollouts(rollouts: Sequence[Rollout]) -> list[RolloutGroup]:
     for r in rollouts:
         by_id.setdefault(r.group_id, []).append(r)
     return [RolloutGroup(tuple(rs)) for rs in by_id.values()]
+
+
+def version_spread_metrics(rollouts: Iterable[Rollout], prefix: str) -> dict[str, float]:
+    """How many weight versions apart the first and last token of each rollout are: `<prefix>/version_spread_max`
+    and `_mean` (0 without in-flight updates), and the share of rollouts with more than one version."""
+    spreads = np.array([int(s[-1] - s[0]) for s in (r.token_weight_steps for r in rollouts)], dtype=np.float64)
+    if spreads.size == 0:
+        return {}
+    return {f"{prefix}/version_spread_max": float(spreads.max()),
+            f"{prefix}/version_spread_mean": float(spreads.mean()),
+            f"{prefix}/mixed_version_frac": float(np.mean(spreads > 0))}

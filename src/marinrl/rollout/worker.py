@@ -32,9 +32,8 @@ from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutWriter
-from marinrl.train.replay.staleness import version_spread_metrics
 from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferClient, WeightWaitTimeout
-from marinrl.types import RolloutBatch
+from marinrl.types import RolloutBatch, version_spread_metrics
 
 logger = logging.getLogger(__name__)
 

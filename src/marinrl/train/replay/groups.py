@@ -10,8 +10,7 @@ import numpy as np
 from marinrl.config.batching import BatchingConfig
 from marinrl.train.advantages import token_advantages
 from marinrl.train.batching import TrainingBatch, make_training_batch
-from marinrl.train.replay.staleness import version_spread_metrics
-from marinrl.types import Rollout, RolloutGroup
+from marinrl.types import Rollout, RolloutGroup, version_spread_metrics
 
 
 @dataclasses.dataclass(eq=False)

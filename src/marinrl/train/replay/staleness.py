@@ -13,11 +13,11 @@ tokens (`TokenVersionReduction`), and "from the future" looks at its newest toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Literal
+from typing import Literal
 
 import numpy as np
 
-from marinrl.types import Rollout, RolloutGroup
+from marinrl.types import RolloutGroup
 
 TokenVersionReduction = Literal["oldest", "newest", "mean"]
 TOKEN_VERSION_REDUCTIONS: tuple[str, ...] = ("oldest", "newest", "mean")
@@ -40,17 +40,6 @@ def group_weight_step(group: RolloutGroup, reduction: TokenVersionReduction = "o
 def newest_weight_step(group: RolloutGroup) -> int:
     """The newest weight step any token of `group` was sampled with."""
     return max(int(r.token_weight_steps[-1]) for r in group.rollouts)  # steps never decrease in a rollout
-
-
-def version_spread_metrics(rollouts: Iterable[Rollout], prefix: str) -> dict[str, float]:
-    """How many weight versions apart the first and last token of each rollout are: `<prefix>/version_spread_max`
-    and `_mean` (0 without in-flight updates), and the share of rollouts with more than one version."""
-    spreads = np.array([int(s[-1] - s[0]) for s in (r.token_weight_steps for r in rollouts)], dtype=np.float64)
-    if spreads.size == 0:
-        return {}
-    return {f"{prefix}/version_spread_max": float(spreads.max()),
-            f"{prefix}/version_spread_mean": float(spreads.mean()),
-            f"{prefix}/mixed_version_frac": float(np.mean(spreads > 0))}
 
 
 @dataclasses.dataclass(frozen=True)
