@@ -19,8 +19,9 @@ from levanter.models.llama import LlamaConfig
 from marinrl.cli import main as cli
 from marinrl.config.curriculum import LessonConfig
 from marinrl.config.env import EnvConfig
+from marinrl.config.eval import EvalConfig
 from marinrl.config.model import ModelConfig
-from marinrl.eval import EvalConfig, lesson_metrics, main, parse_lesson, resolve_checkpoint
+from marinrl.eval import lesson_metrics, main, parse_lesson, resolve_checkpoint
 from marinrl.models.hf_checkpoints import save_hf_checkpoint
 from marinrl.models.policy_model import MODEL_CONFIG_FILE, build_model, save_levanter_checkpoint
 from marinrl.models.tokenizers import byte_tokenizer

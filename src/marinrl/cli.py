@@ -165,6 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from marinrl import eval as evaluation
+    from marinrl.config.eval import EvalConfig
     from marinrl.config.server import InferenceServerConfig
 
     try:
@@ -172,7 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             lessons = evaluation.load_lessons(args.curriculum, args.lessons)
         else:
             lessons = tuple(evaluation.parse_lesson(spec) for spec in args.lessons)
-        config = evaluation.EvalConfig(
+        config = EvalConfig(
             checkpoint=args.checkpoint, lessons=lessons, n_examples=args.n_examples, samples=args.samples,
             temperature=args.temperature, max_tokens=args.max_tokens, output=args.output,
             batch_size=args.batch_size, seed=args.seed, weight_step=args.weight_step,
