@@ -1,4 +1,4 @@
-"""End to end: RLJob on a local Ray at the reference shape of ../shared/BENCHMARK.md, on-policy and async.
+"""End to end: RLJob on a local Ray at the reference shape of docs/performance.md, on-policy and async.
 
 Shape: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate 512, vocab 512, fp32, init N(0, 0.02);
 8 prompts × 8 samples per step; GRPO (group std advantages, PPO clip 0.2) with a k3 KL to the frozen

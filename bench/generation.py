@@ -1,7 +1,7 @@
 """Generation: tokens/s of `InferenceServer.generate` at the reference shape, for our scan sampler (the
 default backend, mode `scan`) and Levanter's InferenceEngine (mode `engine`).
 
-The reference shape of ../shared/BENCHMARK.md: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate
+The reference shape of docs/performance.md: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate
 512, vocab 512, untied head, fp32, init N(0, 0.02); one call = 8 prompts × 8 samples, 16-token prompts
 (uniform random bytes), up to 32 new tokens at temperature 1.0, no top-k/top-p, EOS stops a sample
 (a random-init model samples EOS with probability about 1/512 per token, so a few samples end early).

@@ -5,7 +5,7 @@ full `RolloutReader.read_new()` poll (listing included) is reported beside them.
 
 Batches of 64 rollouts × 512 tokens (128 prompt + 384 response, vocab 32k), written to and read
 back from file:// and memory://. Prints rollouts/s, MB/s and bytes per rollout for a person, then
-one JSON line per filesystem (see ../shared/BENCHMARK.md).
+one JSON line per filesystem (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Train step: seconds for the policy update and for the reference logprobs, through Levanter's Trainer.
 
-The reference shape of ../shared/BENCHMARK.md: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate
+The reference shape of docs/performance.md: Llama hidden 128, 4 layers, 4 heads (4 KV), intermediate
 512, vocab 512, untied head, fp32, init N(0, 0.02); 64 sequences = 8 prompts × 8 samples of 16 prompt
 tokens + up to 32 response tokens; AdamW lr 1e-4 constant, betas (0.9, 0.999), no weight decay, clip 1.0;
 the `grpo` loss (PPO clip 0.2) with a k3 KL to a frozen reference at β = 0.04 (mode `kl_0.04`) and
@@ -24,7 +24,7 @@ samples almost uniformly), responses of 32 tokens unless a stop token (id 1, pro
 token) ends them early, sampler logprobs near log(1/512) with the spread of the random model's own
 (std 0.25), 0/1 rewards with group mean/std advantages. All modes run interleaved, step by step, so
 that they can be compared pairwise; medians with min and max over steps 3..--steps (1-based). Then one
-JSON line per mode (see ../shared/BENCHMARK.md).
+JSON line per mode (docs/performance.md).
 
 A mode is `kl_<beta>` plus optional variants joined by `+`, so layouts can be compared in one run. The
 defaults are what marinrl ships: the `shared` row layout (batching.py), the geometric bucket ladder and
@@ -129,7 +129,7 @@ FIRST_MEASURED = 3  # 1-based: steps 1 and 2 are warm-up
 
 def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = False,
                            seq_len: int = 256) -> ModelConfig:
-    """The model of BENCHMARK.md as a `ModelConfig` (what a TrainWorker builds); `seq_len` 768 for the
+    """The reference model of docs/performance.md as a `ModelConfig` (what a TrainWorker builds); `seq_len` 768 for the
     realistic shape's longest rollouts."""
     backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
     llama = LlamaConfig(seq_len=seq_len, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4,

@@ -18,7 +18,7 @@ It also encodes each version with only the element, only the ulps and only the b
 (transfer/delta.py, each with dense as the fallback): bytes and host seconds to apply.
 
 Models: `quickstart` (experiments/quickstart.yaml: hidden 64, 2 layers, vocab 512, fp32), `reference`
-(../shared/BENCHMARK.md: hidden 128, 4 layers, vocab 512, 1.2 M parameters), `large` (hidden 512,
+(docs/performance.md: hidden 128, 4 layers, vocab 512, 1.2 M parameters), `large` (hidden 512,
 4 layers, vocab 32k, 46 M), `large8` (hidden 1024, 8 layers, 8 kv heads, vocab 32k, 160 M).
 
     python bench/transfer.py --part modes [--models reference,large] [--reps 7]

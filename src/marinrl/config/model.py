@@ -149,7 +149,7 @@ class ModelConfig:
     """PRNG seed of the from-scratch initialization."""
     init_std: Optional[float] = None
     """If set, every weight matrix is initialized N(0, init_std) instead of Levanter's fan-in scaled
-    default (the reference shape of BENCHMARK.md uses 0.02); norms keep their ones, biases their zeros."""
+    default (the reference shape of docs/performance.md uses 0.02); norms keep their ones, biases their zeros."""
     levanter_checkpoint: Optional[str] = None
     """Levanter checkpoint: a `step-N` directory or a run's checkpoint folder (latest step wins)."""
     hf_checkpoint: Optional[str] = None

@@ -9,7 +9,7 @@ sampled token under the temperature-scaled distribution, log softmax(logits / T)
 numbers a full forward pass gives (tests check this). At temperature 0 the token is the argmax and
 its logprob is taken at T = 1, as Levanter's sampler does.
 
-Why not Levanter's `InferenceEngine` for rollouts: at the reference shape of BENCHMARK.md (64
+Why not Levanter's `InferenceEngine` for rollouts: at the reference shape of docs/performance.md (64
 sequences of 16 + 32 tokens on 2 CPU cores) the engine's paged scheduler spends most of its time in
 per-token bookkeeping (queues, page tables, host round trips between rounds), about 3-5k tokens/s,
 while a dense cache sized for the batch needs none of it. docs/inference.md has the measurements.
