@@ -280,3 +280,17 @@ def test_only_the_placement_modules_read_placement_fields():
             if isinstance(node, ast.Attribute) and node.attr in PLACEMENT_FIELDS:
                 readers.append(f"{path.relative_to(PACKAGE)}:{node.lineno} .{node.attr}")
     assert readers == []
+
+
+def test_the_job_package_loads_ray_only_when_rljob_is_asked_for(tmp_path):
+    """`from marinrl.job import RLJob, RLJobConfig` is the public form; a submodule such as the run lock's
+    command line (`python -m marinrl.job.run_lock`) must not pay for Ray."""
+    script = textwrap.dedent("""
+        import json, sys
+        import marinrl.job.run_lock
+        before = "ray" in sys.modules
+        from marinrl.job import RLJob, RLJobConfig
+        print(json.dumps([before, "ray" in sys.modules, RLJob.__module__, RLJobConfig.__module__]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, True, "marinrl.job.rl_job", "marinrl.config.job"]
