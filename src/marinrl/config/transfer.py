@@ -19,7 +19,6 @@ def _protocol(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"
 
 
-
 def check_delta_config(owner: str, delta: bool, full_every: int) -> None:
     """The delta fields' validation, shared by the transfer configs; errors name the field."""
     if not isinstance(delta, bool):

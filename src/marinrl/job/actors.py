@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from marinrl.config.train_worker import TrainWorkerConfig
 
 
-
 _ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_PORT",
                     "XLA_PYTHON_CLIENT_MEM_FRACTION")
 

@@ -75,7 +75,6 @@ _LIST_COLUMNS = {
 _STRING_COLUMNS = ("group_id", "finish_reason", "env_name", "lesson_id", "agent_name", "policy_name", "worker_id")
 
 
-
 class RolloutFormatError(ValueError):
     """A file that is not a valid rollout file of a format version this reader knows."""
 
@@ -83,7 +82,6 @@ class RolloutFormatError(ValueError):
 class UnsupportedFormatVersion(RolloutFormatError):
     """A file written by a newer marinrl: not corrupt, but this reader cannot decode it (a reader
     quarantines it like any unreadable file, with a log line that says to upgrade marinrl)."""
-
 
 
 def _list_array(arrays: list[np.ndarray], dtype, pa_type: pa.DataType) -> pa.Array:

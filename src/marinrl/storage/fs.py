@@ -60,7 +60,6 @@ def open_root(root: str, storage_options: dict | None, fs: fsspec.AbstractFileSy
     return fs, path.rstrip("/")
 
 
-
 def _basename(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 

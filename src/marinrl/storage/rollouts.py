@@ -41,7 +41,6 @@ def _parse_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-
 def _list_steps(fs, root: str) -> list[int]:
     fs.invalidate_cache(root)
     steps = (_parse_step(n) for n in list_names(fs, root))

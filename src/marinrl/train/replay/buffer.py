@@ -55,7 +55,6 @@ class ReplayIngestionError(RuntimeError):
     """The background ingestion thread died; raised by `sample()` with the thread's error as cause."""
 
 
-
 class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
     """Rollout groups waiting to be trained on. Thread-safe: one ingestion thread, one trainer.
 
