@@ -95,6 +95,9 @@ def test_what_a_role_on_part_of_a_host_asks_for():
     assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and "TPU_PROCESS_ADDRESSES" not in env
     assert actor_env(PlacementConfig(tpu="v5litepod-8"), 0) == {}  # a whole host needs nothing of this
     assert actor_env(PlacementConfig(num_gpus=1, memory_fraction=0.45), 0) == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45"}
+    # the shared mode (no GPU of its own) shares one GPU: without the pin Ray would show each role every GPU
+    shared = PlacementConfig(num_gpus=0, memory_fraction=0.3)
+    assert actor_env(shared, 1)["CUDA_VISIBLE_DEVICES"] == "0"
     # the chip shapes multiply out to the chips
     for chips, bounds in TPU_CHIP_BOUNDS.items():
         x, y, z = map(int, bounds.split(","))
@@ -303,3 +306,11 @@ def test_the_autoscaler_request_is_withdrawn_when_the_job_ends(tmp_path):
     assert "ray.trainer.tpu_chips" in out["waited"] and "waited 0.5 s" in out["waited"]
     assert out["refused"].startswith("RLJobConfig.ray.trainer.resources.late: ") and "waited 0.5 s" in out["refused"]
     assert out["left"] == []  # withdrawn: the autoscaler may let the extra nodes go
+
+
+def test_shared_gpu_mode_keeps_the_first_gpu_the_driver_was_given(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5")
+    env = actor_env(PlacementConfig(memory_fraction=0.45), 0)
+    assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45", "CUDA_VISIBLE_DEVICES": "3"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert actor_env(PlacementConfig(memory_fraction=0.45), 0)["CUDA_VISIBLE_DEVICES"] == "0"

@@ -17,6 +17,7 @@ these widths), and the attention a packed row's block masks skip (a row counts a
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +144,23 @@ def generation_flops(dims: ModelDims, prompts: int, samples: int, prompt: int, r
     rows = prompts * samples
     decode = rows * forward_flops(dims, steps, keys_per_row)
     return GenerationFlops(prefill=prefill, decode=decode, prompt_tokens=prompts * prompt, decode_tokens=rows * steps)
+
+
+CHIP_PEAK_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100": 312e12,
+    "TPU v6 lite": 918e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v4": 275e12,
+}
+"""Dense bfloat16 peak FLOP/s of one chip, by the start of JAX's `device_kind` (vendors' data sheets: H100/H200
+SXM 989 TFLOP/s without sparsity, A100 312; TPU v6e 918, v5e 197, v5p 459, v4 275). MFU divides by these."""
+
+
+def chip_peak_flops(device_kind: str) -> Optional[float]:
+    """The peak of the longest `CHIP_PEAK_FLOPS` name `device_kind` starts with (`NVIDIA H100 80GB HBM3` is an
+    H100, `TPU v5 lite` a v5e, not a v5p); None for a chip not in the table (a CPU)."""
+    names = [n for n in CHIP_PEAK_FLOPS if device_kind.startswith(n)]
+    return CHIP_PEAK_FLOPS[max(names, key=len)] if names else None

@@ -80,7 +80,10 @@ def actor_env(placement: PlacementConfig, slot: int) -> dict[str, str]:
     `*_HOST_BOUNDS` names; Ray sets the chips, and the bounds only for 1 or 2 of them), with a libtpu
     port of its own and libtpu's one-process-per-host lock lifted (`ALLOW_MULTIPLE_LIBTPU_LOAD`), as
     JAX's own multi-process tests run processes on one host (jax/_src/test_multiprocess.py).
-    `TPU_PROCESS_ADDRESSES` stays unset: JAX would take it for a multi-host GKE slice."""
+    `TPU_PROCESS_ADDRESSES` stays unset: JAX would take it for a multi-host GKE slice.
+
+    `memory_fraction` without GPUs of the actor's own (the shared mode): the share of the shared GPU, and that
+    GPU alone (`shared_gpu`)."""
     env: dict[str, str] = {}
     if placement.tpu_chips is not None:
         bounds, port = TPU_CHIP_BOUNDS[placement.tpu_chips], str(SUBHOST_TPU_PORT + slot)
@@ -90,7 +93,18 @@ def actor_env(placement: PlacementConfig, slot: int) -> dict[str, str]:
                    ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     if placement.memory_fraction is not None:
         env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{placement.memory_fraction:g}"
+        if not placement.num_gpus and placement.tpu is None and placement.tpu_chips is None:
+            env["CUDA_VISIBLE_DEVICES"] = shared_gpu()
     return env
+
+
+def shared_gpu() -> str:
+    """The GPU that roles in the shared mode (`num_gpus: 0` with `memory_fraction`) share: the node's first, or
+    the first of the driver's own `CUDA_VISIBLE_DEVICES`. Ray gives an actor that asks for no GPU every GPU of
+    its node, so without this each role's JAX would spread its mesh over all of them, each taking its fraction
+    of every one."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[0] if visible else "0"
 
 
 def actor_options(placement: PlacementConfig, slot: int, *, head: bool = True) -> dict:

@@ -1,0 +1,68 @@
+"""bench/device_check.py on the CPU: its plan, its two-process section through the job's own actor environment,
+and the chip table MFU divides by (docs/performance.md, "Device check")."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from marinrl.dry_run.flops import chip_peak_flops
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CHECK = REPO / "bench" / "device_check.py"
+
+
+def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+
+
+def test_plan_says_what_would_run_and_that_it_can():
+    proc = _run("--plan", "--sections", "env,train_step", "--budget_s", "100")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plan["plan"] and plan["ok"] and plan["problems"] == []
+    assert list(plan["sections"]) == ["env", "train_step"]
+    assert any("over --budget_s 100" in note for note in plan["notes"])  # 60 + 240 s of limits
+
+
+def test_an_unknown_section_is_refused_by_name():
+    proc = _run("--plan", "--sections", "env,warp_drive")
+    assert proc.returncode == 2 and "warp_drive" in proc.stderr
+
+
+def test_two_processes_share_the_device_with_the_jobs_actor_environment(tmp_path):
+    out = tmp_path / "check.json"
+    proc = _run("--sections", "env,two_processes", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["sections"]["env"]["backend"] == "cpu"
+    members = result["sections"]["two_processes"]["candidates"]["cpu"]["members"]
+    assert [m["rank"] for m in members] == [0, 1] and all(m["saw_other"] for m in members)
+    # each process had its role's share, as actor_env gives it (the shared-GPU mode's fractions)
+    fractions = [m["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] for m in members]
+    assert fractions == ["0.45", "0.3"]
+    assert all(m["env"]["CUDA_VISIBLE_DEVICES"] == members[0]["env"]["CUDA_VISIBLE_DEVICES"] for m in members)
+
+
+@pytest.mark.parametrize("kind, peak", [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12),
+                                        ("TPU v5 lite", 197e12), ("TPU v5", 459e12), ("TPU v6 lite", 918e12),
+                                        ("cpu", None)])
+def test_chip_peaks_match_the_longest_name(kind, peak):
+    assert chip_peak_flops(kind) == peak
+
+
+def test_the_jax_shim_does_nothing_on_our_pinned_jax():
+    code = ("import jax.core, os; print(os.environ.get('MARINRL_JAX_SHIM'), "
+            "jax.core.is_constant_dim.__module__.startswith('jax'))")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench' / 'device_compat'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.stdout.split() == ["None", "True"], proc.stderr
