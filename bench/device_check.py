@@ -37,6 +37,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +79,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--candidate", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--section_timeout", type=float, default=300.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
@@ -171,7 +173,8 @@ def main(args) -> dict:
             except Exception as e:
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
         else:
-            out = run_child([f"--section={section}", *passthrough], min(SECTION_S[section], left))
+            limit = min(SECTION_S[section], left)
+            out = run_child([f"--section={section}", f"--section_timeout={limit}", *passthrough], limit)
         out.setdefault("wall_s", round(time.monotonic() - started, 1))
         result["sections"][section] = out
         print(f"[device_check] {section}: {'ok' if out.get('ok') else 'FAILED'} in {out['wall_s']} s"
@@ -340,7 +343,6 @@ def section_train_step(args) -> dict:
     from marinrl.job.plan import train_worker_config
     from marinrl.levanter_configs import to_levanter
     from marinrl.models.policy_model import build_model
-    from marinrl.train.advantages import group_advantages
     from marinrl.train.batching import make_training_batch, row_alignment
     from marinrl.train.worker import StepInput, _step_loss
 
@@ -492,21 +494,26 @@ def section_quickstart(args) -> dict:
         overlay = [f"--ray.trainer.memory_fraction={SHARED_GPU['trainer']}",
                    f"--ray.rollout.memory_fraction={SHARED_GPU['rollout']}"]
     del jax
+    run_id = f"device-check-{int(time.time())}"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, str(_REPO / "experiments" / "quickstart.py"), "--run_id",
-                           f"device-check-{int(time.time())}", *overlay], capture_output=True, text=True,
-                          cwd=_REPO, env=child_env())
-    wall = time.monotonic() - started
-    summary = None
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{") and "eval" in line:
-            try:
-                summary = json.loads(line)
-                break
-            except json.JSONDecodeError:
-                pass
-    return {"ok": proc.returncode == 0, "backend": backend, "exit": proc.returncode, "wall_s": wall,
-            "summary": summary, "log_tail": (proc.stdout[-1500:] + proc.stderr[-1500:]) if proc.returncode else None}
+    # a session of its own, so that a timeout ends the job's Ray processes too
+    proc = subprocess.Popen([sys.executable, str(_REPO / "experiments" / "quickstart.py"), "--run_id", run_id,
+                             *overlay], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=_REPO,
+                            env=child_env(), start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=max(10.0, args.section_timeout - 15))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        return {"ok": False, "error": f"timed out after {time.monotonic() - started:.0f} s",
+                "log_tail": log[-2500:]}
+    summary_path = _REPO / "runs" / run_id / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"ok": proc.returncode == 0, "backend": backend, "exit": proc.returncode,
+            "wall_s": time.monotonic() - started, "overlay": overlay,
+            **{k: summary.get(k) for k in ("steps", "seconds", "median_step_s", "eval_reward_start",
+                                            "eval_reward_end", "rollouts_written", "rollout_worker_restarts")},
+            "log_tail": None if proc.returncode == 0 else log[-2500:]}
 
 
 def run_section(args) -> dict:

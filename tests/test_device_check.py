@@ -61,8 +61,8 @@ def test_chip_peaks_match_the_longest_name(kind, peak):
 def test_the_jax_shim_does_nothing_on_our_pinned_jax():
     code = ("import jax.core, os; print(os.environ.get('MARINRL_JAX_SHIM'), "
             "jax.core.is_constant_dim.__module__.startswith('jax'))")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'bench' / 'device_compat'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "JAX_PLATFORMS": "cpu"}
+    shim = REPO / "bench" / "device_compat"
+    env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.stdout.split() == ["None", "True"], proc.stderr
