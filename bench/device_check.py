@@ -49,7 +49,7 @@ _REPO = _BENCH.parent
 sys.path.insert(0, str(_REPO / "src"))  # the repo's code, installed or not (a device image has no venv of ours)
 RESULT_TAG = "DEVICE_CHECK_RESULT "
 SECTIONS = ("env", "two_processes", "train_step", "generation", "quickstart")
-SECTION_S = {"env": 60, "two_processes": 90, "train_step": 240, "generation": 180, "quickstart": 300}
+SECTION_S = {"env": 60, "two_processes": 90, "train_step": 180, "generation": 200, "quickstart": 300}
 """A section's own time limit (seconds), before the budget's."""
 RECIPES = {"gpu": "grpo_math_qwen3_0p6b_one_gpu_node.py", "tpu": "grpo_math_qwen3_0p6b_one_tpu_host.py",
            "cpu": "grpo_math_qwen3_0p6b_one_gpu_node.py"}
@@ -111,8 +111,11 @@ def run_child(argv: list[str], timeout_s: float, env: dict | None = None) -> dic
         proc = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
                               timeout=max(1.0, timeout_s), env=env or child_env(), cwd=_REPO)
     except subprocess.TimeoutExpired as e:
-        tail = (e.stdout or b"")[-1500:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-1500:]
-        return {"ok": False, "error": f"timed out after {timeout_s:.0f} s", "log_tail": str(tail),
+        def text(x):
+            return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+        return {"ok": False, "error": f"timed out after {timeout_s:.0f} s",
+                "log_tail": (text(e.stdout)[-1000:] + "\n" + text(e.stderr)[-2500:]).strip(),
                 "wall_s": round(time.monotonic() - started, 1)}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
@@ -230,6 +233,11 @@ def two_processes(env_section: dict, timeout_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the sections
+
+
+def _progress(message: str) -> None:
+    """A line on stderr: what a section was doing when its time ran out shows in the parent's `log_tail`."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def _emit(result: dict) -> None:
@@ -365,10 +373,12 @@ def section_train_step(args) -> dict:
         batches.append(make_training_batch(rollouts, advantages, batch_size=rows, config=job.batching,
                                            **row_alignment(trainer_cfg)))
     times = []
+    _progress(f"train_step: {rows} rows of up to {length} tokens, microbatch {job.trainer.per_device_parallelism}")
     optimizer = cfg.optimizer.build(trainer_cfg.num_train_steps)
     with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=job.loss),
                  add_default_hooks=False) as trainer:
         state = trainer.initial_state(jax.random.PRNGKey(0), model_init=lambda: build_model(job.model))
+        _progress("train_step: initial state built")
         reference = build_model(job.model) if job.loss.uses_reference else None
         ref_fn = hax.named_jit(_token_logprobs(), axis_resources=trainer.compute_axis_mapping)
         for batch in batches:
@@ -378,6 +388,7 @@ def section_train_step(args) -> dict:
             info = trainer.train_step(state, StepInput(batch, ref))
             jax.block_until_ready(info.state.model)
             times.append(time.perf_counter() - t0)
+            _progress(f"train_step: step {len(times)} in {times[-1]:.2f} s, loss {float(info.loss):.4f}")
             state = info.state
             if not np.isfinite(info.loss):
                 return {"ok": False, "error": f"loss {info.loss} at step {len(times)}"}
@@ -456,16 +467,19 @@ def section_generation(args) -> dict:
     predicted = predicted_memory(job, "rollout", 1, prompt_tokens=args.prompt_tokens, response_tokens=response,
                                  cpu=backend == "cpu")
     model = build_model(job.model, dtype=job.rollout_dtype())
+    _progress(f"generation: model built; engine {inference.engine}")
     server = serve(inference, model, build_tokenizer(job.model))
+    _progress("generation: server ready")
     rng = np.random.default_rng(0)
     sampling = SamplingParams(temperature=1.0, max_tokens=response)
     calls = []
     try:
-        for call in range(3):
+        for call in range(2):  # the first compiles
             prompts = rng.integers(2, 256, (args.prompts, args.prompt_tokens)).tolist()
             t0 = time.perf_counter()
             gens = server.generate(prompts, args.samples, sampling, seed=call)
             calls.append((time.perf_counter() - t0, sum(len(g.tokens) for row in gens for g in row)))
+            _progress(f"generation: call {call + 1}: {calls[-1][1]} tokens in {calls[-1][0]:.1f} s")
     finally:
         server.shutdown()
     call_s, tokens = calls[-1]

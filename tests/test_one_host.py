@@ -314,3 +314,14 @@ def test_shared_gpu_mode_keeps_the_first_gpu_the_driver_was_given(monkeypatch):
     assert env == {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.45", "CUDA_VISIBLE_DEVICES": "3"}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert actor_env(PlacementConfig(memory_fraction=0.45), 0)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+@pytest.mark.parametrize("placement", [dict(num_gpus=1), dict(tpu_chips=4), dict(tpu="v5litepod-8"), dict()])
+def test_levanter_never_joins_jax_distributed_on_its_own(tmp_path, placement):
+    """A GPU image with mpi4py looks like a cluster to Levanter's detection (seen on an H100: JAX then asks for
+    a coordinator address); a multi-process trainer joins through marinrl.multihost instead."""
+    from marinrl.job.plan import trainer_config
+
+    config = job_config(tmp_path)
+    config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, trainer=PlacementConfig(**placement)))
+    assert trainer_config(config).distributed.initialize_jax_distributed is False

@@ -46,12 +46,18 @@ def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, ru
                      require_accelerator: bool):
     """Levanter's `TrainerConfig` for a job's `trainer` (config/trainer.py) with what the job derives:
     the steps, the batch, the run's id and seed, logs and checkpoints under the run directory, no Ray and
-    no watch hooks of Levanter's own, TensorBoard left at its default logdir moved under the run."""
+    no watch hooks of Levanter's own, TensorBoard left at its default logdir moved under the run.
+
+    Levanter never calls `jax.distributed.initialize` here: a trainer of several processes joins its group
+    through `marinrl.multihost` with an explicit coordinator, and for one process Levanter's detection only
+    does harm: it counts a GPU image with mpi4py installed as a cluster (then JAX asks for a coordinator
+    address: seen on an H100 node, docs/performance.md, "Device check"), and a process on part of a TPU VM
+    would join the VM's slice with the port every process on the host shares."""
     import pathlib
 
     from levanter.callbacks.watch import WatchConfig
     from levanter.checkpoint import CheckpointerConfig
-    from levanter.distributed import RayConfig
+    from levanter.distributed import DistributedConfig, RayConfig
     from levanter.tracker.tensorboard import TensorboardConfig
 
     config = to_levanter(trainer)
@@ -66,6 +72,7 @@ def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, ru
         log_dir=pathlib.Path(run_dir) / "logs", tracker=trackers if len(trackers) != 1 else trackers[0],
         checkpointer=CheckpointerConfig(base_path=f"{run_dir}/checkpoints", append_run_id_to_base_path=False),
         ray=RayConfig(auto_start_cluster=False), watch=WatchConfig(watch_targets=[]),
+        distributed=DistributedConfig(initialize_jax_distributed=False),
         require_accelerator=require_accelerator if trainer.require_accelerator is None else trainer.require_accelerator)
 
 

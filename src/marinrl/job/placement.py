@@ -120,13 +120,6 @@ def actor_options(placement: PlacementConfig, slot: int, *, head: bool = True) -
     return {**options, "runtime_env": {"env_vars": env}} if env else options
 
 
-def joins_jax_distributed(placement: PlacementConfig) -> bool:
-    """Whether the role's processes call `jax.distributed.initialize`: not a process on part of a TPU host,
-    which on a TPU VM would find the VM's slice metadata and join it as that slice's process (with the
-    coordinator port every process on the host would share)."""
-    return placement.tpu_chips is None
-
-
 def cpus(placement: PlacementConfig) -> float:
     """CPUs one actor of the role holds over all its hosts."""
     return placement.num_cpus * placement.hosts()

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from marinrl.config.job import RLJobConfig
 from marinrl.config.policies import policy_models, policy_names
-from marinrl.job.placement import joins_jax_distributed
 from marinrl.levanter_configs import levanter_trainer, to_levanter
 
 if TYPE_CHECKING:
@@ -36,18 +35,10 @@ if TYPE_CHECKING:
 
 
 def trainer_config(job: RLJobConfig):
-    """Levanter's `TrainerConfig` of the job: `job.trainer` with what the job derives filled in. A trainer on
-    part of a TPU host (`ray.trainer.tpu_chips`) is one process: Levanter must not call
-    `jax.distributed.initialize`, which on a TPU VM finds the VM's slice metadata and would join it as that
-    slice's process (with the coordinator port every process on the host would share)."""
-    config = levanter_trainer(job.trainer, num_train_steps=job.num_train_steps,
-                              train_batch_size=job.groups_per_step * job.n_generations, run_id=job.run_id,
-                              seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
-    if joins_jax_distributed(job.ray.trainer):
-        return config
-    from levanter.distributed import DistributedConfig
-
-    return dataclasses.replace(config, distributed=DistributedConfig(initialize_jax_distributed=False))
+    """Levanter's `TrainerConfig` of the job: `job.trainer` with what the job derives filled in."""
+    return levanter_trainer(job.trainer, num_train_steps=job.num_train_steps,
+                            train_batch_size=job.groups_per_step * job.n_generations, run_id=job.run_id,
+                            seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
 
 
 def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> TrainWorkerConfig:
