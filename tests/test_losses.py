@@ -634,9 +634,20 @@ def test_rl_loss_through_llama_is_finite_with_gradient_equal_to_plain_autodiff(l
     for g, w in zip(leaves, want_leaves):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=1e-6)
     # The blockwise lm head (two blocks and a straggler) gives the same loss and entropy.
-    b_loss, b_metrics = _rl_loss(blocked, batch, reference_logprobs=reference)
+    (b_loss, b_metrics), b_grads = _rl_loss_and_grad(blocked, batch, reference)
     assert float(b_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
     assert float(b_metrics["entropy"]) == pytest.approx(float(metrics["entropy"]), rel=1e-5)
+    # and the same gradients, to float32 rounding of sums over the vocabulary in another order
+    for g, w in zip(jax.tree_util.tree_leaves(eqx.filter(b_grads, eqx.is_inexact_array)), leaves):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+
+
+def test_a_large_vocabulary_is_computed_in_blocks_by_default():
+    from marinrl.train.policy_forward import VOCAB_BLOCK, lm_head_block
+
+    assert lm_head_block(None, 151_936) == VOCAB_BLOCK < 151_936  # Qwen3: no [tokens, vocab] float32 array
+    assert lm_head_block(None, 512) == 512  # a small vocabulary stays one block
+    assert lm_head_block(24, 64) == 24  # the model config's own block wins
 
 
 def test_every_advantage_kind_has_one_estimator_and_a_hand_reference():

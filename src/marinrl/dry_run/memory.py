@@ -55,6 +55,7 @@ from marinrl.dry_run.flops import ModelDims
 from marinrl.inference.levanter_engine import resolved_engine_config
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
+from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)
@@ -247,14 +248,14 @@ def train_activation_bytes(job, mesh: dict, length: int) -> float:
     each layer keeps its input (rows × length × hidden, compute dtype) and one layer's working set is live
     at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
     gradients); without, every layer keeps its working set. The loss's logits and their gradient in
-    float32 come on top, over one vocabulary block (`cross_entropy_block_size`, else the vocabulary)."""
+    float32 come on top, over one vocabulary block (`train/policy_forward.lm_head_block`)."""
     cfg = to_levanter(job.model.model)
     rows = microbatch_rows_per_device(job, mesh)
     compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
     working = 16 * rows * length * max(cfg.hidden_dim, cfg.intermediate_dim // 2) * compute / mesh["model"]
     checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
     kept = rows * length * cfg.hidden_dim * compute * cfg.num_layers if checkpointing else working * cfg.num_layers
-    block = min(getattr(cfg, "cross_entropy_block_size", None) or job.model.vocab_size, job.model.vocab_size)
+    block = lm_head_block(getattr(cfg, "cross_entropy_block_size", None), job.model.vocab_size)
     logits = 2 * rows * length * block * 4 / mesh["model"]
     return float(kept + working + logits)
 

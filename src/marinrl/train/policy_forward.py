@@ -20,6 +20,19 @@ from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
 from marinrl.train.batching import BATCH, POSITION, TrainingBatch
 from marinrl.train.flat_dots import flat_token_dots
 
+VOCAB_BLOCK = 32768
+"""Vocabulary columns of the LM head's logits computed at once when the model config sets no
+`cross_entropy_block_size`. A float32 logits block is tokens × block × 4 bytes: at 16 rows × 512 tokens, 1 GiB
+per block where Qwen3's 151,936 columns at once are 4.6 GiB (and the backward recomputes each block rather
+than keeping it). A vocabulary of at most one block (the tiny models of the tests and the quickstart) is one
+block, as before; 32k keeps the blocks few (5 at 151,936, 4 at Llama 3's 128,256) and each matmul large."""
+
+
+def lm_head_block(cross_entropy_block_size: int | None, vocab_size: int) -> int:
+    """The vocabulary block of the train step's logprobs and entropy (and what the dry run counts)."""
+    return min(cross_entropy_block_size or VOCAB_BLOCK, vocab_size)
+
+
 KEY_POSITION = "key_position"
 """Levanter's name for the attended-to position axis (`LlamaConfig.KeyPos`)."""
 
@@ -99,7 +112,7 @@ def policy_forward(
     h = (out / temperature).astype(out.dtype)
     lm_head = lm_head_weight(model)
     Vocab = lm_head.resolve_axis(model.Vocab.name)
-    block_size = min(model.config.cross_entropy_block_size or Vocab.size, Vocab.size)
+    block_size = lm_head_block(model.config.cross_entropy_block_size, Vocab.size)
     # Levanter's blockwise cross-entropy has a custom VJP that recomputes each logits block in the
     # backward pass, so neither pass holds [batch, position, vocab] beyond one block.
     nll = fused_cross_entropy_loss_and_logsumexp_penalty(
