@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-slow quickstart bench rehearsal clean lock
+.PHONY: install lint test test-slow quickstart bench rehearsal device-check clean lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ bench: $(STAMP)
 # "Rehearsal"): more than a 24 GiB machine holds today. `--scale small` checks the harness alone.
 rehearsal: $(STAMP)
 	$(PY) bench/rehearsal.py
+
+# On a GPU node or TPU VM: the device check, at most 8 minutes, one JSON line (docs/device_check.md).
+device-check: $(STAMP)
+	$(PY) bench/device_check.py --out device_check.json
 
 clean:
 	rm -rf $(VENV) .jax_cache

@@ -1,5 +1,5 @@
 """bench/device_check.py on the CPU: its plan, its two-process section through the job's own actor environment,
-and the chip table MFU divides by (docs/performance.md, "Device check")."""
+and the chip table MFU divides by (docs/device_check.md)."""
 
 from __future__ import annotations
 

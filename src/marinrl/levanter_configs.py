@@ -51,7 +51,7 @@ def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, ru
     Levanter never calls `jax.distributed.initialize` here: a trainer of several processes joins its group
     through `marinrl.multihost` with an explicit coordinator, and for one process Levanter's detection only
     does harm: it counts a GPU image with mpi4py installed as a cluster (then JAX asks for a coordinator
-    address: seen on an H100 node, docs/performance.md, "Device check"), and a process on part of a TPU VM
+    address: seen on an H100 node, docs/device_check.md), and a process on part of a TPU VM
     would join the VM's slice with the port every process on the host shares."""
     import pathlib
 
