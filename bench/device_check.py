@@ -1,6 +1,6 @@
 """The device check: what the first GPU node or TPU VM says about marinrl, in one run of at most 8 minutes.
 
-Run it wherever a device is at hand (docs/performance.md, "Device check", records each result):
+Run it wherever a device is at hand (docs/device_check.md records each result):
 
     python bench/device_check.py --plan        # what it would run, and whether it can (any machine, seconds)
     python bench/device_check.py               # the check: one JSON line at the end (also --out FILE)
