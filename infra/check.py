@@ -7,8 +7,9 @@ ships in the ray package (`ray/autoscaler/ray-schema.json`, so a misspelled fiel
 the fields fails), then `prepare_config` + `validate_config`. Ray leaves `node_config` free-form, so
 the GCP part is checked here: the fields each node kind accepts (a Compute VM or a TPU VM), TPU types
 and chips per host from Ray's own TPU tables, GPUs per machine type, that the `resources` a node
-type declares are what the hardware has, and a GPU VM's network interface (gVNIC on A3) and image (a
-Deep Learning VM family with a CUDA 12 driver, installed on first boot). Last, the placement marinrl asks for
+type declares are what the hardware has, a GPU VM's network interface (gVNIC on A3) and image (a
+Deep Learning VM family of CUDA 12.8+, its driver installed on first boot), a worker VM's storage write scope,
+and a multi-host TPU slice's capacity (a reservation or spot). Last, the placement marinrl asks for
 (`metadata.marinrl`: `RLJobConfig.ray.trainer` / `.rollout`, marinrl/config/placement.py) must fit a node type with an
 accelerator, and the trainer and the rollout workers on different node types.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 import json
 import pathlib
+import re
 import sys
 from typing import Any
 
@@ -56,10 +58,17 @@ GPU_MACHINE_TYPES = {
 # nicType: GCP then picks VIRTIO_NET, which these refuse). https://cloud.google.com/compute/docs/gpus
 GVNIC_ONLY_PREFIXES = ("a3-",)
 # Where a GPU VM's NVIDIA driver comes from: a Deep Learning VM image that installs it on first boot
-# (metadata install-nvidia-driver), of a CUDA 12 family: `jax[cuda12]` (infra/setup-node.sh) brings
-# CUDA 12 itself and needs only a driver that runs it.
+# (metadata install-nvidia-driver). `jax[cuda12]` 0.10.2 (infra/setup-node.sh) brings CUDA 12.8 or later from pip
+# (its nvidia-*-cu12 wheels), whose compiler needs a 570 or newer driver: the family must be CUDA 12.8+
+# (`common-cu128-ubuntu-2204-nvidia-570`; `common-cu124-*` ships driver 550).
 DLVM_IMAGES = "projects/deeplearning-platform-release/global/images/family/"
-DLVM_CUDA_FAMILY = "common-cu12"
+DLVM_MIN_CUDA = (12, 8)
+DLVM_FAMILY_EXAMPLE = "common-cu128-ubuntu-2204-nvidia-570"
+# A worker that writes the run's files to gs:// needs a storage scope: GCP gives a VM created without
+# serviceAccounts the default account with read-only storage, and Ray sets serviceAccounts on the head only.
+WRITE_SCOPES = frozenset({"https://www.googleapis.com/auth/cloud-platform",
+                          "https://www.googleapis.com/auth/devstorage.read_write",
+                          "https://www.googleapis.com/auth/devstorage.full_control"})
 # guestAccelerators types on N1 machines → Ray's accelerator_type name.
 GUEST_GPU_TYPES = {"nvidia-tesla-t4": "T4", "nvidia-tesla-v100": "V100", "nvidia-tesla-p100": "P100",
                    "nvidia-tesla-p4": "P4", "nvidia-tesla-a100": "A100", "nvidia-a100-80gb": "A100"}
@@ -120,7 +129,7 @@ def _tpu_host(node_config: dict, where: str, errors: list[str]) -> dict | None:
         errors.append(f"{where}.runtimeVersion: a TPU VM needs its software version (e.g. v2-alpha-tpuv5)")
     per_host = tpu.get_num_tpu_visible_chips_per_host(accelerator)
     return {"accelerator": accelerator, "chips_per_host": per_host, "head_resource": f"TPU-{accelerator}-head",
-            "accelerator_label": f"TPU-{generation.upper()}"}
+            "accelerator_label": f"TPU-{generation.upper()}", "hosts": max(1, chips // per_host)}
 
 
 def _product(topology: str) -> int:
@@ -179,6 +188,7 @@ def _node_type_errors(name: str, node_type: dict, errors: list[str]) -> dict:
                               f"accelerator_type:{host['accelerator_label']}")
         # Ray's GCP provider adds it (GCPNodeProvider.fillout_available_node_types_resources)
         offered[host["head_resource"]] = 1
+        slice_capacity_errors(node_config, host, where, errors)
     else:
         gpus = _gpus(node_config, where, errors)
         if gpus is None:
@@ -210,6 +220,35 @@ def gpu_image_family(node_config: dict) -> str | None:
     return None
 
 
+def image_family_cuda(family: str | None) -> tuple[int, int] | None:
+    """(major, minor) CUDA of a Deep Learning VM family named `common-cu<major><minor>-…` (cu128: 12.8)."""
+    match = re.match(r"common-cu(\d\d)(\d+)-", family or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def write_scope_errors(node_config: dict, where: str, errors: list[str]) -> None:
+    """A Compute VM worker must be able to write gs:// (the run's rollouts, weights and checkpoints)."""
+    accounts = node_config.get("serviceAccounts")
+    scopes = {scope for account in accounts or [] if isinstance(account, dict) for scope in account.get("scopes") or []}
+    if not scopes & WRITE_SCOPES:
+        errors.append(f"{where}.serviceAccounts: a worker writes the run to gs:// and GCP gives a VM without "
+                      "serviceAccounts read-only storage (403 on the first write): add serviceAccounts: [{email: "
+                      "default, scopes: [https://www.googleapis.com/auth/cloud-platform]}]"
+                      + (f" (got scopes {sorted(scopes)})" if scopes else ""))
+
+
+def slice_capacity_errors(node_config: dict, host: dict, where: str, errors: list[str]) -> None:
+    """A multi-host slice on demand is rarely there to be had: the config must say where it comes from."""
+    if host["hosts"] <= 1:
+        return
+    scheduling = node_config.get("schedulingConfig")
+    scheduling = scheduling if isinstance(scheduling, dict) else {}
+    if not any(scheduling.get(k) is True for k in ("reserved", "spot", "preemptible")):
+        errors.append(f"{where}.schedulingConfig: a {host['accelerator']} slice ({host['hosts']} hosts) on demand is "
+                      "rarely available: set schedulingConfig: {reserved: true} (your project's reservation) or "
+                      f"{{spot: true}} (got {node_config.get('schedulingConfig')!r})")
+
+
 def _gpu_vm_errors(node_config: dict, where: str, errors: list[str]) -> None:
     """What a GPU VM needs beyond its GPUs: its machine family's network interface, and an image whose
     NVIDIA driver runs the CUDA that `jax[cuda12]` installs."""
@@ -221,10 +260,11 @@ def _gpu_vm_errors(node_config: dict, where: str, errors: list[str]) -> None:
             errors.append(f"{where}.networkInterfaces: machine type {machine} takes only gVNIC interfaces: give each "
                           f"interface nicType: GVNIC (got {interfaces!r}; Ray's default interface is not gVNIC)")
     family = gpu_image_family(node_config)
-    if family is None or not family.startswith(DLVM_CUDA_FAMILY):
-        errors.append(f"{where}.disks[boot].initializeParams.sourceImage: a GPU VM needs an NVIDIA driver for CUDA "
-                      f"12 (jax[cuda12]): use a Deep Learning VM image family {DLVM_IMAGES}{DLVM_CUDA_FAMILY}* "
-                      f"(got family {family!r})")
+    cuda = image_family_cuda(family)
+    if cuda is None or cuda[0] != DLVM_MIN_CUDA[0] or cuda < DLVM_MIN_CUDA:
+        errors.append(f"{where}.disks[boot].initializeParams.sourceImage: a GPU VM needs the NVIDIA driver of CUDA "
+                      f"{DLVM_MIN_CUDA[0]}.{DLVM_MIN_CUDA[1]}+ (what jax[cuda12] installs): use a Deep Learning VM "
+                      f"image family like {DLVM_IMAGES}{DLVM_FAMILY_EXAMPLE} (got family {family!r})")
     items = ((node_config.get("metadata") or {}).get("items") or [])
     if not any(isinstance(i, dict) and i.get("key") == "install-nvidia-driver" and str(i.get("value")).lower() == "true"
                for i in items):
@@ -317,6 +357,10 @@ def check_cluster_config(config: Any, name: str = "<config>") -> dict:
         errors.append("available_node_types: a mapping of node type name to {resources, node_config, ...} is required")
     else:
         offered = {name_: _node_type_errors(name_, node_type, errors) for name_, node_type in node_types.items()}
+        for name_, node_type in node_types.items():
+            node_config = node_type.get("node_config")
+            if name_ != config.get("head_node_type") and isinstance(node_config, dict) and "machineType" in node_config:
+                write_scope_errors(node_config, f"available_node_types.{name_}.node_config", errors)
         _placement_errors(config, offered, errors)
     if errors:
         raise ClusterConfigError(f"{name}: {len(errors)} problem(s):\n" + "\n".join(f"  {name}: {e}" for e in errors))

@@ -14,7 +14,7 @@ repo="$(cd "${2:-$HOME/marinrl}" && pwd)"
 case "$accelerator" in
   cpu) jax="jax" ;;              # the head node: it runs the job's driver, never a model
   tpu) jax="jax[tpu]" ;;         # libtpu, for TPU VMs (v5e, v5p, v6e)
-  cuda12) jax="jax[cuda12]" ;;   # CUDA 12 and cuDNN from pip; needs only an NVIDIA driver >= 525
+  cuda12) jax="jax[cuda12]" ;;   # CUDA 12.8+ and cuDNN from pip; needs an NVIDIA driver >= 570
   *) echo "setup-node.sh: unknown accelerator '$accelerator' (cpu, tpu or cuda12)" >&2; exit 2 ;;
 esac
 [ -f "$repo/constraints.txt" ] || { echo "setup-node.sh: $repo/constraints.txt not found: is $repo a marinrl checkout?" >&2; exit 2; }

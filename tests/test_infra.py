@@ -125,8 +125,26 @@ BREAKAGES = {
     "GPU image": ("gpu.yaml",
                   lambda c: _node(c, "rollout_a100", "node_config")["disks"][0]["initializeParams"].update(
                       sourceImage="projects/ubuntu-os-cloud/global/images/family/ubuntu-2204-lts"),
-                  "rollout_a100.node_config.disks[boot].initializeParams.sourceImage: a GPU VM needs an NVIDIA driver "
-                  "for CUDA 12"),
+                  "rollout_a100.node_config.disks[boot].initializeParams.sourceImage: a GPU VM needs the NVIDIA "
+                  "driver of CUDA 12.8+"),
+    "GPU image older than jax's CUDA": ("gpu.yaml",
+                                       lambda c: _node(c, "trainer_h100x8", "node_config")["disks"][0][
+                                           "initializeParams"].update(sourceImage="projects/deeplearning-platform-"
+                                                                      "release/global/images/family/common-cu124-"
+                                                                      "ubuntu-2204-py310"),
+                                       "trainer_h100x8.node_config.disks[boot].initializeParams.sourceImage: a GPU VM "
+                                       "needs the NVIDIA driver of CUDA 12.8+"),
+    "worker storage scope": ("gpu.yaml", lambda c: _node(c, "rollout_a100", "node_config").pop("serviceAccounts"),
+                             "rollout_a100.node_config.serviceAccounts: a worker writes the run to gs://"),
+    "read-only scope": ("gpu.yaml",
+                        lambda c: _node(c, "trainer_h100x8", "node_config").update(serviceAccounts=[
+                            {"email": "default",
+                             "scopes": ["https://www.googleapis.com/auth/devstorage.read_only"]}]),
+                        "trainer_h100x8.node_config.serviceAccounts: a worker writes the run to gs://"),
+    "slice capacity": ("tpu-v5p-multihost.yaml",
+                       lambda c: _node(c, "trainer_v5p_64", "node_config").pop("schedulingConfig"),
+                       "trainer_v5p_64.node_config.schedulingConfig: a v5p-64 slice (8 hosts) on demand is rarely "
+                       "available"),
     "GPU driver on first boot": ("gpu.yaml", lambda c: _node(c, "rollout_a100", "node_config").pop("metadata"),
                                  "rollout_a100.node_config.metadata.items: a Deep Learning VM installs its NVIDIA "
                                  "driver on first boot only with"),
