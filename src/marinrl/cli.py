@@ -183,7 +183,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prepared = evaluation.prepare(config)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise InputError(str(e)) from e
-    result = evaluation.run(prepared)
+    try:
+        result = evaluation.run(prepared)
+    except evaluation.CheckpointLoadError as e:
+        raise InputError(str(e)) from e
     failed = {k: v["metrics"].get("env_failures", 0) for k, v in result["lessons"].items()}
     failed = {k: int(v) for k, v in failed.items() if v}
     if failed:

@@ -3,9 +3,10 @@
 A mistake found here costs a second and one line naming the field; found by an actor, it costs a
 Ray start, actor restarts, a stalled trainer and thousands of tracebacks. `check_job` runs, in
 order: the field ranges (`RLJobConfig.validate`), every lesson's environment (resolved and built
-once in the driver, as `marinrl eval` does), the optimizer's schedule, the model's config and tokenizer
-(never its weights), and whether the run directory can be written. Each failure is a `ConfigError` whose
-message starts with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
+once in the driver, as `marinrl eval` does; a server it talks to answering its handshake), the optimizer's
+schedule, the model's config and tokenizer (never its weights), and whether the run directory can be
+written. Each failure is a `ConfigError` whose message starts with the field:
+`RLJobConfig.curriculum.lessons[echo].env.args: ...`.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def check_environments(curriculum: CurriculumConfig, policies: Optional[Sequence
             if lesson.env.name not in problem:
                 problem = f"environment {lesson.env.name!r}: {problem}"
             raise ConfigError(f"{where}.args", problem) from e
+        reachable = getattr(env, "check_reachable", None)  # a server the environment talks to (OpenEnv)
+        if reachable is not None:
+            try:
+                reachable()
+            except ValueError as e:
+                raise ConfigError(f"{where}.args", _one_line(e)) from e
         unknown = sorted(env_policy_names(env) - set(policies)) if policies is not None else []
         if unknown:
             raise ConfigError(f"{where}.args", f"environment {lesson.env.name!r} has agents played by "
