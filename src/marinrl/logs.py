@@ -113,6 +113,12 @@ WAITS = Waits()
 """The process's open waits on environment servers (one per Ray actor process)."""
 
 
+def overdue_waits(after_s: float) -> list[str]:
+    """`WAITS.overdue(after_s)`, as a function: an actor method refers to it by name (Ray pickles the
+    actor's class, and a lock held by value would not pickle)."""
+    return WAITS.overdue(after_s)
+
+
 def local_log_dir(run_dir: str, run_id: str) -> pathlib.Path:
     """`<run_dir>/logs` when the run folder is local; a local `logs/<run_id>` (absolute) otherwise:
     log files are appended line by line, which object stores cannot do."""

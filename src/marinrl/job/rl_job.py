@@ -78,8 +78,16 @@ class RLJob:
                      log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
                      logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
         else:
-            ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
-                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))})
+            try:
+                ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
+                         runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                         logging_level=logging.ERROR)
+            except (ConnectionError, TimeoutError, RuntimeError) as e:  # Ray's client: 40 lines of traceback
+                text = " ".join(str(e).split())
+                raise ConfigError("ray.address", f"cannot connect to the Ray cluster at {cfg.address!r} "
+                                                 f"({type(e).__name__}: {text[:200]}): start the cluster (`ray start "
+                                                 "--head`), fix the address, or remove ray.address to run on this "
+                                                 "machine") from None
         self._started_ray = True
         return ray.get_runtime_context().namespace
 
@@ -163,7 +171,8 @@ class RLJob:
                         i = pending.pop(ref)
                         try:
                             summaries[i] = ray.get(ref)
-                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
+                                ray.exceptions.OutOfMemoryError) as e:
                             if isinstance(getattr(e, "cause", None), EnvironmentFailedError):
                                 bar.close()  # restarting would repeat the failure: stop the job with it
                                 raise EnvironmentFailedError(
@@ -171,7 +180,9 @@ class RLJob:
                                     f"rollout-{i}.log). Fix the environment or its args, then run the same config "
                                     "again: it resumes from the last checkpoint") from None
                             if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
-                                raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
+                                raise RuntimeError(f"rollout worker {i} keeps dying: {_first_line(e)}"
+                                                   + (f"\n{MEMORY_ADVICE}" if _killed_for_memory(e) else
+                                                      f"\nits log: {self._log_dir}/rollout-{i}.log")) from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
                             rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
@@ -238,7 +249,8 @@ class RLJob:
         model's, for a job of several)."""
         try:
             return self._group.result() if self._group is not None else ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.OutOfMemoryError,
+                TrainerGroupDied) as e:
             if self._lock.lost:  # superseded: the other job's trainer publishes now
                 raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
                                   "one runs") from e
@@ -279,7 +291,10 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
     latest = _latest_checkpoint(checkpoints)
     after_resume = re.search(r"after resuming from (\S+?):", what)
-    if after_resume:  # a rerun would load the same state and fail the same way
+    if _killed_for_memory(error):
+        what = "Ray killed it for memory (the node's memory use passed Ray's limit)"
+        advice = MEMORY_ADVICE + (f"; then run the same config again (it resumes from {latest})" if latest else "")
+    elif after_resume:  # a rerun would load the same state and fail the same way
         advice = (f"move {after_resume.group(1)} out of {checkpoints} and run the same config again (it resumes "
                   "from the checkpoint before it); if the loss is still NaN, lower optimizer.learning_rate")
     elif "Loss is NaN" in what or "Loss is Inf" in what:
@@ -300,6 +315,23 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
                   "running the config again starts from step 0")
     return f"the trainer died: {what}\n{advice}"
+
+
+MEMORY_ADVICE = ("give the trainer and rollout workers more memory: fewer n_rollout_workers per node, a smaller "
+                 "trainer.train_batch_size or batching.max_length, a smaller model, or a machine with more memory "
+                 "(Ray kills a process once the node's memory use passes RAY_memory_usage_threshold, 0.95)")
+
+
+def _killed_for_memory(error: BaseException) -> bool:
+    """Ray's memory monitor killed the process (an OutOfMemoryError, or an actor death that says so)."""
+    return (isinstance(error, ray.exceptions.OutOfMemoryError)
+            or isinstance(getattr(error, "cause", None), ray.exceptions.OutOfMemoryError)
+            or "memory pressure" in str(error) or "killed due to memory" in str(error).lower())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _is_disk_full(error: BaseException, what: str) -> bool:

@@ -33,7 +33,7 @@ from marinrl import multihost, program_audit
 from marinrl.config.loss import LossConfig
 from marinrl.config.replay import overlong_reward_fn
 from marinrl.config.train_worker import TrainWorkerConfig
-from marinrl.levanter_configs import cpu_trainer_config, to_levanter
+from marinrl.levanter_configs import cpu_trainer_config, name_the_trainer_log_once, to_levanter
 from marinrl.models import lora as lora_rl
 from marinrl.startup import StartupClock
 from marinrl.storage.rollouts import RolloutReader
@@ -161,6 +161,7 @@ class TrainWorker:
         cfg = self.config
         trainer_cfg = multihost.levanter_trainer_config(cfg.trainer or cpu_trainer_config())
         clock = self._startup
+        name_the_trainer_log_once()
         levanter.initialize(trainer_cfg)
         bound_restore_memory()  # a restore holds the state, not twice the state
         clock.mark("init")
