@@ -131,8 +131,10 @@ def test_preflight_of_the_quickstart_is_quick(tmp_path):
 
     cfg = draccus.parse(RLJobConfig, config_path=str(QUICKSTART), args=["--run_root", str(tmp_path)])
     started = time.perf_counter()
-    RLJob(cfg)
+    job = RLJob(cfg)
     print(f"preflight of experiments/quickstart.yaml: {time.perf_counter() - started:.3f} s")
+    assert os.listdir(tmp_path / cfg.run_id) == []  # the run folder was made and probed, its probe deleted
+    assert job.config.curriculum == cfg.curriculum and job.config.model == cfg.model  # checked, not changed
 
 
 # ------------------------------------------------------------------------- a trainer that dies
