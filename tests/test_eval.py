@@ -255,3 +255,17 @@ def test_a_truncated_checkpoint_is_one_line_and_exit_2(ckpts, tmp_path, capsys):
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"marinrl eval: cannot load the weights of {step}: "), err
+
+
+def test_loading_a_checkpoint_logs_no_unknown_leaf_lines(ckpts, caplog):
+    """Levanter warns "Unknown leaf type" for each non-array leaf of the loading template: 16 stray lines per
+    `marinrl eval` that say nothing is wrong (marinrl/models/policy_model.py filters them)."""
+    import logging
+
+    from marinrl.eval import load_policy, resolve_checkpoint
+
+    with caplog.at_level(logging.WARNING):
+        model, _ = load_policy(resolve_checkpoint(str(ckpts / "run" / "step-1")),
+                               EvalConfig(checkpoint=str(ckpts / "run"), lessons=LESSONS))
+    assert model.Vocab.size == VOCAB
+    assert not [r for r in caplog.records if "Unknown leaf type" in r.getMessage()]

@@ -66,6 +66,7 @@ def test_resume_skips_a_garbled_latest_checkpoint_and_trains_every_group_once(tm
 
     # Resumed from the previous checkpoint (weights 4), saying which one it skipped and why.
     assert (second.first_step, second.final_step) == (4, 8)
+    assert sorted(p.name for p in (tmp_path / "logs").glob("fallback*.log*")) == ["fallback.log"]  # not .log.log
     assert second.resumed_from == str(ckpts / "step-3")
     (skipped,) = second.skipped_checkpoints
     assert skipped.startswith(f"{ckpts / 'step-5'}: CheckpointDigestError: ") and str(chunk) in skipped
