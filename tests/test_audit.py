@@ -88,3 +88,14 @@ def test_the_longest_stall_spans_a_restart(tmp_path):
         path.write_text(json.dumps({**json.loads(path.read_text()), "time": at}))
     # 38 s from the dead trainer's last step to the resumed one's first: what a user watching sees
     assert audit(read_trail(str(tmp_path)), num_steps=4, groups_per_step=2, max_staleness=0).max_stall_s == 38.0
+
+
+def test_a_rolled_back_group_made_with_the_checkpoints_own_weights_is_lost_when_skipped(tmp_path):
+    # The checkpoint holds weights 5; the dead trainer took "ckpt5" (made with exactly those weights) at
+    # step 7; the resumed one, from weights 5, trained newer groups (weights 6) at step 7 while "ckpt5" was
+    # still fresh, and never "ckpt5": lost. (Counting only groups older than the checkpoint misses it.)
+    write(tmp_path, "a", 0, None,
+          {**on_policy(range(1, 6)), 6: [("5.x", 5), ("5.y", 5)], 7: [("ckpt5", 5), ("dead6", 6)]})
+    write(tmp_path, "b", 5, "a", {6: [("5.x", 5), ("5.y", 5)], 7: [("6.0", 6), ("6.1", 6)]})
+    counts = audit(read_trail(str(tmp_path)), num_steps=7, groups_per_step=2, max_staleness=1)
+    assert counts.groups_lost == 1 and counts.groups_duplicated == 0

@@ -234,3 +234,135 @@ def test_a_placement_no_node_can_hold_is_one_line_after_ray_starts(tmp_path, cap
     err = _fails(["train", path, "--ray.trainer.num_gpus", "1"], capsys)
     assert err.startswith("marinrl train: --ray.trainer.num_gpus 1: RLJobConfig.ray.trainer.num_gpus: 1 GPUs per "
                           "trainer, but no node has more than 0 GPUs")
+
+
+# ----------------------------------------------------------------------------- issue 33: every input in one line
+
+
+@pytest.mark.parametrize("old, new, needle, message", [
+    ("type: llama", "type: lama", "lama",
+     r"RLJobConfig.model.model.type: unknown type 'lama'; the types are llama, qwen3"),
+    ("optimizer: {learning_rate: 0.001}", "optimizer: {type: adamx, learning_rate: 0.001}", "adamx",
+     r"RLJobConfig.optimizer.type: unknown type 'adamx'; the types are adam, rl_adam"),
+    ("num_train_steps: 200", "num_train_steps: 1000000000000000000000000000000", "1000",
+     r"RLJobConfig.num_train_steps: must be <= 1_000_000_000, got 1_000_000_000_000_000_000_000_000_000_000: "),
+    ("groups_per_step: 32", "groups_per_step: 100000000000", "1000",
+     r"RLJobConfig.groups_per_step: must be <= 1_000_000, got 100_000_000_000: "),
+])
+def test_a_choice_or_a_count_that_cannot_be_meant_is_one_line(tmp_path, capsys, old, new, needle, message):
+    path = _config(tmp_path, old, new)
+    line = _line_col(path, new).split(":")[0]
+    col = pathlib.Path(path).read_text().splitlines()[int(line) - 1].index(needle) + 1
+    err = _fails(["train", path], capsys)
+    assert re.fullmatch(rf"marinrl train: {re.escape(path)}:{line}:{col}: {message}.*", err), err
+
+
+def test_a_duplicate_key_names_both_lines(tmp_path, capsys):
+    path = _config(tmp_path, "max_staleness: 1", "max_staleness: 1\nmax_staleness: 0")
+    first = _line_col(path, "max_staleness: 1").split(":")[0]
+    second = _line_col(path, "max_staleness: 0")
+    err = _fails(["train", path], capsys)
+    assert err == (f"marinrl train: {path}:{second}: duplicate key 'max_staleness' (first at line {first}): YAML "
+                   "would keep only this one; delete one of them")
+
+
+def test_a_mixed_precision_key_given_twice_is_refused(tmp_path, capsys):
+    err = _fails(["train", _config(tmp_path), "--trainer.mp", "p=f32,c=bf16,c=f32"], capsys)
+    assert "compute is given twice in 'p=f32,c=bf16,c=f32'" in err
+
+
+def test_an_empty_or_non_utf8_config_is_one_line(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert _fails(["train", str(empty)], capsys) == (
+        f"marinrl train: {empty}: the file is empty: a config is a YAML mapping of field: value "
+        "(experiments/quickstart.yaml is one)")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"run_id: demo\nrun_root: caf\xe9\n")
+    assert _fails(["train", str(latin)], capsys) == (
+        f"marinrl train: {latin}:2:14: not UTF-8 text (byte 0xe9): save the file as UTF-8")
+
+
+def test_train_help_points_at_the_docs_the_exit_codes_and_debug(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "docs/configuration.md" in text and "docs/troubleshooting.md" in text
+    assert "Exit status: 0 done; 2 an input error" in text and "--debug" in text
+
+
+@pytest.fixture
+def no_gcs_credentials(tmp_path, monkeypatch):
+    """google.auth finds no credentials: a key file that does not exist, no gcloud config, no emulator."""
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing-key.json"))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+
+
+def test_a_gs_path_without_credentials_is_one_line_before_any_storage_call(tmp_path, capsys, no_gcs_credentials):
+    from marinrl.job import run_lock
+
+    path = _config(tmp_path, f"run_root: {tmp_path}/runs", "run_root: gs://no-such-bucket/runs")
+    err = _fails(["train", path], capsys)
+    assert err.startswith(f"marinrl train: {path}:{_line_col(path, 'gs://')}: RLJobConfig.run_root: "
+                          "gs://no-such-bucket/runs: no Google Cloud credentials (")
+    err = _fails(["inspect", "gs://no-such-bucket/runs/rollouts"], capsys)
+    assert err.startswith("marinrl inspect: gs://no-such-bucket/runs/rollouts: no Google Cloud credentials (")
+    assert run_lock.main(["check", "gs://no-such-bucket/tmp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m marinrl.job.run_lock check: gs://no-such-bucket/tmp: no Google Cloud credentials")
+
+
+def test_the_run_lock_tool_answers_bad_paths_and_leases_in_one_line(tmp_path, capsys):
+    from marinrl.job import run_lock
+
+    missing = tmp_path / "not-made"
+    assert run_lock.main(["check", str(missing)]) == 2
+    assert not missing.exists()  # checking a folder does not create it
+    a_file = tmp_path / "job.yaml"
+    a_file.write_text("x: 1")
+    assert run_lock.main(["show", str(a_file)]) == 2
+    garbled = tmp_path / "run"
+    garbled.mkdir()
+    (garbled / "run.lock").write_text("{not json")
+    assert run_lock.main(["show", str(garbled)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    tool = "python -m marinrl.job.run_lock"
+    assert lines == [
+        f"{tool} check: {missing}: no such folder; give an existing folder to try the writes in",
+        f"{tool} show: {a_file}: a file, not a folder; give a run folder, <run_root>/<run_id>",
+        lines[2]]
+    assert lines[2].startswith(f"{tool} show: {garbled}/run.lock: not a run lease (")
+    assert lines[2].endswith("; if no job runs there, delete it")
+
+
+def test_report_of_a_folder_that_is_not_a_run_writes_nothing(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    (runs / "demo" / "logs").mkdir(parents=True)
+    err = _fails(["report", str(runs)], capsys)
+    assert err == (f"marinrl report: {runs} is not a run folder (it has none of rollouts/, tensorboard/, logs/, "
+                   "checkpoints/); the runs in it: demo")
+    assert sorted(p.name for p in runs.iterdir()) == ["demo"]  # no report/ written into it
+
+
+def test_an_unreachable_ray_address_is_refused_before_ray(tmp_path):
+    from conftest import free_port
+
+    from marinrl.config.errors import ConfigError
+    from marinrl.job.preflight import check_ray_address
+
+    address = f"127.0.0.1:{free_port()}"
+    for given in (address, f"ray://{address}"):
+        with pytest.raises(ConfigError, match=rf"^RLJobConfig.ray.address: nothing answers at {re.escape(given)} "
+                                              r"\(Connection refused\): start the Ray cluster there"):
+            check_ray_address(given)
+    check_ray_address("auto")  # left to Ray
+
+
+def test_a_finished_run_says_so_instead_of_checkpoint_none():
+    from marinrl.cli import summary_line
+
+    train = {"first_step": 30, "final_step": 30, "checkpoint": None, "resumed_from": "runs/q/checkpoints/step-29"}
+    assert summary_line("q", train, 3.0, 0) == ("[marinrl] q: already at step 30 (checkpoint runs/q/checkpoints/"
+                                                "step-29): nothing to train; raise num_train_steps to train further")

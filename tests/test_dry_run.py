@@ -212,3 +212,26 @@ def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):
     job = dataclasses.replace(job, model=dataclasses.replace(job.model, hf_checkpoint=str(path)))
     small = predicted_memory(job, "trainer", 2).bytes_per_device["parameters"]
     assert small < 4 * 200_000  # ~133k parameters (0.6B in the recipe's model.model)
+
+
+def test_train_activation_bytes_by_hand():
+    """The trainer's activations per device for a tiny Qwen3 (hidden 64, MLP 160, 3 layers, vocabulary 300),
+    4 rows of 128 tokens in bfloat16, counted by hand: each term, so that one left out is seen."""
+    from marinrl.dry_run.memory import train_activation_bytes
+
+    job = _recipe()
+    fields = {f.name for f in dataclasses.fields(job.model.model)}
+    tiny = {k: v for k, v in TINY.items() if k in fields}
+    job = dataclasses.replace(job, model=dataclasses.replace(
+        job.model, vocab_size=300, model=dataclasses.replace(job.model.model, **tiny, gradient_checkpointing=True,
+                                                             **({"cross_entropy_block_size": None}
+                                                                if "cross_entropy_block_size" in fields else {}))))
+    job = _with(job, "trainer", per_device_parallelism=4, mp="p=f32,c=bfloat16")
+    mesh = {"data": 1, "replica": 1, "model": 1}
+    kept = 4 * 128 * 64 * 2 * 3           # each layer's input, bfloat16, 3 layers
+    working = 16 * 4 * 128 * 80 * 2       # one layer's working set: 16 × rows × length × max(64, 160 / 2)
+    logits = 2 * 4 * 128 * 300 * 4        # the loss's logits and their gradient, float32, whole vocabulary
+    assert train_activation_bytes(job, mesh, 128) == kept + working + logits
+    job = _with_model(job, gradient_checkpointing=False)  # every layer keeps its working set
+    assert train_activation_bytes(job, mesh, 128) == 3 * working + working + logits
+    assert train_activation_bytes(job, {**mesh, "model": 2}, 128) == (4 * working + logits) / 2

@@ -214,3 +214,58 @@ def test_lesson_metrics_over_several_calls():
     assert m["pass@2"] == pytest.approx(2 / 3) and m["response_length_mean"] == pytest.approx(22 / 6)
     empty = lesson_metrics([(4, {"env_failures": 1.0})], [], samples=1, pass_threshold=1.0)
     assert empty["n"] == 0 and np.isnan(empty["reward_mean"]) and "pass@2" not in empty
+
+
+def _garble_middle(chunk: pathlib.Path) -> None:
+    """XOR the middle half of a file: the issue's garbled chunk, which zstd may still decode."""
+    data = bytearray(chunk.read_bytes())
+    lo, hi = len(data) // 4, 3 * len(data) // 4
+    data[lo:hi] = bytes(b ^ 0x5A for b in data[lo:hi])
+    chunk.write_bytes(bytes(data))
+
+
+def _largest_weight_file(step_dir: pathlib.Path) -> pathlib.Path:
+    return max((p for p in (step_dir / "model").rglob("*") if p.is_file() and not p.name.startswith(".")),
+               key=lambda p: p.stat().st_size)
+
+
+def test_a_garbled_checkpoint_is_named_and_never_evaluated(ckpts, tmp_path, capsys):
+    from marinrl.train.checkpoints import write_digest
+
+    run = tmp_path / "run"
+    shutil.copytree(ckpts / "run", run)
+    write_digest(str(run / "step-3"))  # as the TrainWorker does once the save commits
+    chunk = _largest_weight_file(run / "step-3")
+    _garble_middle(chunk)
+    with pytest.raises(SystemExit) as exited:
+        cli(["eval", "--checkpoint", str(run), "--lessons", "echo", "--no-progress"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"marinrl eval: {run / 'step-3'} is damaged: {chunk}")
+    assert f"--checkpoint {run / 'step-1'}" in err  # the newest intact one, named
+
+
+def test_a_truncated_checkpoint_is_one_line_and_exit_2(ckpts, tmp_path, capsys):
+    step = tmp_path / "step-3"
+    shutil.copytree(ckpts / "run" / "step-3", step)
+    chunk = _largest_weight_file(step)
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    with pytest.raises(SystemExit) as exited:
+        cli(["eval", "--checkpoint", str(step), "--lessons", "echo", "--no-progress"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"marinrl eval: cannot load the weights of {step}: "), err
+
+
+def test_loading_a_checkpoint_logs_no_unknown_leaf_lines(ckpts, caplog):
+    """Levanter warns "Unknown leaf type" for each non-array leaf of the loading template: 16 stray lines per
+    `marinrl eval` that say nothing is wrong (marinrl/models/policy_model.py filters them)."""
+    import logging
+
+    from marinrl.eval import load_policy, resolve_checkpoint
+
+    with caplog.at_level(logging.WARNING):
+        model, _ = load_policy(resolve_checkpoint(str(ckpts / "run" / "step-1")),
+                               EvalConfig(checkpoint=str(ckpts / "run"), lessons=LESSONS))
+    assert model.Vocab.size == VOCAB
+    assert not [r for r in caplog.records if "Unknown leaf type" in r.getMessage()]

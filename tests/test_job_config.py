@@ -205,3 +205,27 @@ def test_range_checks_name_the_one_bad_field_and_refuse_nan():
         OpenAIEnvConfig(backoff_initial=float("nan"))
     with pytest.raises(ValueError, match=r"^OpenAIEnvConfig\.episode_timeout must be > 0, got 0$"):
         OpenAIEnvConfig(episode_timeout=0)
+
+
+_AT_LEAST_1 = ("num_train_steps", "groups_per_step", "n_generations", "n_rollout_workers", "eval_examples", "max_uses",
+               "max_consecutive_env_failures", "checkpoint_keep", "sync_interval", "micro_eval_examples")
+_AT_LEAST_0 = ("max_staleness", "eval_every", "checkpoint_every", "checkpoint_keep_every", "seed", "micro_eval_every")
+
+
+@pytest.mark.parametrize("field, value, problem", [
+    *[(name, "0", "must be >= 1, got 0") for name in _AT_LEAST_1],
+    *[(name, "-1", "must be >= 0, got -1") for name in _AT_LEAST_0],
+    ("num_train_steps", "1000000001", "must be <= 1_000_000_000, got 1_000_000_001: the trainer counts steps"),
+    ("groups_per_step", "1000001", "must be <= 1_000_000, got 1_000_001: "),
+    ("n_generations", "10001", "must be <= 10_000, got 10_001: "),
+    ("ray.num_cpus", "0", "must be >= 1 or null, got 0"),
+    ("ray.placement_timeout_s", "-1", "must be >= 0, got -1"),
+    ("ray.max_rollout_restarts", "-1", "must be >= 0, got -1"),
+    ("ray.stop_timeout_s", "0", "must be > 0, got 0"),
+])
+def test_validate_refuses_every_count_out_of_range_before_ray(tmp_path, field, value, problem):
+    """Every range `RLJobConfig.validate()` checks, one at a time: a check removed from validate() would move
+    its refusal after Ray starts (issue 33)."""
+    job = _parse(tmp_path, args=(f"--{field}", value))
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {re.escape(problem)}"):
+        job.validate()

@@ -4,11 +4,13 @@ server, masks, the concurrency bound, retries and timeouts, and a short job end 
 
 from __future__ import annotations
 
+import http.server
 import json
 import pathlib
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -104,12 +106,105 @@ def test_episodes_follow_the_server_turn_by_turn_and_bounded(openenv_url, server
     assert stats["opened"] == 16 and stats["max_open"] <= 3 and stats["open"] == 0  # every session closed
 
 
-def test_a_server_that_is_not_there_is_retried_then_counted(server):
-    env = make_env(EnvConfig("openenv", _args(f"http://127.0.0.1:{_free_port()}", max_retries=2, backoff_initial=0.01,
-                                     backoff_max=0.02)))
+def test_a_server_that_is_not_there_is_retried_then_fails_the_call_with_its_cause(server):
+    """Every session refused: the call fails with the cause (the job's last line), not "no groups"."""
+    from marinrl.logs import ENV_ERRORS
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    env = make_env(EnvConfig("openenv", _args(url, max_retries=2, backoff_initial=0.01, backoff_max=0.02)))
     groups, metrics = _sample(env, server, n_examples=2, n_generations=2)
-    assert groups == [] and metrics["letters/env_failures"] == 0
-    assert metrics["letters/episodes_failed"] == 4 and metrics["letters/sessions_retried"] == 8
+    assert groups == [] and metrics["letters/env_failures"] == 1
+    last = ENV_ERRORS.last()
+    assert last.startswith(f"ConnectionError: openenv: no session could be opened on {url} (4 tried, 3 tries each): ")
+    assert "ConnectionError: Failed to connect" in last
+
+
+@pytest.fixture
+def silent_url():
+    """A local TCP server that accepts connections and never answers (issue 33's stalled OpenEnv server)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held, done = [], threading.Event()
+
+    def accept():
+        listener.settimeout(0.1)
+        while not done.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    done.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+@pytest.fixture
+def not_openenv_url():
+    """A real HTTP server that is not OpenEnv: every path, `/ws` included, is 404."""
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            self.send_error(404)
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_the_url_is_checked_before_a_job_with_the_cause_in_one_line(silent_url, not_openenv_url):
+    from marinrl.config.curriculum import CurriculumConfig
+    from marinrl.config.errors import ConfigError
+    from marinrl.job.preflight import check_environments
+
+    refused = f"http://127.0.0.1:{_free_port()}"
+    for url, cause in [(refused, "Connect call failed"), (not_openenv_url, "HTTP 404"),
+                       (silent_url, "no WebSocket handshake within 1 s")]:
+        lesson = LessonConfig("letters", EnvConfig("openenv", _args(url, request_timeout=1.0)))
+        with pytest.raises(ConfigError) as caught:
+            check_environments(CurriculumConfig(lessons=(lesson,)))
+        message = str(caught.value)
+        where = "RLJobConfig.curriculum.lessons[letters].env.args"
+        assert message.startswith(f"{where}: openenv: cannot open a session on url {url}: "), message
+        assert cause in message and "\n" not in message, message
+
+
+def test_a_wait_on_a_server_that_never_answers_is_visible_while_it_lasts(silent_url, server):
+    """What the job's driver prints (`RolloutActor.waits`, marinrl/logs.py `WAITS`) names the wait within
+    seconds of it starting, long before its 4 s deadline; its end fails the call with the cause."""
+    from marinrl.job.rl_job import _StallNotices
+    from marinrl.logs import ENV_ERRORS, WAITS
+
+    env = make_env(EnvConfig("openenv", _args(silent_url, request_timeout=4.0, max_retries=0)))
+    got = []
+    caller = threading.Thread(target=lambda: got.append((_sample(env, server, 1, 2), ENV_ERRORS.last())))
+    caller.start()
+    what = f"openenv: opening a session on {silent_url} (up to 1 tries of 4 s)"
+    deadline = time.monotonic() + 60
+    while not any(line.startswith(f"{what}: no answer for ") for line in WAITS.overdue(0.0)):
+        assert caller.is_alive() and time.monotonic() < deadline, WAITS.overdue(0.0)
+        time.sleep(0.05)
+    (line,) = [w for w in WAITS.overdue(0.0) if w.startswith(what)]
+    assert line.endswith("(2 waiting)")  # both sessions of the wave, as one line
+    notices = _StallNotices(repeat_s=60.0)
+    (printed,) = notices.lines(0, [line], now=100.0)
+    assert printed.startswith(f"[marinrl] rollout worker 0 is waiting: {what}: no answer for ")
+    assert notices.lines(0, [line], now=130.0) == [] and len(notices.lines(0, [line], now=161.0)) == 1
+    caller.join(60)
+    ((groups, metrics), last), = got
+    assert groups == [] and metrics["letters/env_failures"] == 1
+    assert f"no session could be opened on {silent_url}" in last
+    assert not [w for w in WAITS.overdue(0.0) if w.startswith(what)]  # a wait that ended is no longer shown
 
 
 def test_a_step_past_its_timeout_drops_its_episode(openenv_url, server):
@@ -127,7 +222,7 @@ def test_a_wrong_observation_field_fails_the_call_naming_it(openenv_url, server)
 @pytest.mark.parametrize("args, match", [
     ({"url": "localhost:8000"}, "url must be"),
     ({"url": "http://x", "max_concurrency": 0}, "max_concurrency"),
-    ({"url": "http://x", "bogus": 1}, "bad settings"),
+    ({"url": "http://x", "bogus": 1}, "^openenv: unknown setting bogus; the settings are url, "),
 ])
 def test_bad_settings_are_refused(args, match):
     with pytest.raises(ValueError, match=match):

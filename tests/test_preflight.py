@@ -131,8 +131,10 @@ def test_preflight_of_the_quickstart_is_quick(tmp_path):
 
     cfg = draccus.parse(RLJobConfig, config_path=str(QUICKSTART), args=["--run_root", str(tmp_path)])
     started = time.perf_counter()
-    RLJob(cfg)
+    job = RLJob(cfg)
     print(f"preflight of experiments/quickstart.yaml: {time.perf_counter() - started:.3f} s")
+    assert os.listdir(tmp_path / cfg.run_id) == []  # the run folder was made and probed, its probe deleted
+    assert job.config.curriculum == cfg.curriculum and job.config.model == cfg.model  # checked, not changed
 
 
 # ------------------------------------------------------------------------- a trainer that dies
@@ -168,6 +170,20 @@ def test_a_trainer_killed_by_an_input_error_says_to_fix_it_not_to_resume(tmp_pat
     save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
     message = _trainer_death_message(_task_error(ValueError("bad")), checkpoints)
     assert message.endswith(f"fix it, then run the config again (it resumes from {checkpoints}/step-2)")
+
+
+def test_a_trainer_killed_by_ray_for_memory_gets_advice_in_two_lines(tmp_path):
+    checkpoints = str(tmp_path / "checkpoints")
+    save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
+    killed = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\n"
+                                             "Memory on the node (IP: 10.0.0.2) where the task was running ...\n" * 30)
+    message = _trainer_death_message(killed, checkpoints)
+    assert message.splitlines() == [
+        "the trainer died: Ray killed it for memory (the node's memory use passed Ray's limit)",
+        message.splitlines()[1]]
+    assert message.splitlines()[1].startswith("give the trainer and rollout workers more memory: fewer "
+                                              "n_rollout_workers per node")
+    assert message.endswith(f"then run the same config again (it resumes from {checkpoints}/step-2)")
 
 
 def _disk_full_error() -> OSError:

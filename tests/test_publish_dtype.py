@@ -150,3 +150,14 @@ def test_lora_versions_travel_in_the_rollout_dtype_and_merge_into_the_bf16_base(
     assert_bits_equal(client.adapter, published)
     want = merge_adapters(eqx.combine(published, as_dtype(trained, BF16), is_leaf=is_lora_param))
     assert_bits_equal(merged, want)
+
+
+def test_the_publish_cast_leaves_integer_and_bool_leaves_as_they_are():
+    """A tree with integer leaves (a step counter, token ids, a mask): only the floating ones change dtype."""
+    tree = {"w": jnp.ones((2, 3), jnp.float32), "step": jnp.array(7, jnp.int32), "ids": jnp.arange(4, dtype=jnp.int32),
+            "mask": jnp.array([True, False]), "host": np.arange(3, dtype=np.int64)}
+    cast = cast_for_publish(tree, "bfloat16")
+    assert cast["w"].dtype == jnp.bfloat16
+    assert {k: cast[k].dtype for k in ("step", "ids", "mask", "host")} == {
+        "step": jnp.int32, "ids": jnp.int32, "mask": jnp.bool_, "host": np.int64}
+    assert int(cast["step"]) == 7 and cast["ids"].tolist() == [0, 1, 2, 3] and cast["host"] is tree["host"]

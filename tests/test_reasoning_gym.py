@@ -60,6 +60,19 @@ def test_training_never_draws_an_eval_question():
     assert len(trained) > 50 and not trained & held_out  # ...and training never sees them
 
 
+def test_in_a_mix_each_tasks_training_skips_its_own_eval_questions():
+    """The second task of a mix has few distinct items: its training draws must be checked against its own
+    eval set, not the first task's."""
+    small = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    env = make_env(EnvConfig("reasoning_gym", {"eval_size": 64, "tasks": [
+        {"task": "chain_sum"}, {"task": "basic_arithmetic", "config": small}]}))
+    held_out = env.eval_questions(1)
+    raw_train = {env.train[1][i]["question"] for i in range(400)}
+    assert raw_train & held_out  # the second task's generator repeats its eval questions...
+    trained = {p.prompt for p in env.problems(800, np.random.default_rng(2), "train") if p.task_index == 1}
+    assert len(trained) > 50 and not trained & held_out  # ...and its training never sees them
+
+
 def test_a_weighted_mix_draws_each_task_in_proportion_and_scores_each_with_its_own_scorer():
     env = make_env(EnvConfig("reasoning_gym", {"tasks": [{"task": "chain_sum", "weight": 3},
                                                 {"task": "spell_backward", "weight": 1, "level": 2}]}))

@@ -846,3 +846,28 @@ def test_bad_config_is_refused(bad):
         ReplayConfig(**bad)
     with pytest.raises(ValueError, match="advantage must be group_std, group_mean or rloo, got 'nope'"):
         ReplayBuffer(ReplayConfig(), advantage="nope")
+
+
+@pytest.mark.parametrize("ingesting", [True, False], ids=["ingestion-thread", "self-polling"])
+def test_a_stop_ends_a_wait_for_rollouts_that_never_come(tmp_path, ingesting):
+    """Ctrl-C on a job whose environments stall: the trainer's wait for a batch ends at the stop, not after
+    `timeout_s` (an hour here), through `next_batch` as the TrainWorker calls it (train/cohort_batch.py)."""
+    from types import SimpleNamespace
+
+    from marinrl.multihost import Cohort
+    from marinrl.train.cohort_batch import next_batch
+
+    reader = ListingReader(f"file://{tmp_path}/rollouts")
+    buf = ReplayBuffer(ReplayConfig(poll_interval_s=0.01, timeout_s=3600), reader)
+    if ingesting:
+        buf.start()
+    stop, got = threading.Event(), []
+    waiter = threading.Thread(target=lambda: got.append(
+        next_batch(Cohort(), buf, 0, SimpleNamespace(groups_per_step=2), stop, trainer=None)))
+    waiter.start()
+    reader.wait_for_listings(2)  # the wait has begun: the reader was listed (and found nothing)
+    assert waiter.is_alive()
+    stop.set()
+    waiter.join(60)
+    assert not waiter.is_alive() and got == [None]
+    buf.stop()

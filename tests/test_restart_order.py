@@ -39,15 +39,16 @@ class GatedEnv:
         return self.inner.sample(*args)
 
 
-def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None):
+def _worker(tmp_path, tiny_server, env, *, final_step: int, min_epoch=None, **config):
     lesson = f"lesson-{uuid.uuid4().hex[:8]}"
     weights = FilesystemTransferConfig(root=f"file://{tmp_path}/weights")
     manager = RolloutManager(tiny_server, {lesson: LessonRuntime(lambda: env,
                                                                  SamplingParams(temperature=1.0, max_tokens=2),
                                                                  env_name="faulty_envs:StartsWithA")})
     config = RolloutWorkerConfig(streams=(ModelStream("policy", (), f"{tmp_path}/rollouts", weights),),
-                                 groups_per_batch=1, n_generations=2, max_staleness=0, final_step=final_step,
-                                 eval_every=0, eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False)
+                                 groups_per_batch=1, n_generations=2, final_step=final_step, eval_every=0,
+                                 eval_examples=1, weight_timeout_s=DEADLINE_S, warm_up_sampler=False,
+                                 **{"max_staleness": 0, **config})
     clients = {"policy": build_client(weights, tiny_server.model)}
     return (RolloutWorker(config, manager, OneLesson(lesson), clients=clients, worker_id="w0", min_epoch=min_epoch),
             weights)
@@ -167,6 +168,33 @@ def test_a_batch_generated_for_a_trainer_that_restarted_meanwhile_is_dropped(tmp
     _publish_final(restarted, tiny_server.model, 3, thread, outcome)
     assert outcome["result"]["batches_dropped_restart"] == 1
     assert _steps_written(tmp_path) == {0: 2, 1: 1, 2: 1}
+
+
+def test_with_inflight_swaps_a_batch_whose_generation_met_the_restarted_trainer_is_dropped(tmp_path, tiny_server):
+    """In-flight swaps take the restarted trainer's weights inside the batch's generation (at the start of its
+    `generate`), so the worker learns of the restart there, not in its own poll after it: the batch, made
+    for the old trainer's step, must still be dropped."""
+    from marinrl.config.inflight import InflightConfig
+
+    env = GatedEnv()
+    worker, weights = _worker(tmp_path, tiny_server, env, final_step=3, max_staleness=1,
+                              inflight=InflightConfig(enabled=True))
+    first = build_server(weights)
+    thread, outcome = _run(worker)
+    first.publish(tiny_server.model, 0)
+    _until(lambda: _steps_written(tmp_path).get(0, 0) >= 2, thread, "the batches for steps 0 and 1")
+    env.hold.set()
+    first.publish(tiny_server.model, 1)
+    _until(env.waiting.is_set, thread, "the batch for step 2 in generation")
+    first.close()
+    restarted = build_server(weights)  # restarted from step 0's checkpoint while that batch is generated
+    restarted.publish(tiny_server.model, 0)
+    env.hold.clear()
+    env.release.set()
+    _until(lambda: _steps_written(tmp_path).get(0, 0) >= 3, thread, "a batch for the restarted trainer")
+    assert 1 not in _steps_written(tmp_path)  # the batch begun with the old trainer's weights 1 was dropped
+    _publish_final(restarted, tiny_server.model, 3, thread, outcome)
+    assert outcome["result"]["batches_dropped_restart"] == 1 and outcome["result"]["inflight_swaps"] >= 1
 
 
 @pytest.fixture(autouse=True)

@@ -355,6 +355,42 @@ def test_every_single_flipped_byte_is_refused_or_changes_nothing():
     assert not silent, f"{len(silent)} of {len(raw)} single-byte flips decoded to other values, first at {silent[:5]}"
 
 
+_BASE64 = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def test_base64_character_changes_in_the_footer_metadata_are_refused_or_change_nothing():
+    """The footer carries the Arrow schema and the batch metadata as base64 text; flipping a byte with ^0xFF
+    never leaves base64, so the test above cannot see metadata outside the CRC. Here every character of the
+    longest base64 run is replaced by the next of the alphabet, and each adjacent pair swapped: whatever
+    still parses must decode to the very batch written (worker, weight step, group order included)."""
+    original = make_batch(n_groups=2, group_size=2)
+    raw = encode_batch(original)
+    footer = len(raw) - 8 - int.from_bytes(raw[-8:-4], "little")
+    run = max(re.finditer(rb"[A-Za-z0-9+/]{200,}", raw[footer:]), key=lambda m: len(m.group(0)))
+    lo, hi = footer + run.start(), footer + run.end()
+    changed = []
+    for i in range(lo, hi):
+        for k in (1,):
+            damaged = bytearray(raw)
+            damaged[i] = _BASE64[(_BASE64.index(raw[i]) + k) % 64]
+            changed.append(bytes(damaged))
+        if i + 1 < hi and raw[i] != raw[i + 1]:
+            damaged = bytearray(raw)
+            damaged[i], damaged[i + 1] = raw[i + 1], raw[i]
+            changed.append(bytes(damaged))
+    silent, decoded = 0, 0
+    for damaged in changed:
+        try:
+            back = decode_batch(damaged, "f")
+        except RolloutFormatError:
+            continue
+        decoded += 1
+        if not (back.metadata == original.metadata and back.rollouts == original.rollouts
+                and [g.group_id for g in back.groups] == [g.group_id for g in original.groups]):
+            silent += 1
+    assert silent == 0, f"{silent} of {len(changed)} base64 changes ({decoded} decoded) decoded to other values"
+
+
 class FlakyFileSystem(MemoryFileSystem):
     """A real in-memory fsspec filesystem whose reads fail while `failures_left` > 0."""
 

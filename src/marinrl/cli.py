@@ -13,6 +13,10 @@ import sys
 import traceback
 from typing import Sequence
 
+EXIT_CODES = ("Exit status: 0 done; 2 an input error (a config field, a path, a flag: one line naming it, "
+              "before Ray starts where it can be known; --debug adds the traceback); 1 a run that failed "
+              "(its last line says why and what to do).")
+
 
 class InputError(Exception):
     """A config, path or flag the user can fix: reported as one line, exit status 2."""
@@ -49,8 +53,11 @@ def _print_table(headers: list[str], rows: list[list[str]]) -> None:
 
 def _check_rollout_root(root: str, storage_options: dict) -> None:
     """`root` exists and is a rollout root (an empty one is fine), not a run folder holding one."""
-    from marinrl.storage.fs import list_names, open_root
+    from marinrl.storage.fs import gcs_credentials_problem, list_names, open_root
 
+    problem = gcs_credentials_problem(root) if "token" not in storage_options else None
+    if problem:
+        raise InputError(problem)
     fs, path = open_root(root, storage_options, None)
     if not fs.exists(path):
         raise InputError(f"{root}: no such rollout root")
@@ -93,15 +100,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _refuse_if_run_held(config: str, overrides: Sequence[str]) -> None:
     """A run another live job holds is refused before the config's imports (JAX, Levanter: seconds);
     only when the file or the flags name `run_root` and `run_id` (else RLJob.run's lease refuses it)."""
-    from marinrl.config.errors import ConfigInputError, compose_yaml, merged_raw
+    from marinrl.config.errors import ConfigError, ConfigInputError, compose_yaml, merged_raw
     from marinrl.job.run_lock import RunLockHeld, refuse_if_held
+    from marinrl.storage.fs import gcs_credentials_problem
 
     try:
         compose_yaml(config)
         raw = merged_raw(config, overrides)
     except (ConfigInputError, OSError):  # load_job_config says what is wrong
         return
-    if not isinstance(raw, dict) or not isinstance(raw.get("run_root"), str) or not isinstance(raw.get("run_id"), str):
+    if not isinstance(raw, dict) or not isinstance(raw.get("run_root"), str):
+        return
+    problem = gcs_credentials_problem(raw["run_root"])  # before gcsfs reads the lease: a minute of retries
+    if problem:
+        raise _input_error(config, overrides, ConfigError("run_root", problem))
+    if not isinstance(raw.get("run_id"), str):
         return
     try:
         refuse_if_held(f"{raw['run_root'].rstrip('/')}/{raw['run_id']}", raw["run_id"])
@@ -148,10 +161,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise _input_error(args.config, args.overrides, e) from e
     except RunLockHeld as e:  # another job holds this run: one line naming it, exit status 2
         raise InputError(str(e)) from e
-    train = result.train
-    print(f"[marinrl] {config.run_id}: trained steps {train['first_step']}..{train['final_step']} in "
-          f"{result.seconds:.0f} s; checkpoint {train['checkpoint']}; "
-          f"rollout worker restarts {result.rollout_restarts}")
+    print(summary_line(config.run_id, result.train, result.seconds, result.rollout_restarts))
     for summary in result.rollouts:
         evals = [e for e in summary.get("evals", []) if e["kind"] == "eval"]
         if evals:
@@ -161,6 +171,16 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 for k, v in last["metrics"].items() if k.endswith("/reward_mean"))
             print(f"[marinrl] {summary['worker_id']} eval at weight step {last['weight_step']}: {rewards}")
     return 0
+
+
+def summary_line(run_id: str, train: dict, seconds: float, restarts: int) -> str:
+    """The last line of a job: what was trained and the checkpoint it ends on (a run already at
+    num_train_steps trains nothing and writes none: the one it resumed from)."""
+    if train["first_step"] == train["final_step"]:
+        return (f"[marinrl] {run_id}: already at step {train['final_step']} (checkpoint {train.get('resumed_from')}): "
+                "nothing to train; raise num_train_steps to train further")
+    return (f"[marinrl] {run_id}: trained steps {train['first_step']}..{train['final_step']} in {seconds:.0f} s; "
+            f"checkpoint {train['checkpoint']}; rollout worker restarts {restarts}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -183,7 +203,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         prepared = evaluation.prepare(config)
     except (FileNotFoundError, FileExistsError, ValueError) as e:
         raise InputError(str(e)) from e
-    result = evaluation.run(prepared)
+    try:
+        result = evaluation.run(prepared)
+    except evaluation.CheckpointLoadError as e:
+        raise InputError(str(e)) from e
     failed = {k: v["metrics"].get("env_failures", 0) for k, v in result["lessons"].items()}
     failed = {k: int(v) for k, v in failed.items() if v}
     if failed:
@@ -244,7 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=cmd_eval)
 
-    p = sub.add_parser("train", help="run an RL job (trainer, rollout workers, curriculum) on Ray from a YAML config")
+    p = sub.add_parser("train", help="run an RL job (trainer, rollout workers, curriculum) on Ray from a YAML config",
+                       description="Run an RL job from a YAML config (RLJobConfig): its fields, defaults and "
+                                   "ranges are in docs/configuration.md; every error message in "
+                                   "docs/troubleshooting.md.",
+                       epilog=EXIT_CODES + " Ctrl-C: a final checkpoint, then 130 (a second Ctrl-C quits at "
+                              "once). Example: marinrl train experiments/quickstart.yaml --num_train_steps 20")
     p.add_argument("config", help="RLJobConfig YAML, e.g. experiments/quickstart.yaml")
     p.add_argument("overrides", nargs=argparse.REMAINDER,
                    help="--key value overrides (draccus), e.g. --max_staleness 0")

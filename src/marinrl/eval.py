@@ -118,6 +118,10 @@ def _load_yaml_config(path: str, cls: type, section: str):
 # ---------------------------------------------------------------------------- checkpoints
 
 
+class CheckpointLoadError(ValueError):
+    """The checkpoint resolved, but its weights do not load (truncated or garbled files, another model's shape)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint on disk, resolved: its format, the directory the weights load from, its weight step."""
@@ -145,10 +149,18 @@ def resolve_checkpoint(path: str) -> Checkpoint:
         return Checkpoint("hf", path, int(m.group(1)) if m else 0)
     from levanter.checkpoint import discover_latest_checkpoint
 
+    from marinrl.train.checkpoints import CheckpointDigestError, newest_loadable, verified
+
     step_dir = discover_latest_checkpoint(path)
     if step_dir is None:
         raise ValueError(f"{path} is neither a Levanter checkpoint (a step-N directory with metadata.json, or a "
                          "folder of them) nor a Hugging Face checkpoint (a directory with config.json)")
+    try:
+        verified(step_dir)  # a garbled chunk may still decode: its bytes would be evaluated as weights
+    except CheckpointDigestError as e:
+        intact = newest_loadable(path)  # None when `path` is the damaged step-N folder itself
+        raise ValueError(f"{e}; evaluate another checkpoint"
+                         + (f" (the newest intact one here: --checkpoint {intact.path})" if intact else "")) from None
     return Checkpoint("levanter", step_dir, _levanter_weight_step(step_dir))
 
 
@@ -232,7 +244,12 @@ def run(prepared: Prepared) -> dict:
     from marinrl.storage.rollouts import RolloutWriter
 
     config, step = prepared.config, prepared.weight_step
-    model, tokenizer = load_policy(prepared.checkpoint, config)
+    try:
+        model, tokenizer = load_policy(prepared.checkpoint, config)
+    except Exception as e:  # a truncated chunk, a checkpoint of another shape: one line, not tensorstore's stack
+        text = " ".join(str(e).split())
+        raise CheckpointLoadError(f"cannot load the weights of {prepared.checkpoint.path}: {type(e).__name__}: "
+                                  f"{text[:300]}{'…' if len(text) > 300 else ''}") from e
 
     def sampling(lesson: LessonConfig):
         return dataclasses.replace(lesson_sampling(lesson, tokenizer, "eval"),

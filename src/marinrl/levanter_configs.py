@@ -99,3 +99,20 @@ def cpu_trainer_config(**overrides):
     )
     defaults.update(overrides)
     return TrainerConfig(**defaults)
+
+
+def name_the_trainer_log_once() -> None:
+    """Levanter's `TrainerConfig.initialize` passes `f"{id}.log"` to `init_logging`, which appends ".log"
+    itself: the trainer's log was `<run_id>.log.log`. Strips the extra suffix before Levanter adds its own
+    (idempotent; Levanter looks the function up on its module at every call)."""
+    import levanter.utils.logging as levanter_logging
+
+    init = levanter_logging.init_logging
+    if getattr(init, "__wrapped__", None) is not None:
+        return
+
+    def init_logging(log_dir, run_id: str, *args, **kwargs):
+        return init(log_dir, run_id.removesuffix(".log"), *args, **kwargs)
+
+    init_logging.__wrapped__ = init
+    levanter_logging.init_logging = init_logging

@@ -8,10 +8,12 @@ handful of lines, not a traceback per try. `log_to_file` copies an actor's log r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import re
 import threading
+import time
 from typing import Optional, Sequence
 
 import fsspec
@@ -69,6 +71,52 @@ class DistinctErrors:
 
 ENV_ERRORS = DistinctErrors()
 """The process's record of environment and rollout failures (one per Ray actor process)."""
+
+
+class Waits:
+    """What this process is waiting on now (a session, a connection, a server's answer). An actor's log is a
+    file nobody watches: the job's driver asks each rollout worker for `overdue` waits and prints them on the
+    terminal, so a server that accepts and never answers is seen within seconds, not after every retry."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[int, tuple[str, float]] = {}
+        self._next = 0
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """Marks `what` (where, on what, its deadline) as awaited for the block's duration."""
+        with self._lock:
+            key = self._next = self._next + 1
+            self._open[key] = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                del self._open[key]
+
+    def overdue(self, after_s: float) -> list[str]:
+        """One line per distinct wait older than `after_s`: what, how many, the oldest's age."""
+        now = time.monotonic()
+        oldest: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        with self._lock:
+            for what, since in self._open.values():
+                if now - since >= after_s:
+                    oldest[what] = max(oldest.get(what, 0.0), now - since)
+                    counts[what] = counts.get(what, 0) + 1
+        return [f"{what}: no answer for {oldest[what]:.0f} s"
+                + (f" ({counts[what]} waiting)" if counts[what] > 1 else "") for what in sorted(oldest)]
+
+
+WAITS = Waits()
+"""The process's open waits on environment servers (one per Ray actor process)."""
+
+
+def overdue_waits(after_s: float) -> list[str]:
+    """`WAITS.overdue(after_s)`, as a function: an actor method refers to it by name (Ray pickles the
+    actor's class, and a lock held by value would not pickle)."""
+    return WAITS.overdue(after_s)
 
 
 def local_log_dir(run_dir: str, run_id: str) -> pathlib.Path:

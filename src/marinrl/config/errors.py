@@ -59,8 +59,15 @@ def compose_yaml(path: str) -> yaml.Node:
         raise ConfigInputError(f"{path}: config file not found")
     if os.path.isdir(path):
         raise ConfigInputError(f"{path}: is a directory, not a config file")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigInputError(f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[e.start]:02x}): save the file "
+                               "as UTF-8") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -72,11 +79,36 @@ def compose_yaml(path: str) -> yaml.Node:
         raise ConfigInputError(f"{where}: invalid YAML: {e.problem}{context}") from e
     except yaml.YAMLError as e:
         raise ConfigInputError(f"{path}: invalid YAML: {_one_line(e)}") from e
-    if root is not None and not isinstance(root, yaml.MappingNode):
+    if root is None:
+        raise ConfigInputError(f"{path}: the file is empty: a config is a YAML mapping of field: value "
+                               "(experiments/quickstart.yaml is one)")
+    if not isinstance(root, yaml.MappingNode):
         raise ConfigInputError(f"{path}:{root.start_mark.line + 1}:{root.start_mark.column + 1}: "
                                f"a config must be a YAML mapping of field: value")
     _refuse_tags(path, root)
+    _refuse_duplicate_keys(path, root)
     return root
+
+
+def _refuse_duplicate_keys(path: str, node: yaml.Node) -> None:
+    """YAML loaders keep the last of two equal keys without a word: the first value would be silently
+    ignored. Refused, naming both places."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[str, yaml.Node] = {}
+            for key, value in n.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if key.value in seen:
+                        first = seen[key.value].start_mark
+                        raise ConfigInputError(f"{path}:{key.start_mark.line + 1}:{key.start_mark.column + 1}: "
+                                               f"duplicate key {key.value!r} (first at line {first.line + 1}): "
+                                               "YAML would keep only this one; delete one of them")
+                    seen[key.value] = key
+                stack.append(value)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
 
 
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq", "merge")}
@@ -147,6 +179,12 @@ def _describe_draccus_error(error: Exception, cls: type, path: str, root, overri
     if not inner:
         return f"{path}: {_one_line(error)}"
     problem = inner[-1].message
+    no_choice = _NO_CHOICE.search(problem)
+    if no_choice:  # draccus names the registry's class, not what it holds
+        choices = _known_choices(no_choice.group(2))
+        field = [*key_path, "type"]
+        return (f"{locate(path, root, overrides, _dotted(field))}: {_field_name(cls, field)}: unknown type "
+                f"{no_choice.group(1)!r}" + (f"; the types are {', '.join(choices)}" if choices else ""))
     unknown = _UNKNOWN_FIELDS.match(problem)
     if unknown:
         names = re.findall(r"`([^`]+)`", unknown.group(1))
@@ -171,6 +209,20 @@ def _describe_draccus_error(error: Exception, cls: type, path: str, root, overri
         problem = underlying.group(1)
     problem = problem.strip().splitlines()[0]
     return f"{locate(path, root, overrides, _dotted(key_path))}: {_field_name(cls, key_path)}: {problem}"
+
+
+_NO_CHOICE = re.compile(r"Couldn't find a choice class for '(.*?)' in <class '([\w.]+)'>")
+
+
+def _known_choices(class_path: str) -> list[str]:
+    """The registered names of a draccus choice class named by its dotted path."""
+    import importlib
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        return sorted(getattr(importlib.import_module(module), name).get_known_choices())
+    except Exception:  # noqa: BLE001 - a hint only
+        return []
 
 
 _SHAPE_MISMATCH = re.compile(r'Failed when parsing value=(.*) into field ".*" of type (.*?)\.\s*\n', re.S)

@@ -34,6 +34,16 @@ from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, Repla
 logger = logging.getLogger(__name__)
 
 
+UPPER_BOUNDS = {
+    "num_train_steps": (10**9, "the trainer counts steps in a 32-bit integer, and a billion updates cannot be meant"),
+    "groups_per_step": (10**6, "each step's batch holds groups_per_step × n_generations rows; a million prompts "
+                               "per update cannot be meant"),
+    "n_generations": (10**4, "samples per prompt, all in one group of one step's batch"),
+}
+"""Counts a job cannot mean past these (field -> (most, why)): found before Ray starts, not as a trainer's
+TypeError or an allocation that never ends."""
+
+
 @dataclasses.dataclass
 class RayJobConfig:
     address: Optional[str] = None
@@ -148,6 +158,9 @@ class RLJobConfig:
                      "micro_eval_every"):
             if getattr(self, name) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
+        for name, (most, why) in UPPER_BOUNDS.items():
+            if getattr(self, name) > most:
+                bad(name, f"must be <= {most:_}, got {getattr(self, name):_}: {why}")
         if self.sync_interval > 1 + self.max_staleness:
             bad("sync_interval", f"weights published every {self.sync_interval} steps leave the trainer without "
                                  f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "

@@ -40,11 +40,15 @@ def parse_mp(mp: str) -> dict[str, str]:
         d = dtype(mp)
         return {"params": d, "compute": d, "output": d}
     got: dict[str, Optional[str]] = {"params": "float32", "compute": None, "output": None}
+    named: set[str] = set()
     for part in mp.split(","):
         key, _, value = part.partition("=")
         full = {"p": "params", "c": "compute", "o": "output"}.get(key, key)
         if full not in got:
             raise ValueError(f"unknown key {key!r} in {mp!r}: use p/params, c/compute, o/output")
+        if full in named:  # jmp would keep the last without a word
+            raise ValueError(f"{full} is given twice in {mp!r}: give each of p/params, c/compute, o/output once")
+        named.add(full)
         got[full] = dtype(value)
     got["compute"] = got["compute"] or got["params"]
     got["output"] = got["output"] or got["compute"]

@@ -49,10 +49,14 @@ from marinrl.envs.base import (
 from marinrl.envs.episode import EpisodeRecord, episode_metrics, episode_rollout
 from marinrl.envs.openai_env import _run_coroutine
 from marinrl.inference.context import InferenceContext, SamplingParams
+from marinrl.logs import ENV_ERRORS, WAITS
 from marinrl.rollout.policy_router import policy_context
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, RolloutGroup
 
 logger = logging.getLogger(__name__)
+
+PREFLIGHT_TIMEOUT_S = 10.0
+"""Seconds the check before a job gives the server to answer its WebSocket handshake."""
 
 
 def import_openenv_client():
@@ -113,6 +117,8 @@ class _Session:
     client: Any = None
     status: str = "ok"  # ok | failed | timed_out
     started: float = 0.0
+    open_error: Optional[str] = None
+    """Why the session could not be opened (its last try), if it could not."""
 
 
 @register_env("openenv")
@@ -126,13 +132,40 @@ class OpenEnvEnv:
 
     def __init__(self, env_name: str = "openenv", **settings):
         import_openenv_client()
+        fields = [f.name for f in dataclasses.fields(OpenEnvConfig)]
+        unknown = sorted(set(settings) - set(fields))
+        if unknown:
+            raise ValueError(f"openenv: unknown setting{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                             f"the settings are {', '.join(fields)}")
         try:
             self.config = OpenEnvConfig(**settings)
-        except TypeError as e:
-            fields = [f.name for f in dataclasses.fields(OpenEnvConfig)]
-            raise ValueError(f"openenv: bad settings {sorted(settings)} ({e}); settings are {fields}") from e
+        except TypeError as e:  # a required one missing
+            raise ValueError(f"openenv: {e}; the settings are {', '.join(fields)}") from e
         self.env_name = env_name
         self.policy_name = self.config.policy
+
+    def check_reachable(self, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
+        """Opens one WebSocket to the server (its handshake, no session reset) before a job starts: a refused
+        connection, an HTTP server that is not OpenEnv (404 on `/ws`) or one that never answers is one line
+        then, not a job that ends a minute later without its cause. ValueError naming the URL."""
+        cfg = self.config
+        timeout = min(timeout_s, cfg.request_timeout)
+
+        async def probe():
+            client = import_openenv_client()(base_url=cfg.url, connect_timeout_s=timeout, message_timeout_s=timeout)
+            try:
+                await asyncio.wait_for(client.connect(), timeout=timeout + 1.0)
+            finally:
+                await _quietly_close(client)
+
+        try:
+            _run_coroutine(probe)
+        except Exception as e:
+            cause = " ".join(str(e).split()) or type(e).__name__
+            if isinstance(e, TimeoutError) or "timed out" in cause.lower():
+                cause = f"no WebSocket handshake within {timeout:g} s (a server that accepts and never answers?)"
+            raise ValueError(f"openenv: cannot open a session on url {cfg.url}: {cause}; start the OpenEnv server "
+                             "there or fix args.url") from None
 
     def observation_text(self, observation: Any) -> str:
         field = self.config.observation_field
@@ -162,6 +195,10 @@ class OpenEnvEnv:
                 group_id = new_group_id(self.env_name, f"seed{seed}")
                 groups.append(RolloutGroup(tuple(episode_rollout(e, sampling, self.env_name, group_id, self.agent_name,
                                                                  self.policy_name) for e in done)))
+        if sessions and all(s.open_error for s in sessions):  # the cause, for the job's last line
+            raise ConnectionError(f"{self.env_name}: no session could be opened on {self.config.url} "
+                                  f"({len(sessions)} tried, {self.config.max_retries + 1} tries each): "
+                                  f"{sessions[-1].open_error}")
         ok = [s.record for s in sessions if s.status == "ok"]
         metrics = episode_metrics(ok, groups) if ok else {}
         metrics.update(episodes=float(len(sessions)), **{f"episodes_{s}": float(sum(x.status == s for x in sessions))
@@ -206,12 +243,15 @@ class OpenEnvEnv:
     async def _open(self, tokenizer, problem: int, seed: int, counts) -> _Session:
         cfg = self.config
         session = _Session(EpisodeRecord(problem=None, prompt=[]), problem, started=time.monotonic())
+        waiting = (f"{self.env_name}: opening a session on {cfg.url} (up to {cfg.max_retries + 1} tries of "
+                   f"{cfg.request_timeout:g} s)")
         for attempt in range(cfg.max_retries + 1):
             client = import_openenv_client()(base_url=cfg.url, connect_timeout_s=cfg.request_timeout,
                                              message_timeout_s=cfg.request_timeout)
             try:
-                await client.connect()
-                result = await client.reset(**{"seed": seed, **dict(cfg.reset_args)})
+                with WAITS.waiting(waiting):  # shown on the job's terminal while it has not answered
+                    await client.connect()
+                    result = await client.reset(**{"seed": seed, **dict(cfg.reset_args)})
                 text = self.observation_text(result.observation)
                 session.client = client
                 session.record = EpisodeRecord(problem=None, prompt=encode_prompt(tokenizer, text, chat=cfg.chat))
@@ -225,7 +265,10 @@ class OpenEnvEnv:
                     logger.warning("%s: could not open a session on %s after %d tries: %r", self.env_name, cfg.url,
                                    attempt + 1, e)
                     session.status = "failed"
+                    session.open_error = f"{type(e).__name__}: {' '.join(str(e).split())}"
                     return session
+                ENV_ERRORS.report(logger, f"{self.env_name}: opening a session on {cfg.url} failed, retrying", e,
+                                  level=logging.WARNING, traceback=False)  # in the log from the first try on
                 counts["sessions_retried"] += 1
                 await asyncio.sleep(cfg.backoff(attempt))
         raise AssertionError("unreachable")
@@ -237,7 +280,8 @@ class OpenEnvEnv:
         try:
             if left <= 0:
                 raise TimeoutError
-            result = await asyncio.wait_for(s.client.step(action), timeout=min(left, cfg.request_timeout))
+            with WAITS.waiting(f"{self.env_name}: a step on {cfg.url} (timeout {cfg.request_timeout:g} s)"):
+                result = await asyncio.wait_for(s.client.step(action), timeout=min(left, cfg.request_timeout))
         except TimeoutError:
             s.status = "timed_out" if left <= cfg.request_timeout else "failed"  # the episode's clock, or the step's
             logger.warning("%s: an episode's step timed out (%s)", self.env_name, s.status)

@@ -106,7 +106,8 @@ def check_game(game: str) -> None:
     why = network_use(module_name)
     if why:
         raise ValueError(f"textarena: game {game!r} is refused: it downloads data or calls a remote model "
-                         f"({why}), and nothing but package registries is reachable here")
+                         f"({why}), so its episodes would depend on the network; choose a game that runs offline, "
+                         "or name a game class of your own (`my_pkg.games:MyGame`), which is not checked")
 
 
 @dataclasses.dataclass

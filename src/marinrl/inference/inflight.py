@@ -57,14 +57,16 @@ class WeightSwaps:
         return generate(self, *args, **kwargs)
 
     def check(self) -> bool:
-        """Takes newer weights if `poll()` has some; True if it did."""
+        """Takes newer weights if `poll()` has some; True if it did. A lower step is a restarted trainer
+        (resumed from an older checkpoint): the server serves its weights from the next call on, this call
+        finishes with the weights it has (as after `reload`), and the rollout worker drops its batch, made
+        for the trainer before the restart (issue 33: this raised, and the batch counted as an environment
+        failure)."""
         update = self.poll()
         if update is None:
             return False
         model, step = update
-        if step < self.step:
-            raise ValueError(f"in-flight weights went back from step {self.step} to {step}")
-        if step == self.step:
+        if step <= self.step:
             return False
         self.model, self.step = model, int(step)
         self.swaps += 1

@@ -16,7 +16,7 @@ from marinrl import program_audit
 from marinrl.config.job import RLJobConfig
 from marinrl.curriculum.actor import CurriculumClient
 from marinrl.job.plan import build_rollout_host
-from marinrl.logs import log_to_file
+from marinrl.logs import log_to_file, overdue_waits
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 
 if TYPE_CHECKING:
@@ -146,6 +146,10 @@ class RolloutActor:
 
     def stop(self) -> None:
         self.worker.stop()
+
+    def waits(self, after_s: float) -> list[str]:
+        """This worker's waits on environment servers older than `after_s` (marinrl/logs.py), for the terminal."""
+        return overdue_waits(after_s)
 
 
 def _rollout_tracker(job: RLJobConfig, index: int):

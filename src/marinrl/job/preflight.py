@@ -3,9 +3,10 @@
 A mistake found here costs a second and one line naming the field; found by an actor, it costs a
 Ray start, actor restarts, a stalled trainer and thousands of tracebacks. `check_job` runs, in
 order: the field ranges (`RLJobConfig.validate`), every lesson's environment (resolved and built
-once in the driver, as `marinrl eval` does), the optimizer's schedule, the model's config and tokenizer
-(never its weights), and whether the run directory can be written. Each failure is a `ConfigError` whose
-message starts with the field: `RLJobConfig.curriculum.lessons[echo].env.args: ...`.
+once in the driver, as `marinrl eval` does; a server it talks to answering its handshake), the optimizer's
+schedule, the model's config and tokenizer (never its weights), and whether the run directory can be
+written. Each failure is a `ConfigError` whose message starts with the field:
+`RLJobConfig.curriculum.lessons[echo].env.args: ...`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import tempfile
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -23,6 +25,7 @@ from marinrl.config.errors import ConfigError
 from marinrl.envs.base import make_env, needs_endpoint
 from marinrl.levanter_configs import to_levanter
 from marinrl.models.tokenizers import byte_tokenizer_errors
+from marinrl.storage.fs import gcs_credentials_problem
 
 if TYPE_CHECKING:
     from marinrl.config.curriculum import CurriculumConfig
@@ -51,6 +54,29 @@ def check_job(config: RLJobConfig) -> None:
                 raise
             raise ConfigError(f"policies.{m.name}.{e.field}", e.problem) from None
     check_writable(config.run_dir, "run_root")
+    if config.ray.address is not None:
+        check_ray_address(config.ray.address)
+
+
+RAY_CONNECT_TIMEOUT_S = 5.0
+
+
+def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) -> None:
+    """Something must accept a TCP connection at `ray.address` (`host:port` or `ray://host:port`): Ray's own
+    client retries an address nobody answers for minutes, printing its C++ warnings, before a 44-line
+    traceback. Other forms (`auto`) are left to Ray."""
+    import socket
+
+    m = re.fullmatch(r"(?:ray://)?\[?([^\[\]/]+?)\]?:(\d+)/?", address.strip())
+    if m is None:
+        return
+    try:
+        socket.create_connection((m.group(1), int(m.group(2))), timeout=timeout_s).close()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError("ray.address", f"nothing answers at {address} ({reason}): start the Ray cluster there "
+                                         "(`ray start --head`), fix the address, or remove ray.address to run on "
+                                         "this machine") from None
 
 
 def check_policy_model(config: RLJobConfig) -> None:
@@ -94,6 +120,12 @@ def check_environments(curriculum: CurriculumConfig, policies: Optional[Sequence
             if lesson.env.name not in problem:
                 problem = f"environment {lesson.env.name!r}: {problem}"
             raise ConfigError(f"{where}.args", problem) from e
+        reachable = getattr(env, "check_reachable", None)  # a server the environment talks to (OpenEnv)
+        if reachable is not None:
+            try:
+                reachable()
+            except ValueError as e:
+                raise ConfigError(f"{where}.args", _one_line(e)) from e
         unknown = sorted(env_policy_names(env) - set(policies)) if policies is not None else []
         if unknown:
             raise ConfigError(f"{where}.args", f"environment {lesson.env.name!r} has agents played by "
@@ -132,20 +164,10 @@ def check_model(model: ModelConfig) -> Optional[int]:
 
 
 def check_gcs_credentials(url: str, field: str) -> None:
-    """A gs:// URL needs Google Cloud credentials: without them gcsfs spends a minute on retries before its
-    error. Asked of google.auth once (about a second), with a message that says what is missing. The GCS
-    emulator (`STORAGE_EMULATOR_HOST`) needs none."""
-    if fsspec.utils.get_protocol(url) not in ("gs", "gcs") or os.environ.get("STORAGE_EMULATOR_HOST"):
-        return
-    import google.auth
-    from google.auth.exceptions import DefaultCredentialsError
-
-    try:
-        google.auth.default()
-    except DefaultCredentialsError as e:
-        raise ConfigError(field, f"{url}: no Google Cloud credentials ({_one_line(e)[:160]}): run `gcloud auth "
-                                 "application-default login`, set GOOGLE_APPLICATION_CREDENTIALS to a service "
-                                 "account key, run on a GCE/TPU VM, or use a local run_root") from None
+    """A gs:// URL needs Google Cloud credentials (storage/fs.py `gcs_credentials_problem`)."""
+    problem = gcs_credentials_problem(url)
+    if problem:
+        raise ConfigError(field, problem)
 
 
 def check_writable(url: str, field: str) -> None:

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import logging
 import math
+import re
 import sys
 import time
 from typing import Any, Optional
@@ -77,8 +78,16 @@ class RLJob:
                      log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
                      logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
         else:
-            ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
-                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))})
+            try:
+                ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
+                         runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                         logging_level=logging.ERROR)
+            except (ConnectionError, TimeoutError, RuntimeError) as e:  # Ray's client: 40 lines of traceback
+                text = " ".join(str(e).split())
+                raise ConfigError("ray.address", f"cannot connect to the Ray cluster at {cfg.address!r} "
+                                                 f"({type(e).__name__}: {text[:200]}): start the cluster (`ray start "
+                                                 "--head`), fix the address, or remove ray.address to run on this "
+                                                 "machine") from None
         self._started_ray = True
         return ray.get_runtime_context().namespace
 
@@ -139,11 +148,13 @@ class RLJob:
             summaries: list[dict] = [{} for _ in rollouts]
             pending = {ref: i for i, ref in enumerate(refs)}
             bar = _ProgressBar(cfg.num_train_steps)
+            stalls = _StallNotices()
             try:
                 while True:
                     live = [r for r in train_refs if waited.get(r) not in results]
                     ready, _ = ray.wait([*live, *pending], num_returns=1, timeout=1.0)
                     bar.update(trainer)
+                    stalls.poll(rollouts)
                     if self._lock.lost:  # another job took this run over (this one looked dead): it owns it now
                         raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
                                           "one runs")
@@ -160,7 +171,8 @@ class RLJob:
                         i = pending.pop(ref)
                         try:
                             summaries[i] = ray.get(ref)
-                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError,
+                                ray.exceptions.OutOfMemoryError) as e:
                             if isinstance(getattr(e, "cause", None), EnvironmentFailedError):
                                 bar.close()  # restarting would repeat the failure: stop the job with it
                                 raise EnvironmentFailedError(
@@ -168,7 +180,9 @@ class RLJob:
                                     f"rollout-{i}.log). Fix the environment or its args, then run the same config "
                                     "again: it resumes from the last checkpoint") from None
                             if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
-                                raise RuntimeError(f"rollout worker {i} keeps dying: {e}") from e
+                                raise RuntimeError(f"rollout worker {i} keeps dying: {_first_line(e)}"
+                                                   + (f"\n{MEMORY_ADVICE}" if _killed_for_memory(e) else
+                                                      f"\nits log: {self._log_dir}/rollout-{i}.log")) from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
                             rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
@@ -235,7 +249,8 @@ class RLJob:
         model's, for a job of several)."""
         try:
             return self._group.result() if self._group is not None else ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, TrainerGroupDied) as e:
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.OutOfMemoryError,
+                TrainerGroupDied) as e:
             if self._lock.lost:  # superseded: the other job's trainer publishes now
                 raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
                                   "one runs") from e
@@ -275,7 +290,17 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
         what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
         what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
     latest = _latest_checkpoint(checkpoints)
-    if "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
+    after_resume = re.search(r"after resuming from (\S+?):", what)
+    if _killed_for_memory(error):
+        what = "Ray killed it for memory (the node's memory use passed Ray's limit)"
+        advice = MEMORY_ADVICE + (f"; then run the same config again (it resumes from {latest})" if latest else "")
+    elif after_resume:  # a rerun would load the same state and fail the same way
+        advice = (f"move {after_resume.group(1)} out of {checkpoints} and run the same config again (it resumes "
+                  "from the checkpoint before it); if the loss is still NaN, lower optimizer.learning_rate")
+    elif "Loss is NaN" in what or "Loss is Inf" in what:
+        advice = ("the loss diverged: lower optimizer.learning_rate (or check the loss settings), then run the "
+                  "config again" + (f" (it resumes from {latest})" if latest else ""))
+    elif "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
         advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
                   "(`python -m marinrl.job.run_lock show <run_dir>` names the job holding the run)")
     elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
@@ -292,6 +317,23 @@ def _trainer_death_message(error: Exception, checkpoints: str) -> str:
     return f"the trainer died: {what}\n{advice}"
 
 
+MEMORY_ADVICE = ("give the trainer and rollout workers more memory: fewer n_rollout_workers per node, a smaller "
+                 "trainer.train_batch_size or batching.max_length, a smaller model, or a machine with more memory "
+                 "(Ray kills a process once the node's memory use passes RAY_memory_usage_threshold, 0.95)")
+
+
+def _killed_for_memory(error: BaseException) -> bool:
+    """Ray's memory monitor killed the process (an OutOfMemoryError, or an actor death that says so)."""
+    return (isinstance(error, ray.exceptions.OutOfMemoryError)
+            or isinstance(getattr(error, "cause", None), ray.exceptions.OutOfMemoryError)
+            or "memory pressure" in str(error) or "killed due to memory" in str(error).lower())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _is_disk_full(error: BaseException, what: str) -> bool:
     """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
     (tensorstore reports a full disk as a ValueError naming the OS error)."""
@@ -306,12 +348,57 @@ def _is_disk_full(error: BaseException, what: str) -> bool:
 
 
 def _latest_checkpoint(checkpoints: str) -> Optional[str]:
-    from levanter.checkpoint import discover_latest_checkpoint
+    """The checkpoint a rerun resumes from: the newest whose files match their digest (never a damaged one)."""
+    from marinrl.train.checkpoints import newest_loadable
 
     try:
-        return discover_latest_checkpoint(checkpoints)
+        newest = newest_loadable(checkpoints)
     except Exception:  # unreadable storage: say nothing rather than something wrong
         return None
+    return newest.path if newest is not None else None
+
+
+STALL_NOTICE_S = 15.0
+"""A rollout worker's wait on an environment server (a session, a step) is printed once it is this old."""
+
+
+class _StallNotices:
+    """The rollout workers' overdue waits on environment servers (`RolloutActor.waits`), printed on the
+    terminal: a server that accepts and never answers is seen in seconds, not after minutes of retries
+    in a log file. Each wait once, then once a minute while it lasts. Polls without blocking the job."""
+
+    def __init__(self, every_s: float = 5.0, repeat_s: float = 60.0):
+        self._every_s, self._repeat_s = every_s, repeat_s
+        self._asked = -math.inf
+        self._pending: dict[Any, int] = {}  # a `waits` call in flight -> its worker's index
+        self._shown: dict[str, float] = {}
+
+    def poll(self, rollouts: list) -> None:
+        done = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)[0] if self._pending else []
+        for ref in done:
+            i = self._pending.pop(ref)
+            try:
+                overdue = ray.get(ref)
+            except Exception:  # a worker that died: the job restarts it and says so
+                continue
+            for line in self.lines(i, overdue, time.monotonic()):
+                _ProgressBar.write(line)
+        now = time.monotonic()
+        if now - self._asked >= self._every_s:
+            self._asked = now
+            busy = set(self._pending.values())
+            for i, actor in enumerate(rollouts):
+                if i not in busy:  # one call at a time per worker: one still starting does not pile them up
+                    self._pending[actor.waits.remote(STALL_NOTICE_S)] = i
+
+    def lines(self, worker: int, overdue: list[str], now: float) -> list[str]:
+        out = []
+        for what in overdue:
+            key = f"{worker}:{what.split(': no answer for ')[0]}"
+            if now - self._shown.get(key, -math.inf) >= self._repeat_s:
+                self._shown[key] = now
+                out.append(f"[marinrl] rollout worker {worker} is waiting: {what} (its log: logs/rollout-{worker}.log)")
+        return out
 
 
 class _ProgressBar:
@@ -334,6 +421,13 @@ class _ProgressBar:
 
     def close(self) -> None:
         self._bar.close()
+
+    @staticmethod
+    def write(line: str) -> None:
+        """A line on stderr above the bar."""
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
 
 
 def main(config: RLJobConfig) -> JobResult:

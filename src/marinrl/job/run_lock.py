@@ -275,8 +275,30 @@ def read_lease(run_dir: str, storage_options: Optional[dict] = None) -> Optional
     return None if current is None else Lease.from_json(current[0], location)
 
 
+class _InputError(Exception):
+    """A path or lease the user gave that this tool cannot use: one line, exit status 2."""
+
+
+def _usable_folder(url: str, what: str) -> None:
+    """`url` is an existing folder (local) with credentials where it is on gs://; else _InputError."""
+    from marinrl.storage.fs import gcs_credentials_problem
+
+    problem = gcs_credentials_problem(url)
+    if problem:
+        raise _InputError(problem)
+    if "://" in url and not url.startswith("file://"):
+        return  # an object store has no folders to find
+    path = url.removeprefix("file://")
+    if not os.path.exists(path):
+        raise _InputError(f"{url}: no such folder; give {what}")
+    if not os.path.isdir(path):
+        raise _InputError(f"{url}: a file, not a folder; give {what}")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """`check URL` / `show RUN_DIR`; a path or lease it cannot use is one line on stderr and exit status 2."""
     import argparse
+    import sys
 
     parser = argparse.ArgumentParser(prog="python -m marinrl.job.run_lock")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -285,11 +307,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     show = sub.add_parser("show", help="the lease of a run folder")
     show.add_argument("run_dir")
     args = parser.parse_args(argv)
-    if args.command == "check":
-        ignored = check_preconditions(args.url)
-        print(f"{args.url}: " + ("preconditions honoured" if not ignored else "IGNORES " + "; ".join(ignored)))
-        return 0 if not ignored else 1
-    lease = read_lease(args.run_dir)
+    try:
+        if args.command == "check":
+            _usable_folder(args.url, "an existing folder to try the writes in")
+            ignored = check_preconditions(args.url)
+            print(f"{args.url}: " + ("preconditions honoured" if not ignored else "IGNORES " + "; ".join(ignored)))
+            return 0 if not ignored else 1
+        _usable_folder(args.run_dir, "a run folder, <run_root>/<run_id>")
+        try:
+            lease = read_lease(args.run_dir)
+        except ValueError as e:  # a lease that does not parse
+            raise _InputError(f"{e}; if no job runs there, delete it") from e
+    except _InputError as e:
+        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
+        return 2
     print("no lease" if lease is None else f"held by {lease.describe(time.time())}; job {lease.job_id}")
     return 0
 

@@ -151,10 +151,20 @@ class RunData:
     unreadable: list[str]
 
 
+RUN_PARTS = ("rollouts", "tensorboard", "logs", "checkpoints")
+"""What a job writes under its run folder: a folder with none of them is not one (nothing is written into it)."""
+
+
 def load_run(run_dir: str | pathlib.Path) -> RunData:
     run = pathlib.Path(run_dir)
     if not run.is_dir():
         raise FileNotFoundError(f"{run} is not a directory")
+    if not any((run / part).is_dir() for part in RUN_PARTS):
+        runs = sorted(d.name for d in run.iterdir() if d.is_dir() and any((d / p).is_dir() for p in RUN_PARTS))
+        hint = (f"; the runs in it: {', '.join(runs[:5])}{', …' if len(runs) > 5 else ''}" if runs
+                else "; give <run_root>/<run_id>")
+        raise FileNotFoundError(f"{run} is not a run folder (it has none of {', '.join(p + '/' for p in RUN_PARTS)})"
+                                + hint)
     tb = run / "tensorboard"
     trainer, source = {}, "none"
     if (tb / "trainer").is_dir():

@@ -4,7 +4,10 @@ Levanter writes `ROOT/step-N/` (N is its 0-based index of the last update, so th
 weights N + 1) and commits it by writing `metadata.json` last; the TrainWorker adds `marinrl.json`
 (the replay cursor and the curriculum state) before that commit. Levanter itself loads only the
 latest checkpoint and fails if it does not load, and its `CheckpointerConfig.keep` is a save cadence,
-not a retention policy (it never deletes a step checkpoint), so both live here.
+not a retention policy (it never deletes a step checkpoint), so both live here. A checkpoint carries
+`marinrl.digest.json`, the CRC32 and size of every file in it, written once the save commits and checked
+before a resume or `marinrl eval` trusts it: a chunk garbled so that it still decodes would otherwise load
+as weights (docs/training.md, "Digest").
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import datetime
 import json
 import logging
 import re
+import zlib
 from typing import Callable, Collection, Generic, TypeVar
 
 import fsspec
@@ -26,6 +30,10 @@ SIDECAR = "marinrl.json"
 """Our part of a trainer checkpoint, written into Levanter's `step-N/` folder before its
 `metadata.json` (Levanter's commit marker), so an interrupted save is never discovered."""
 COMMIT_MARKER = "metadata.json"
+DIGEST = "marinrl.digest.json"
+"""The CRC32 and size of every other file of a checkpoint folder, written after Levanter's commit; the
+sidecar's `"digest": true` promises it, so a save killed between the commit and the digest is not trusted."""
+_DIGEST_BLOCK = 16 << 20
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _UNKNOWN_TIME = datetime.datetime.min
 
@@ -102,6 +110,100 @@ def read_sidecar(folder: str) -> dict:
     return sidecar
 
 
+class CheckpointDigestError(ValueError):
+    """A checkpoint's files do not match its digest (garbled, truncated, missing), or the digest it
+    promised was never written; the message names the folder and the first file that differs."""
+
+
+def _files(fs, plain: str) -> dict[str, int]:
+    """Relative path -> size of every file under `plain` but the commit marker and the digest itself."""
+    found = fs.find(plain, detail=True)
+    out = {}
+    for path, info in found.items():
+        rel = path[len(plain):].lstrip("/")
+        if info.get("type") == "file" and rel not in (COMMIT_MARKER, DIGEST):
+            out[rel] = int(info["size"])
+    return out
+
+
+def _crc32(fs, path: str) -> int:
+    crc = 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(_DIGEST_BLOCK):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def write_digest(folder: str) -> dict:
+    """Writes `folder/marinrl.digest.json`: {relative path: {"bytes", "crc32"}} of every file in it."""
+    fs, plain = fsspec.core.url_to_fs(folder)
+    plain = plain.rstrip("/")
+    fs.invalidate_cache(plain)
+    files = {rel: {"bytes": size, "crc32": _crc32(fs, f"{plain}/{rel}")}
+             for rel, size in sorted(_files(fs, plain).items())}
+    with_retries(lambda: fs.pipe_file(f"{plain}/{DIGEST}", json.dumps({"files": files}).encode()),
+                 "writing", f"{plain}/{DIGEST}")
+    return files
+
+
+def verify_digest(folder: str, *, required: bool) -> bool:
+    """Checks every file of `folder` against its digest; raises CheckpointDigestError naming the first
+    that differs. A folder with no digest: an error if `required` (its sidecar promised one), else False
+    (a checkpoint written before digests, or by Levanter alone: nothing to check)."""
+    fs, plain = fsspec.core.url_to_fs(folder)
+    plain = plain.rstrip("/")
+    try:
+        raw = with_retries(lambda: fs.cat_file(f"{plain}/{DIGEST}"), "reading", f"{plain}/{DIGEST}")
+    except FileNotFoundError:
+        if required:
+            raise CheckpointDigestError(f"{folder} has no {DIGEST} though its {SIDECAR} promises one: the save was "
+                                        "interrupted before its files were summed, so they cannot be trusted") from None
+        return False
+    try:
+        expected = {str(k): (int(v["bytes"]), int(v["crc32"])) for k, v in json.loads(raw)["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointDigestError(f"{folder}/{DIGEST} is not a valid digest ({type(e).__name__}: {e})") from None
+    fs.invalidate_cache(plain)
+    present = _files(fs, plain)
+    for rel, (size, crc) in expected.items():
+        where = f"{plain}/{rel}"
+        if rel not in present:
+            raise CheckpointDigestError(f"{folder} is damaged: {where} is missing")
+        if present[rel] != size:
+            raise CheckpointDigestError(f"{folder} is damaged: {where} has {present[rel]} bytes, its digest says "
+                                        f"{size}")
+        if _crc32(fs, where) != crc:
+            raise CheckpointDigestError(f"{folder} is damaged: {where} does not match its digest (CRC32): the file "
+                                        "was changed after the checkpoint was written")
+    return True
+
+
+def promises_digest(folder: str) -> bool:
+    """Whether the folder's sidecar says a digest was to be written after the commit."""
+    try:
+        return bool(read_sidecar(folder).get("digest"))
+    except ValueError:
+        return False
+
+
+def verified(folder: str) -> None:
+    """Checks `folder` against its digest (required if its sidecar promises one); CheckpointDigestError if not."""
+    verify_digest(folder, required=promises_digest(folder))
+
+
+def newest_loadable(root: str) -> StepFolder | None:
+    """The newest committed checkpoint under `root` whose files match their digest: what a rerun resumes
+    from, as far as its files tell (a state that no longer fits the config is found only by loading it)."""
+    for folder in sorted((f for f in step_folders(root) if f.committed_at is not None), key=_newest_first_key,
+                         reverse=True):
+        try:
+            verified(folder.path)
+        except (CheckpointDigestError, OSError):
+            continue
+        return folder
+    return None
+
+
 @dataclasses.dataclass
 class Resumed(Generic[T]):
     loaded: T
@@ -114,9 +216,9 @@ class Resumed(Generic[T]):
 def load_newest(root: str, load: Callable[[StepFolder], T]) -> Resumed[T] | None:
     """Calls `load` on the committed checkpoints under `root`, newest first, until one succeeds.
 
-    None if there is no committed checkpoint. A checkpoint that fails (a corrupt tensor chunk, a
-    missing or bad sidecar, a state that does not fit the config) is logged and skipped; it stays on
-    disk (retention removes it once newer checkpoints are committed). Raises
+    None if there is no committed checkpoint. A checkpoint that fails (files that do not match its
+    digest, a corrupt tensor chunk, a missing or bad sidecar, a state that does not fit the config) is
+    logged and skipped; it stays on disk (retention removes it once newer checkpoints are committed). Raises
     NoLoadableCheckpointError naming every checkpoint tried if none loads.
     """
     candidates = sorted((f for f in step_folders(root) if f.committed_at is not None), key=_newest_first_key,
@@ -124,6 +226,7 @@ def load_newest(root: str, load: Callable[[StepFolder], T]) -> Resumed[T] | None
     skipped: list[str] = []
     for folder in candidates:
         try:
+            verified(folder.path)  # a garbled chunk may still decode: its bytes would load as weights
             loaded = load(folder)
         except Exception as e:  # whatever the reason, an older checkpoint may still load
             reason = _describe(e)

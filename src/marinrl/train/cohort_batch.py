@@ -19,9 +19,9 @@ def next_batch(cohort: Cohort, replay, step: int, config, stop: threading.Event,
     was asked to stop. Process 0 samples its replay buffer and broadcasts; the others pass `replay=None`."""
     sample, arrays, groups, stopping = None, None, [], False
     if cohort.is_leader:
-        stopping = stop.is_set()
+        sample = None if stop.is_set() else replay.sample(step, config.groups_per_step, stop=stop)
+        stopping = sample is None  # asked to stop, before or while waiting for rollouts
         if not stopping:
-            sample = replay.sample(step, config.groups_per_step)
             groups = [g.group.group_id for g in sample.groups]
             arrays = pack_rollouts(sample.rollouts, sample.token_advantages(),
                                    batch_size=config.trainer.train_batch_size, config=config.batching,

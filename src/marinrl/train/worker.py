@@ -33,7 +33,7 @@ from marinrl import multihost, program_audit
 from marinrl.config.loss import LossConfig
 from marinrl.config.replay import overlong_reward_fn
 from marinrl.config.train_worker import TrainWorkerConfig
-from marinrl.levanter_configs import cpu_trainer_config, to_levanter
+from marinrl.levanter_configs import cpu_trainer_config, name_the_trainer_log_once, to_levanter
 from marinrl.models import lora as lora_rl
 from marinrl.startup import StartupClock
 from marinrl.storage.rollouts import RolloutReader
@@ -48,6 +48,7 @@ from marinrl.train.checkpoints import (
     read_sidecar,
     release_host_memory,
     remove_folder,
+    write_digest,
 )
 from marinrl.train.cohort_batch import next_batch
 from marinrl.train.initial_weights import (
@@ -160,6 +161,7 @@ class TrainWorker:
         cfg = self.config
         trainer_cfg = multihost.levanter_trainer_config(cfg.trainer or cpu_trainer_config())
         clock = self._startup
+        name_the_trainer_log_once()
         levanter.initialize(trainer_cfg)
         bound_restore_memory()  # a restore holds the state, not twice the state
         clock.mark("init")
@@ -220,7 +222,9 @@ class TrainWorker:
                         sample, batch, group_ids = got
                         t1 = time.perf_counter()
                     else:
-                        sample = replay.sample(self.step, cfg.groups_per_step)
+                        sample = replay.sample(self.step, cfg.groups_per_step, stop=self._stop)
+                        if sample is None:  # asked to stop while waiting for rollouts
+                            break
                         t1 = time.perf_counter()
                         group_ids = [g.group.group_id for g in sample.groups]
                         batch = sample.training_batch(batch_size=batch_size, config=cfg.batching,
@@ -234,7 +238,13 @@ class TrainWorker:
                     if self.step == first_step and program_audit.auditing():  # traced before the step donates `state`
                         program_constants = self._program_constants(trainer, state, StepInput(batch, ref), ref_fn,
                                                                     ref_model)
-                    info = trainer.train_step(state, StepInput(batch, ref))
+                    try:
+                        info = trainer.train_step(state, StepInput(batch, ref))
+                    except RuntimeError as e:  # Levanter's "Loss is NaN" / "Loss is Inf"
+                        if self.step == first_step and self._resumed_from is not None and "Loss is" in str(e):
+                            raise RuntimeError(f"{e} at the first step after resuming from {self._resumed_from.path}:"
+                                               " that checkpoint's state is probably broken") from e
+                        raise
                     state = info.state
                     t3 = time.perf_counter()
                     self.step = int(state.step)
@@ -403,7 +413,7 @@ class TrainWorker:
                 remove_folder(folder, "replaced by a new checkpoint of the same step")
             fs.makedirs(path, exist_ok=True)
             sidecar: dict[str, Any] = {"step": info.next_step, "replay": replay.state_dict(next_step=info.next_step),
-                                       "trainer": self.trainer_id}
+                                       "trainer": self.trainer_id, "digest": True}
             if self._curriculum is not None:
                 target = f"{folder}/curriculum.json"
                 self._curriculum.save(target)
@@ -412,9 +422,11 @@ class TrainWorker:
         cohort.barrier(f"checkpoint-{info.step}")
         checkpointer.on_step(info, force=True)
         checkpointer.wait_until_finished()
-        logger.info("checkpoint at step %d: %s", info.next_step, folder)
+        cohort.barrier(f"checkpoint-{info.step}-saved")  # every process's shards are in before they are summed
         if not cohort.is_leader:
             return folder
+        write_digest(folder)
+        logger.info("checkpoint at step %d: %s", info.next_step, folder)
         protect = [self._resumed_from.path] if self._resumed_from is not None else []
         deleted = apply_retention(checkpointer.base_path, keep=self.config.checkpoint_keep,
                                   keep_every=self.config.checkpoint_keep_every, protect=protect)
@@ -424,10 +436,9 @@ class TrainWorker:
 
 def _resume_hint(checkpoint_root: str) -> str:
     """Which checkpoint a rerun resumes from, for the message of a trainer that loses a peer process."""
-    from marinrl.train.checkpoints import step_folders
+    from marinrl.train.checkpoints import newest_loadable
 
-    committed = [f for f in step_folders(checkpoint_root) if f.committed_at is not None]
-    if not committed:
-        return f"no checkpoint is committed under {checkpoint_root} yet: the rerun starts from weight step 0"
-    newest = max(committed, key=lambda f: (f.committed_at, f.step))
+    newest = newest_loadable(checkpoint_root)
+    if newest is None:
+        return f"no intact checkpoint is committed under {checkpoint_root} yet: the rerun starts from weight step 0"
     return f"it resumes from {newest.path} (weight step {newest.step + 1})"

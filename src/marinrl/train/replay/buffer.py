@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 WAIT_FIRST_POLL_S = 0.01
 WAIT_MAX_POLL_S = 0.1
+STOP_CHECK_S = 0.25
+"""How often a waiting `sample()` looks at its stop event: Ctrl-C ends a trainer's wait within this."""
 """While the trainer waits for a batch, the reader is listed after 10 ms, then doubling up to 100 ms."""
 
 
@@ -305,12 +307,15 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, step: int, n_groups: int, timeout_s: float | None = None) -> ReplaySample:
+    def sample(self, step: int, n_groups: int, timeout_s: float | None = None,
+               stop: threading.Event | None = None) -> ReplaySample | None:
         """Whole groups for the update the trainer applies to weights `step`.
 
         Waits until `n_groups` usable groups are there, mixed per `env_weights`; raises
         `ReplayTimeoutError` after `timeout_s` (default `config.timeout_s`), `ReplayIngestionError`
-        if the ingestion thread died. Without a running thread it polls the reader itself.
+        if the ingestion thread died. Without a running thread it polls the reader itself. Returns None
+        once `stop` is set: a trainer asked to stop (Ctrl-C) must not wait out the timeout for rollouts
+        that may never come (a stalled environment).
         """
         if n_groups < 1:
             raise ValueError(f"n_groups must be >= 1, got {n_groups}")
@@ -324,6 +329,8 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
             quotas = self._quotas(n_groups)
         polled = False
         while True:
+            if stop is not None and stop.is_set():
+                return None
             with self._cond:
                 self._raise_if_failed()
                 self._purge(step, self._clock())
@@ -338,7 +345,8 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
                     self._waiting += 1
                     self._wake.set()  # the ingestion thread lists the reader now, and often while we wait
                     try:
-                        self._cond.wait(remaining)  # ingestion notifies, and so does a dying thread
+                        # ingestion notifies, and so does a dying thread; `stop` is looked at in between
+                        self._cond.wait(remaining if stop is None else min(remaining, STOP_CHECK_S))
                     finally:
                         self._waiting -= 1
                     continue
@@ -348,7 +356,8 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
             polled = True
             if new_files == 0 and deadline > time.monotonic():
                 with self._cond:
-                    self._cond.wait(min(deadline - time.monotonic(), self.config.poll_interval_s))
+                    wait = min(deadline - time.monotonic(), self.config.poll_interval_s)
+                    self._cond.wait(wait if stop is None else min(wait, STOP_CHECK_S))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
