@@ -325,3 +325,52 @@ def test_levanter_never_joins_jax_distributed_on_its_own(tmp_path, placement):
     config = job_config(tmp_path)
     config = dataclasses.replace(config, ray=dataclasses.replace(config.ray, trainer=PlacementConfig(**placement)))
     assert trainer_config(config).distributed.initialize_jax_distributed is False
+
+
+class _Chip:
+    """What `device_problem` reads of a JAX device: a TPU chip at its coordinates on the host."""
+
+    platform, device_kind = "tpu", "TPU v5 lite"
+
+    def __init__(self, id, coords):
+        self.id, self.coords = id, coords
+
+
+V5E_4x2 = {i: (i % 4, i // 4, 0) for i in range(8)}  # chips 0-3 are a row on such a host
+V5E_2x4 = {i: (i % 2, i // 2, 0) for i in range(8)}  # chips 0-3 are a 2x2 block
+
+
+def test_a_split_whose_chips_are_no_box_is_refused_naming_the_layout(monkeypatch):
+    from marinrl.job.placement import device_problem
+
+    monkeypatch.setenv("TPU_VISIBLE_CHIPS", "0,1,2,3")
+    half = PlacementConfig(tpu_chips=4)
+    row = [_Chip(i, V5E_4x2[i]) for i in range(4)]
+    problem = device_problem(half, "ray.rollout", row)
+    assert problem.startswith("ray.rollout.tpu_chips: the 4 chips this process got lie at [(0, 0, 0), (1, 0, 0)")
+    assert "spanning 4x1x1, not the 2x2x1 block" in problem and "TPU_VISIBLE_CHIPS=0,1,2,3" in problem
+    assert device_problem(half, "ray.rollout", [_Chip(i, V5E_2x4[i]) for i in range(4)]) is None
+    assert device_problem(PlacementConfig(tpu_chips=8), "ray.trainer", [_Chip(i, V5E_4x2[i]) for i in range(8)]) is None
+    # the wrong number of chips is named too
+    problem = device_problem(half, "ray.trainer", row[:2])
+    assert problem.startswith("ray.trainer.tpu_chips: asked for 4 device(s) per process, JAX sees 2")
+
+
+def test_an_actor_that_sees_other_devices_than_it_asked_for_stops_in_one_line(monkeypatch):
+    """A role that asked for 2 GPUs and sees one; and through this process's real JAX (CPU devices only), nothing
+    is refused: a CPU test that plays an accelerator host with Ray's resources runs as before."""
+    from marinrl.job.actors import check_devices
+    from marinrl.job.placement import device_problem
+
+    class Gpu:
+        platform, device_kind, coords = "gpu", "NVIDIA H100 80GB HBM3", None
+
+        def __init__(self, id):
+            self.id = id
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    problem = device_problem(PlacementConfig(num_gpus=2), "ray.trainer", [Gpu(0)])
+    assert problem == ("ray.trainer.num_gpus: asked for 2 device(s) per process, JAX sees 1 (NVIDIA H100 80GB HBM3:0); "
+                       "visible: CUDA_VISIBLE_DEVICES=0")
+    assert device_problem(PlacementConfig(num_gpus=1), "ray.trainer", [Gpu(0)]) is None
+    check_devices(PlacementConfig(num_gpus=2), "ray.trainer")  # JAX here has CPU devices only: not refused

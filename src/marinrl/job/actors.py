@@ -13,8 +13,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import ray
 
 from marinrl import program_audit
+from marinrl.config.errors import ConfigError
 from marinrl.config.job import RLJobConfig
+from marinrl.config.placement import PlacementConfig
 from marinrl.curriculum.actor import CurriculumClient
+from marinrl.job.placement import device_problem
 from marinrl.job.plan import build_rollout_host
 from marinrl.logs import log_to_file, overdue_waits
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
@@ -30,6 +33,19 @@ _ACCELERATOR_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_
 def _accelerators() -> dict[str, str]:
     """The accelerators this actor was given (as Ray and `job/placement.actor_options` set them), for its result."""
     return {k: os.environ[k] for k in _ACCELERATOR_ENV if k in os.environ}
+
+
+def check_devices(placement: PlacementConfig, field: str) -> None:
+    """Refuses, in one line naming the field, devices that are not what the role asked for (`device_problem`).
+    Only a role that asked for accelerators: on the CPU nothing is looked at (and no JAX backend started)."""
+    if placement.devices() is None or placement.hosts() != 1:
+        return
+    import jax
+
+    problem = device_problem(placement, field, jax.local_devices())
+    if problem:
+        field_name, _, message = problem.partition(": ")
+        raise ConfigError(field_name, message)
 
 
 def compilation_cache_dir(config: RLJobConfig) -> str:
@@ -78,11 +94,15 @@ def actor_env(compilation_cache: Optional[str] = None) -> dict[str, str]:
 @ray.remote(max_concurrency=2)
 class TrainerActor:
     def __init__(self, plan: Callable[[], TrainWorkerConfig], curriculum_name: Optional[str], namespace: Optional[str],
-                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer"):
+                 log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer",
+                 placement: Optional[PlacementConfig] = None):
         """`plan` derives the trainer's config here, in the actor (`job.plan.train_worker_config`: it imports
         Levanter, which the driver never does). `curriculum_name` None: a trainer that does not keep the
-        curriculum's clock (the other policy models' trainers of a job of several: the first one's keeps it)."""
+        curriculum's clock (the other policy models' trainers of a job of several: the first one's keeps it).
+        `placement`: a one-process trainer's, whose devices are checked first (`check_devices`)."""
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        if placement is not None:
+            check_devices(placement, "ray.trainer")
         import_tensorboardx_without_torch()  # before Levanter's tracker imports it
         from marinrl.train.worker import TrainWorker
 
@@ -114,6 +134,7 @@ class RolloutActor:
     def __init__(self, job: RLJobConfig, index: int, curriculum_name: str, namespace: Optional[str],
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None):
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
+        check_devices(job.ray.rollout, "ray.rollout")
         import_tensorboardx_without_torch()  # before its tracker imports it
         from marinrl.rollout.manager import RolloutManager
         from marinrl.rollout.worker import RolloutWorker

@@ -120,6 +120,45 @@ def actor_options(placement: PlacementConfig, slot: int, *, head: bool = True) -
     return {**options, "runtime_env": {"env_vars": env}} if env else options
 
 
+def device_problem(placement: PlacementConfig, field: str, devices: list) -> Optional[str]:
+    """Why the accelerators one process of a role sees are not what its placement asked for, in one line, or None:
+    their count, and on part of a TPU host that its chips form the block libtpu is told it holds
+    (`TPU_CHIP_BOUNDS`: 2×2 for 4 chips). Ray hands an actor `tpu_chips` chips by number (`TPU_VISIBLE_CHIPS`);
+    on a host whose chips lie 4×2, chips 0-3 are a row, which the 2×2 bounds do not describe. A process whose
+    JAX found no accelerator at all is left to Levanter's `require_accelerator` (and to the CPU tests that
+    play a TPU host with Ray's resources)."""
+    want = placement.devices()
+    accelerators = [d for d in devices if getattr(d, "platform", "cpu") != "cpu"]
+    if want is None or placement.hosts() != 1 or not accelerators:
+        return None
+    kind = placement.accelerator_field.split("=")[0]
+    if len(accelerators) != want:
+        return (f"{field}.{kind}: asked for {want} device(s) per process, JAX sees {len(accelerators)} "
+                f"({', '.join(_device_name(d) for d in accelerators)}); visible: {_visible_accelerators()}")
+    coords = [tuple(d.coords) for d in accelerators if getattr(d, "coords", None) is not None]
+    if placement.tpu_chips is None or len(coords) != len(accelerators):
+        return None
+    extent = tuple(max(c[i] for c in coords) - min(c[i] for c in coords) + 1 for i in range(len(coords[0])))
+    bounds = tuple(int(b) for b in TPU_CHIP_BOUNDS[placement.tpu_chips].split(","))
+    if math.prod(extent) == len(set(coords)) == len(coords) and sorted(extent) == sorted(bounds):
+        return None
+    return (f"{field}.tpu_chips: the {len(coords)} chips this process got lie at {sorted(coords)}, spanning "
+            f"{'x'.join(map(str, extent))}, not the {'x'.join(map(str, bounds))} block libtpu is told it holds "
+            f"(TPU_CHIPS_PER_PROCESS_BOUNDS={TPU_CHIP_BOUNDS[placement.tpu_chips]}): this host lays out its chips "
+            f"otherwise; give one role the whole host, or split it so each part is a block; visible: "
+            f"{_visible_accelerators()}")
+
+
+def _device_name(device) -> str:
+    coords = getattr(device, "coords", None)
+    return f"{getattr(device, 'device_kind', device)}:{device.id}" + (f"@{tuple(coords)}" if coords else "")
+
+
+def _visible_accelerators() -> str:
+    names = ("TPU_VISIBLE_CHIPS", "CUDA_VISIBLE_DEVICES", "TPU_CHIPS_PER_PROCESS_BOUNDS")
+    return ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ) or "no accelerator variables set"
+
+
 def cpus(placement: PlacementConfig) -> float:
     """CPUs one actor of the role holds over all its hosts."""
     return placement.num_cpus * placement.hosts()

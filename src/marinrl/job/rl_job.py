@@ -126,7 +126,7 @@ class RLJob:
                     trainers.append(TrainerActor.options(**actor_options(m.job.ray.trainer, k)).remote(
                         functools.partial(train_worker_config, m.job, m.policies),
                         curriculum_name if k == 0 else None, namespace, self._log_dir,
-                        started, "trainer" if len(models) == 1 else f"trainer-{m.name}"))
+                        started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.job.ray.trainer))
                 self._actors.extend(trainers)
                 train_refs = [t.run.remote() for t in trainers]
             else:
