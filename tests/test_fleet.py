@@ -1,0 +1,87 @@
+"""Issue 30, a fleet of rollout hosts: what must not grow faster than the work as hosts are added (pointer
+polling, curriculum calls), the fleet bench and the planner checked against it. The rollout reader's
+requests per poll are tested in tests/test_storage.py."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.env import EnvConfig
+from marinrl.curriculum.actor import MAX_PENDING_UPDATES, CurriculumClient, curriculum_actor
+from marinrl.transfer.base import POINTER_READS_PER_S, WAIT_MAX_INTERVAL_S, PollBackoff
+
+# ----------------------------------------------------------------------------- pointer polling
+
+
+def _reads_in(hosts: int, wait_s: float, reads_per_s: float) -> int:
+    """Pointer reads of `hosts` hosts waiting `wait_s` seconds of modelled time, each with its backoff."""
+    reads = 0
+    for h in range(hosts):
+        backoff, t = PollBackoff(hosts, reads_per_s, seed=h), 0.0
+        while t < wait_s:
+            reads += 1
+            t += backoff.next()
+    return reads
+
+
+@pytest.mark.parametrize("hosts", [1, 8, 64, 256])
+def test_a_waiting_fleet_reads_the_pointer_at_a_bounded_rate_however_many_hosts(hosts):
+    """Without the fleet cap a host reads every 50 ms: 5,120 reads a second at 256 hosts."""
+    wait_s = 120.0
+    per_s = _reads_in(hosts, wait_s, POINTER_READS_PER_S) / wait_s
+    assert per_s <= 1.15 * min(hosts / WAIT_MAX_INTERVAL_S, POINTER_READS_PER_S)
+
+
+def test_backoff_is_jittered_so_hosts_that_start_together_spread_out():
+    a, b = PollBackoff(64, seed=1), PollBackoff(64, seed=2)
+    xs, ys = [a.next() for _ in range(12)], [b.next() for _ in range(12)]
+    assert xs != ys and max(xs) <= 1.5 * a.cap_s
+    a.reset()
+    assert a.next() <= 1.5 * 0.01
+
+
+def test_backoff_refuses_nonsense():
+    with pytest.raises(ValueError, match="fleet_size"):
+        PollBackoff(0)
+
+
+# ----------------------------------------------------------------------------- curriculum calls
+
+ECHO = EnvConfig("echo", {"alphabet_size": 10})
+
+
+@pytest.fixture
+def curriculum(ray_session):
+    name = f"fleet-curriculum-{uuid.uuid4().hex[:8]}"
+    cfg = CurriculumConfig(lessons=(LessonConfig("a", ECHO), LessonConfig("b", ECHO)))
+    handle = curriculum_actor(cfg, name=name, namespace="marinrl-tests")
+    yield handle
+    ray_session.kill(handle, no_restart=True)
+
+
+def test_statistics_updates_do_not_wait_and_are_applied_in_order_exactly_once(curriculum):
+    """A host sends its updates without waiting for each round trip (at most MAX_PENDING_UPDATES in
+    flight); a later call from the same process sees every one applied, in order."""
+    client = CurriculumClient(curriculum)
+    for step in range(3 * MAX_PENDING_UPDATES):
+        client.update_from_training("a", [float(step % 2)] * 4, step)
+        assert client.pending <= MAX_PENDING_UPDATES
+    assert client.step() == 3 * MAX_PENDING_UPDATES - 1  # the last update's step: all applied before
+    other = CurriculumClient(curriculum)
+    assert other.metrics() == client.metrics()
+    client.flush()
+    assert client.pending == 0
+
+
+def test_a_failed_update_raises_from_the_next_call(curriculum):
+    client = CurriculumClient(curriculum)
+    client.update_from_training("nope", [1.0], 1)  # an unknown lesson: the actor raises
+    with pytest.raises(Exception, match="nope"):
+        client.flush()
+    client.update_from_training("a", [np.nan], 1)
+    with pytest.raises(Exception, match="finite"):
+        client.sample_lesson(0)
