@@ -85,3 +85,13 @@ def test_a_failed_update_raises_from_the_next_call(curriculum):
     client.update_from_training("a", [np.nan], 1)
     with pytest.raises(Exception, match="finite"):
         client.sample_lesson(0)
+
+
+def test_a_hosts_lesson_draw_waits_only_the_first_time_and_draws_what_the_actor_draws(curriculum, ray_session):
+    """`sample_lesson` draws from the client's copy of the weights, refreshed by a call it does not wait
+    for: the same lesson the actor would draw with the same seed, one waited call per client in all."""
+    client = CurriculumClient(curriculum)
+    client.update_from_training("a", [1.0] * 8, 1)  # "a" solved: "b" gets the larger weight
+    for seed in range(40):
+        assert client.sample_lesson(seed) == ray_session.get(curriculum.sample_lesson.remote(seed))
+    assert client.waited_calls == 1

@@ -15,7 +15,7 @@ import fsspec
 import numpy as np
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
-from marinrl.curriculum.lessons import Curriculum
+from marinrl.curriculum.lessons import Curriculum, sample_from_weights
 from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS
 
 logger = logging.getLogger(__name__)
@@ -195,16 +195,24 @@ class CurriculumClient:
     """Calls on a curriculum actor: what the RolloutManager (`update_from_training`, `update_from_eval`),
     the RolloutWorker (`sample_lesson(seed)`) and the TrainWorker (`set_step`, `save`, `load`) need.
 
-    The statistics updates are sent without waiting (at most `MAX_PENDING_UPDATES` in flight): a rollout
-    host does not hold its next batch for the actor's round trip, so a fleet's hosts do not queue behind
-    one another (docs/scaling.md, "A fleet of rollout hosts"). Ray runs one process's calls on the actor
-    in the order they were sent, so a later call of this process sees them applied; an update that
-    failed raises from the next call (or `flush()`). Every other call waits for its answer."""
+    No call of a rollout host's batch waits for the actor, so a fleet's hosts never queue behind one
+    another at it (docs/scaling.md, "A fleet of rollout hosts"): the statistics updates are sent without
+    waiting (at most `MAX_PENDING_UPDATES` in flight), and `sample_lesson` draws from a copy of the
+    sampling weights (`Curriculum.weights()`, the draw `lessons.sample_from_weights`), refreshed by a
+    call sent at each draw and taken at the next one, so the copy is at most one batch old and holds
+    this client's own earlier updates. Ray runs one process's calls on the actor in the order they were
+    sent, so a later call of this process sees them applied; an update that failed raises from the next
+    call (or `flush()`). Every other call waits for its answer."""
 
     def __init__(self, handle):
         self.handle = handle
         self._pending: list = []
         self._lock = threading.Lock()
+        self._weights: dict[str, float] | None = None
+        self._weights_ref = None
+        self.weight_refreshes = 0
+        self.waited_calls = 0
+        """Calls that waited for the actor's answer (a rollout host's first lesson, the trainer's calls)."""
 
     def _reap(self, keep: int | None = None) -> None:
         """Collects finished updates (raising the first failure); with `keep`, first waits until at most
@@ -242,12 +250,24 @@ class CurriculumClient:
     def _call(self, method: str, *args):
         import ray
 
+        self.waited_calls += 1
         out = ray.get(getattr(self.handle, method).remote(*args))
         self._reap()  # the actor ran this process's earlier updates first: their failures are known now
         return out
 
     def sample_lesson(self, seed: int) -> str:
-        return self._call("sample_lesson", seed)
+        """A lesson drawn with the weights as of this client's previous draw (the first draw waits for them)."""
+        import ray
+
+        ref = self._weights_ref
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            self._weights, self._weights_ref = ray.get(ref), None
+            self.weight_refreshes += 1
+        if self._weights is None:
+            self._weights = self._call("weights")
+        if self._weights_ref is None:
+            self._weights_ref = self.handle.weights.remote()
+        return sample_from_weights(self._weights, np.random.default_rng(seed))
 
     def update_from_training(self, lesson_id: str, rewards: Sequence[float], step: int) -> None:
         self._send("update_from_training", lesson_id, [float(r) for r in rewards], int(step))

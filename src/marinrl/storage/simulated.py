@@ -9,7 +9,10 @@ too) and forwards the calls rollout files, weight versions and the curriculum st
   bytes it moved; a listing counts one request per 1,000 names (GCS's page);
 - sleeping `latency_s` (the request's round trip), then the transfer time: `bytes / stream_bytes_per_s`
   for the connection, and FIFO on one shared link of `total_bytes_per_s` (a transfer starts when the
-  link has finished the bytes queued before it).
+  link has finished the bytes queued before it);
+- `byte_scale` (label → factor): the bytes of a label are charged and counted that many times over,
+  so that small real objects stand for large ones (`bench/fleet.py` moves real weight versions of a few
+  MB and charges them as the 1.2 GB they stand for).
 
 Use it through a URL (`simstore://bucket/run`, storage options `{"latency_s": 0.03, "stats": stats}`)
 wherever the product takes one, or hand an instance as `fs=`. Tests count requests with it; they
@@ -100,7 +103,8 @@ class SimulatedStore(AbstractFileSystem):
 
     def __init__(self, inner: str | AbstractFileSystem = "memory", latency_s: float = 0.0,
                  stream_bytes_per_s: float | None = None, total_bytes_per_s: float | None = None,
-                 stats: RequestStats | None = None, link: _Link | None = None, **kwargs):
+                 stats: RequestStats | None = None, link: _Link | None = None,
+                 byte_scale: dict[str, float] | None = None, **kwargs):
         super().__init__(**kwargs)
         self.inner = fsspec.filesystem(inner) if isinstance(inner, str) else inner
         self.protocol = (PROTOCOL, *[str(p) for p in np.atleast_1d(self.inner.protocol)])
@@ -108,10 +112,14 @@ class SimulatedStore(AbstractFileSystem):
         self.stream_bytes_per_s = stream_bytes_per_s
         self.link = link or _Link(total_bytes_per_s)
         self.stats = stats if stats is not None else RequestStats()
+        self._strip_protocol = self._strip_inner
+        self.byte_scale = byte_scale or {}
 
     # ---------------------------------------------------------------- the cost of a request
 
     def _cost(self, kind: str, path: str, nbytes: int = 0, n: int = 1) -> None:
+        if nbytes and self.byte_scale:
+            nbytes = int(nbytes * self.byte_scale.get(self.stats.labeler(path), 1.0))
         self.stats.add(kind, path, n, nbytes)
         wait = self.latency_s * n
         if nbytes:
@@ -127,13 +135,16 @@ class SimulatedStore(AbstractFileSystem):
 
     # ---------------------------------------------------------------- paths
 
-    def _strip_protocol(self, path):  # an instance method: the inner filesystem decides
-        if isinstance(path, list):
-            return [self._strip_protocol(p) for p in path]
+    @classmethod
+    def _strip_protocol(cls, path):  # fsspec's URL parsing (an instance replaces it with `_strip_inner`)
         path = str(path)
-        if path.startswith(f"{PROTOCOL}://"):
-            path = path[len(PROTOCOL) + 3:]
-        return self.inner._strip_protocol(path)
+        return path[len(PROTOCOL) + 3:] if path.startswith(f"{PROTOCOL}://") else path
+
+    def _strip_inner(self, path):
+        """A path as the inner filesystem names it."""
+        if isinstance(path, list):
+            return [self._strip_inner(p) for p in path]
+        return self.inner._strip_protocol(SimulatedStore._strip_protocol(path))
 
     def unstrip_protocol(self, name: str) -> str:
         return self.inner.unstrip_protocol(name)
@@ -155,7 +166,7 @@ class SimulatedStore(AbstractFileSystem):
     def cat_file(self, path, start=None, end=None, **kwargs):
         data = self.inner.cat_file(path, start=start, end=end, **kwargs)
         self._cost("read", path, len(data))
-        return data
+        return data  # (an in-memory inner holds the bytes anyway: reading first costs no memory)
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
         self._cost("write", path, len(value))
