@@ -336,6 +336,8 @@ def run(args) -> dict:
         replay.stop()
         reader.close()
         quiet = curriculum_probe(hosts, float(np.median([st["step_s"] for st in steps])))
+        for h in hosts:
+            h.curriculum.flush()
         counts = audit(read_trail(trail_root), num_steps=args.steps, groups_per_step=n_groups,
                        max_staleness=args.max_staleness)
         replay_metrics = replay.metrics()

@@ -95,3 +95,49 @@ def test_a_hosts_lesson_draw_waits_only_the_first_time_and_draws_what_the_actor_
     for seed in range(40):
         assert client.sample_lesson(seed) == ray_session.get(curriculum.sample_lesson.remote(seed))
     assert client.waited_calls == 1
+
+
+# ----------------------------------------------------------------------------- the fleet bench and the planner
+
+SMALL_FLEET = ["--steps", "6", "--prompt_tokens", "32", "--response_tokens", "128", "--group_size", "4",
+               "--host_tokens_per_s", "2000", "--weight_mb", "1", "--weight_stands_for_mb", "20", "--latency_ms", "10"]
+
+
+def test_the_fleet_bench_loses_nothing_and_the_planner_predicts_its_step_within_a_quarter(ray_session):
+    """bench/fleet.py at 4 hosts (the product's writer, reader, replay buffer, weight server and clients,
+    curriculum actor and audit trail; generation and the update as models of time): nothing lost or
+    trained twice, every batch's lesson drawn without waiting after the first, and the planner's step
+    time and trainer idle fraction within ±25% of the measured ones."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import fleet
+
+    out = fleet.run(fleet.parse(["--hosts", "4", *SMALL_FLEET]))
+    assert out["steps_trained"] == 6 and out["groups_trained"] == 6 * 4 * 2
+    assert out["groups_lost"] == 0 and out["groups_duplicated"] == 0 and out["groups_dropped"] == {}
+    assert out["requests_per_step"]["read"] == pytest.approx(4, abs=1)  # a read per file, no more
+    assert out["weight_gcs_reads_per_version"] <= 4  # every host reads each version once
+    assert out["curriculum_waited_calls_per_batch"] <= 1 / 6 + 1e-3  # a host's first draw only
+    plan = out["planner"]
+    assert plan["step_s_predicted"] == pytest.approx(plan["step_s_measured"], rel=0.25)
+    assert plan["idle_predicted"] == pytest.approx(plan["idle_measured"], rel=0.25)
+
+
+def test_marinrl_plan_answers_from_a_job_config_without_jax_or_ray(capsys):
+    from marinrl.cli import main
+
+    assert main(["plan", "experiments/quickstart.yaml", "--rollout_hosts", "1", "8", "--accelerator", "v5p",
+                 "--params", "8e9", "--weight_streams", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rollout hosts: a step every") == 2 and "the trainer stops waiting at" in out
+
+
+def test_the_planner_moves_the_wait_from_the_trainer_to_the_hosts_as_the_fleet_grows():
+    from marinrl.dry_run.fleet import FleetShape, plan_fleet, smallest_fleet
+
+    shape = FleetShape(weight_bytes=20e6, train_tokens_per_s=2e5)  # a slow trainer: it waits for few hosts only
+    assert plan_fleet(shape, 1).waits == "trainer" and plan_fleet(shape, 256).waits == "rollout hosts"
+    n = smallest_fleet(shape)
+    assert plan_fleet(shape, n - 1).waits == "trainer" and plan_fleet(shape, n).waits == "rollout hosts"

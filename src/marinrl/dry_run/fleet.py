@@ -71,6 +71,12 @@ class FleetShape:
     read_concurrency: int = 16
     file_bytes_per_token: float = ROLLOUT_FILE_BYTES_PER_TOKEN
     decode_rollouts_per_s: float = DECODE_ROLLOUTS_PER_S
+    weight_streams: int = 1
+    """Streams a version is written and each host reads it with (1: one packed object; a sharded
+    tensorstore version moves over many)."""
+    groups_per_step: int | None = None
+    """A job's groups per trainer step, shared by the hosts (each generates `groups_per_host`, its share
+    rounded up); None: every host writes `groups_per_host` a step (the bench's fleet shape)."""
 
     @classmethod
     def from_bench(cls, args) -> FleetShape:
@@ -106,39 +112,46 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
     if hosts < 1:
         raise ValueError(f"hosts must be >= 1, got {hosts}")
     s = shape
-    rollouts_per_host = s.groups_per_host * s.group_size
+    groups_per_host = math.ceil(s.groups_per_step / hosts) if s.groups_per_step else s.groups_per_host
+    step_groups = s.groups_per_step or hosts * s.groups_per_host
+    files = min(hosts, step_groups)
+    rollouts_per_host = groups_per_host * s.group_size
+    step_rollouts = step_groups * s.group_size
     # lognormal(median, sigma 0.3) response lengths: the mean is exp(0.045) times the median
     response_tokens = s.response_tokens * math.exp(0.3**2 / 2)
     file_bytes = rollouts_per_host * (s.prompt_tokens + response_tokens) * s.file_bytes_per_token
     gen_s = rollouts_per_host * response_tokens / s.host_tokens_per_s
     slowest = 1 + s.jitter * (hosts - 1) / (hosts + 1)
     host_s = gen_s * slowest + _transfer_s(s, file_bytes) + CURRICULUM_CALL_S
-    waves = math.ceil(hosts / s.read_concurrency)
+    waves = math.ceil(files / s.read_concurrency)
     link = s.total_bytes_per_s or math.inf
-    read_s = max(waves * _transfer_s(s, file_bytes), hosts * file_bytes / link)
-    decode_s = hosts * rollouts_per_host / s.decode_rollouts_per_s
-    ingest_tail_s = INGEST_TAIL_POLLS * 2 * s.latency_s + _transfer_s(s, file_bytes) + decode_s / hosts
-    train_s = hosts * rollouts_per_host * (s.prompt_tokens + response_tokens) / s.train_tokens_per_s
-    publish_s = POINTER_REQUESTS_PER_PUBLISH * s.latency_s + s.weight_bytes / s.stream_bytes_per_s
+    read_s = max(waves * _transfer_s(s, file_bytes), files * file_bytes / link)
+    decode_s = step_rollouts / s.decode_rollouts_per_s
+    ingest_tail_s = INGEST_TAIL_POLLS * 2 * s.latency_s + _transfer_s(s, file_bytes) + decode_s / files
+    train_s = step_rollouts * (s.prompt_tokens + response_tokens) / s.train_tokens_per_s
+    weight_bps = s.stream_bytes_per_s * s.weight_streams
+    publish_s = POINTER_REQUESTS_PER_PUBLISH * s.latency_s + s.weight_bytes / weight_bps
     busy_s = train_s + publish_s + CURRICULUM_CALL_S
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
-    fetch_s = max(_transfer_s(s, s.weight_bytes), hosts * s.weight_bytes / link)
-    fanout_s = poll_every / 2 + s.latency_s + fetch_s
+    # every host fetches every version (its own stream; all of them through the shared link), between batches
+    fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
+    cycle_s = host_s + fetch_s
+    fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
     if s.max_staleness == 0:
         step_s = busy_s + fanout_s + host_s + ingest_tail_s
-    else:
-        step_s = max(host_s, busy_s + ingest_tail_s, (fanout_s + host_s + ingest_tail_s + busy_s) / 2)
+    else:  # a host's cycle, the trainer's work, or half the loop through both (weights t-1 make batch t+1)
+        step_s = max(cycle_s, busy_s + ingest_tail_s, (fanout_s + host_s + ingest_tail_s + busy_s) / 2)
     idle = max(0.0, step_s - busy_s) / step_s
-    host_idle = max(0.0, step_s - host_s)
+    host_idle = max(0.0, step_s - cycle_s)
     waits = "trainer" if step_s - busy_s >= host_idle else "rollout hosts"
-    polls = step_s / 0.1 if idle > 0 else 1.0
+    polls = busy_s / 1.0 + (step_s - busy_s) / 0.1  # every poll_interval_s (1 s) busy, 10-100 ms waiting
     return FleetPlan(
         hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
-                 "train": train_s, "publish": publish_s, "fanout": fanout_s},
-        requests_per_step={"rollout_writes": hosts, "rollout_reads": hosts, "rollout_lists": 2 * polls,
-                           "weight_reads": hosts, "pointer_reads": hosts * (1 + host_idle / poll_every * 0)},
-        bytes_per_step={"rollouts": hosts * file_bytes, "weights": (hosts + 1) * s.weight_bytes},
+                 "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
+        requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
+                           "weight_reads": hosts, "pointer_reads": hosts + hosts * host_idle / poll_every},
+        bytes_per_step={"rollouts": files * file_bytes, "weights": (hosts + 1) * s.weight_bytes},
     )
 
 
@@ -148,3 +161,49 @@ def smallest_fleet(shape: FleetShape, max_hosts: int = 4096) -> int | None:
         if plan_fleet(shape, n).waits != "trainer":
             return n
     return None
+
+
+def shape_of_job(job, hosts: int, *, accelerator: str = "cpu", trainer_chips: int = 1,
+                 host_tokens_per_s: float | None = None, prompt_tokens: int | None = None,
+                 response_tokens: int | None = None, params: float | None = None, **overrides) -> FleetShape:
+    """The `FleetShape` of an `RLJobConfig` (`job`) with `hosts` rollout hosts sharing its step's groups.
+
+    The trainer's tokens/s is the chip's peak × MFU × `trainer_chips` over the train step's model FLOPs
+    per token (`dry_run.flops.train_flops`, from the config's architecture; `params` in parameters
+    instead, at 6 FLOPs per parameter per token, for a model the config names by checkpoint). Response
+    tokens: the lessons' largest `max_tokens` (a budget: an upper bound); prompt tokens: the rest of
+    `batching.max_length`. A version is the parameters in the rollout dtype (2 bytes unless float32)."""
+    from marinrl.dry_run.flops import ModelDims, train_flops
+
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
+    chip = ACCELERATORS[accelerator]
+    lessons = job.curriculum.lessons if job.curriculum is not None else ()
+    response = response_tokens or max((lesson.max_tokens for lesson in lessons), default=256)
+    prompt = prompt_tokens or max(1, job.batching.max_length - response)
+    rows = job.groups_per_step * job.n_generations
+    if params is None:
+        dims = ModelDims.of(job.model.model, job.model.vocab_size)
+        flops = train_flops(dims, rows, prompt + response, 0)
+        per_token = flops.model / flops.tokens
+        params = dims.matmul_params + dims.vocab * dims.hidden * (0 if dims.tied_embeddings else 1)
+    else:
+        per_token = 6.0 * params
+    train_tps = chip["peak_flops"] * chip["mfu"] * trainer_chips / per_token
+    dtype_bytes = 4 if str(getattr(job.model, "dtype", "bfloat16")) == "float32" else 2
+    return FleetShape(groups_per_step=job.groups_per_step, group_size=job.n_generations,
+                      prompt_tokens=prompt, response_tokens=response,
+                      host_tokens_per_s=host_tokens_per_s or chip["host_tokens_per_s"],
+                      train_tokens_per_s=train_tps, max_staleness=job.max_staleness,
+                      weight_bytes=params * dtype_bytes, **overrides)
+
+
+def describe(plan: FleetPlan, shape: FleetShape) -> str:
+    """`marinrl plan`'s text: the step, who waits, the parts, requests and bytes."""
+    lines = [f"{plan.hosts} rollout hosts: a step every {plan.step_s:.2f} s; the trainer works "
+             f"{plan.trainer_busy_s:.2f} s of it (idle {100 * plan.trainer_idle_fraction:.0f}%); "
+             f"the {plan.waits} wait",
+             "  per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in plan.parts_s.items()),
+             "  requests per step: " + ", ".join(f"{k} {v:.0f}" for k, v in plan.requests_per_step.items()),
+             "  bytes per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in plan.bytes_per_step.items())]
+    return "\n".join(lines)
