@@ -215,7 +215,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              "weight_streams": args.weight_streams}
     try:
         shapes = {n: shape_of_job(config, n, accelerator=args.accelerator, trainer_chips=args.trainer_chips,
-                                  host_tokens_per_s=args.host_tokens_per_s, params=args.params, **extra)
+                                  host_tokens_per_s=args.host_tokens_per_s, params=args.params,
+                                  prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, **extra)
                   for n in args.rollout_hosts}
     except ValueError as e:
         raise InputError(str(e)) from e
@@ -286,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host_tokens_per_s", type=float, default=None,
                    help="one rollout host's generation speed (default: the accelerator's row)")
     p.add_argument("--params", type=float, default=None, help="parameters (e.g. 8e9) of a checkpoint-named model")
+    p.add_argument("--prompt_tokens", type=int, default=None, help="default: batching.max_length - response")
+    p.add_argument("--response_tokens", type=int, default=None, help="default: the lessons' largest max_tokens")
     p.add_argument("--latency_ms", type=float, default=30.0)
     p.add_argument("--stream_mb_s", type=float, default=200.0)
     p.add_argument("--weight_streams", type=int, default=1,

@@ -172,7 +172,8 @@ def shape_of_job(job, hosts: int, *, accelerator: str = "cpu", trainer_chips: in
     per token (`dry_run.flops.train_flops`, from the config's architecture; `params` in parameters
     instead, at 6 FLOPs per parameter per token, for a model the config names by checkpoint). Response
     tokens: the lessons' largest `max_tokens` (a budget: an upper bound); prompt tokens: the rest of
-    `batching.max_length`. A version is the parameters in the rollout dtype (2 bytes unless float32)."""
+    `batching.max_length`. A version is the parameters in the job's rollout dtype (`rollout_dtype()`: 2
+    bytes unless float32)."""
     from marinrl.dry_run.flops import ModelDims, train_flops
 
     if accelerator not in ACCELERATORS:
@@ -190,7 +191,7 @@ def shape_of_job(job, hosts: int, *, accelerator: str = "cpu", trainer_chips: in
     else:
         per_token = 6.0 * params
     train_tps = chip["peak_flops"] * chip["mfu"] * trainer_chips / per_token
-    dtype_bytes = 4 if str(getattr(job.model, "dtype", "bfloat16")) == "float32" else 2
+    dtype_bytes = 4 if str(job.rollout_dtype()) in ("float32", "f32") else 2
     return FleetShape(groups_per_step=job.groups_per_step, group_size=job.n_generations,
                       prompt_tokens=prompt, response_tokens=response,
                       host_tokens_per_s=host_tokens_per_s or chip["host_tokens_per_s"],
@@ -202,7 +203,7 @@ def describe(plan: FleetPlan, shape: FleetShape) -> str:
     """`marinrl plan`'s text: the step, who waits, the parts, requests and bytes."""
     lines = [f"{plan.hosts} rollout hosts: a step every {plan.step_s:.2f} s; the trainer works "
              f"{plan.trainer_busy_s:.2f} s of it (idle {100 * plan.trainer_idle_fraction:.0f}%); "
-             f"the {plan.waits} wait",
+             f"who waits: the {plan.waits}",
              "  per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in plan.parts_s.items()),
              "  requests per step: " + ", ".join(f"{k} {v:.0f}" for k, v in plan.requests_per_step.items()),
              "  bytes per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in plan.bytes_per_step.items())]
