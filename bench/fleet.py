@@ -78,6 +78,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a version's real bytes, charged and counted as --weight_stands_for_mb")
     p.add_argument("--weight_stands_for_mb", type=float, default=1_200.0)
     p.add_argument("--pointer_reads_per_s", type=float, default=200.0)
+    p.add_argument("--fanout", choices=["storage", "relay"], default="storage",
+                   help="storage: every host reads each version; relay: transfer/relay.py reads it once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch_interval_ms", type=float, default=0.0,
                    help="Python's GIL switch interval for the one process (0: Python's 5 ms)")
@@ -161,14 +163,20 @@ class Host(threading.Thread):
     >= t - max_staleness), generation as a model of time, the product's writer, weight client and
     curriculum client."""
 
-    def __init__(self, index: int, args, rollout_root: str, store, weights_config, curriculum, skeleton, log):
+    def __init__(self, index: int, args, rollout_root: str, store, weights_config, curriculum, skeleton, log,
+                 relay=None):
         super().__init__(name=f"host{index}", daemon=True)
         from marinrl.curriculum.actor import CurriculumClient
         from marinrl.transfer.checkpoint import FilesystemWeightClient
 
         self.index, self.args, self.log = index, args, log
         self.writer = RolloutWriter(rollout_root, fs=store)
-        self.client = FilesystemWeightClient(weights_config, skeleton)
+        if relay is not None:
+            from marinrl.transfer.relay import RelayWeightClient
+
+            self.client = RelayWeightClient(weights_config, skeleton, relay=relay)
+        else:
+            self.client = FilesystemWeightClient(weights_config, skeleton)
         self.curriculum = CurriculumClient(curriculum)
         self.backoff = PollBackoff(args.hosts, args.pointer_reads_per_s, seed=[args.seed, index])
         self.rng = np.random.default_rng([args.seed, index])
@@ -211,6 +219,22 @@ class Host(threading.Thread):
             self.groups_written += len(batch.groups)
             self.curriculum.update_from_training(lesson, [r.episode_reward for r in batch.rollouts], w)
             target += 1
+
+
+class LocalRelay:
+    """transfer/relay.py's `WeightRelay` in this process (the simulated store lives here), called the way
+    a client calls its actor (`relay.latest.remote()`, an ObjectRef); the version's bytes go through
+    Ray's object store for real, but between threads of one process, not between nodes."""
+
+    def __init__(self, config):
+        import types
+
+        import ray
+
+        from marinrl.transfer.relay import WeightRelay
+
+        self.relay = WeightRelay(config)
+        self.latest = types.SimpleNamespace(remote=lambda: ray.put(self.relay.latest()))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -281,7 +305,9 @@ def run(args) -> dict:
         publish_at = {0: time.perf_counter()}
         server.publish(model, 0)
         log = {"received": collections.defaultdict(list), "curriculum_ms": [], "curriculum_first_ms": []}
-        hosts = [Host(i, args, rollout_root, store, weights_config, handle, model, log) for i in range(args.hosts)]
+        relay = LocalRelay(weights_config) if args.fanout == "relay" else None
+        hosts = [Host(i, args, rollout_root, store, weights_config, handle, model, log, relay)
+                 for i in range(args.hosts)]
         reader = TimedReader(rollout_root, fs=store)
         replay = ReplayBuffer(ReplayConfig(sampling=OffPolicyConfig(staleness=args.max_staleness),
                                            max_files_per_poll=max(64, args.hosts),
@@ -371,7 +397,7 @@ def run(args) -> dict:
     plan = plan_fleet(shape, args.hosts)
     written = sum(h.groups_written for h in hosts)
     return {
-        "bench": "fleet", "hosts": args.hosts, "steps_trained": counts.steps,
+        "bench": "fleet", "fanout": args.fanout, "hosts": args.hosts, "steps_trained": counts.steps,
         "groups_lost": counts.groups_lost, "groups_duplicated": counts.groups_duplicated,
         "groups_written": written, "groups_trained": counts.groups_trained,
         "groups_dropped": {k2.split("/")[-1]: v for k2, v in replay_metrics.items()
@@ -409,7 +435,9 @@ def run(args) -> dict:
                                  f"stream, {args.total_mb_s or 'no limit':} MB/s in all",
                       "weights": f"{args.weight_mb:g} MB of real bytes a version, charged and counted as "
                                  f"{args.weight_stands_for_mb:g} MB",
-                      "one_process": "trainer and hosts share one process (peak RSS is theirs together)"},
+                      "one_process": "trainer and hosts share one process (peak RSS is theirs together)",
+                      **({"relay": "the relay runs in this process; its object-store reads are local "
+                                   "(no node-to-node transfer is simulated)"} if args.fanout == "relay" else {})},
         "config": {k2: v for k2, v in vars(args).items()},
         "machine": machine(),
     }

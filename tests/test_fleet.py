@@ -141,3 +141,37 @@ def test_the_planner_moves_the_wait_from_the_trainer_to_the_hosts_as_the_fleet_g
     assert plan_fleet(shape, 1).waits == "trainer" and plan_fleet(shape, 256).waits == "rollout hosts"
     n = smallest_fleet(shape)
     assert plan_fleet(shape, n - 1).waits == "trainer" and plan_fleet(shape, n).waits == "rollout hosts"
+
+
+# ----------------------------------------------------------------------------- weight fan-out
+
+
+def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hosts(ray_session, tmp_path):
+    """Eight hosts' clients of a relayed root: each version read from storage once (by the relay), the
+    hosts' copies from Ray's object store, equal to what was published."""
+    import jax
+    import jax.numpy as jnp
+
+    from marinrl.config.transfer import FilesystemTransferConfig
+    from marinrl.transfer.endpoints import build_client, build_server
+    from marinrl.transfer.relay import RelayWeightClient, relay_name
+
+    config = FilesystemTransferConfig(root=f"file://{tmp_path}/weights", format="packed", fanout="relay")
+    model = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((10, 10), jnp.bfloat16)}
+    server = build_server(config)
+    clients = [build_client(config, model) for _ in range(8)]
+    assert all(isinstance(c, RelayWeightClient) for c in clients)
+    try:
+        for step in range(3):
+            published = jax.tree.map(lambda x, step=step: x + step, model)
+            server.publish(published, step)
+            for c in clients:
+                got = c.wait_for(step, timeout_s=60).model
+                for k in published:
+                    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(published[k]))
+        relay = ray_session.get_actor(relay_name(config))
+        metrics = ray_session.get(relay.metrics.remote())
+        assert metrics["version_reads"] == 3 and metrics["failures"] == 0
+        assert all(c.storage_fetches == 0 and c.relay_failures == 0 for c in clients)
+    finally:
+        ray_session.kill(ray_session.get_actor(relay_name(config)), no_restart=True)

@@ -212,7 +212,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ConfigInputError, ConfigError, ValueError) as e:
         raise _input_error(args.config, args.overrides, e) from e
     extra = {"latency_s": args.latency_ms / 1e3, "stream_bytes_per_s": args.stream_mb_s * 1e6,
-             "weight_streams": args.weight_streams}
+             "weight_streams": args.weight_streams, "fanout": args.fanout,
+             "relay_bytes_per_s": args.relay_gb_s * 1e9 if args.relay_gb_s else None}
     try:
         shapes = {n: shape_of_job(config, n, accelerator=args.accelerator, trainer_chips=args.trainer_chips,
                                   host_tokens_per_s=args.host_tokens_per_s, params=args.params,
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream_mb_s", type=float, default=200.0)
     p.add_argument("--weight_streams", type=int, default=1,
                    help="streams a version is written and read with (a sharded tensorstore version: many)")
+    p.add_argument("--fanout", choices=["storage", "relay"], default="storage",
+                   help="storage: every host reads each version; relay: read once, then Ray's object store")
+    p.add_argument("--relay_gb_s", type=float, default=None, help="a host's object-store bandwidth with the relay")
     p.set_defaults(run=cmd_plan, overrides=[])
 
     p = sub.add_parser("report", help="PNG plots and an HTML page of a run (rewards, evals, staleness, step times)")

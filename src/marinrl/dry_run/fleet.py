@@ -48,6 +48,8 @@ CURRICULUM_CALL_S = 0.002
 POINTER_REQUESTS_PER_PUBLISH = 5
 """A publish's requests besides the version's bytes: the pointer read and written, listing and deleting
 the oldest version, the snapshot-request listing."""
+RELAY_POLL_S = 0.05
+"""How often the relay reads the pointer (transfer/relay.py)."""
 INGEST_TAIL_POLLS = 1.5
 """Polls of the trainer's reader between the last file and the batch (it lists every 10–100 ms while it
 waits, then reads)."""
@@ -74,6 +76,10 @@ class FleetShape:
     weight_streams: int = 1
     """Streams a version is written and each host reads it with (1: one packed object; a sharded
     tensorstore version moves over many)."""
+    fanout: str = "storage"
+    """storage: every host reads each version from storage; relay: one read per version, then each host
+    from Ray's object store (transfer/relay.py) at `relay_bytes_per_s` a host (None: free, one machine)."""
+    relay_bytes_per_s: float | None = None
     groups_per_step: int | None = None
     """A job's groups per trainer step, shared by the hosts (each generates `groups_per_host`, its share
     rounded up); None: every host writes `groups_per_host` a step (the bench's fleet shape)."""
@@ -87,7 +93,7 @@ class FleetShape:
                    train_tokens_per_s=args.train_tokens_per_s, max_staleness=args.max_staleness,
                    latency_s=args.latency_ms / 1e3, stream_bytes_per_s=args.stream_mb_s * 1e6,
                    total_bytes_per_s=args.total_mb_s * 1e6 or None, weight_bytes=args.weight_stands_for_mb * 1e6,
-                   pointer_reads_per_s=args.pointer_reads_per_s)
+                   pointer_reads_per_s=args.pointer_reads_per_s, fanout=getattr(args, "fanout", "storage"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +141,9 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
     # every host fetches every version (its own stream; all of them through the shared link), between batches
     fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
+    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store, a host's share
+        fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
+                   + (s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
     cycle_s = host_s + fetch_s
     fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
     if s.max_staleness == 0:
@@ -150,8 +159,11 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
                  "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
         requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
-                           "weight_reads": hosts, "pointer_reads": hosts + hosts * host_idle / poll_every},
-        bytes_per_step={"rollouts": files * file_bytes, "weights": (hosts + 1) * s.weight_bytes},
+                           "weight_reads": 1 if s.fanout == "relay" else hosts,
+                           "pointer_reads": (step_s / RELAY_POLL_S if s.fanout == "relay"
+                                             else hosts + hosts * host_idle / poll_every)},
+        bytes_per_step={"rollouts": files * file_bytes,
+                        "weights": (2 if s.fanout == "relay" else hosts + 1) * s.weight_bytes},
     )
 
 
