@@ -1,7 +1,7 @@
 """A pod on one machine: N simulated rollout hosts and one trainer in one process, over storage that costs
 what GCS costs (issue 30; docs/scaling.md, "A fleet of rollout hosts").
 
-    python bench/fleet.py --hosts 64 --steps 12 [--max_staleness 1] [--weight_mb 16] [--fanout every_host]
+    python bench/fleet.py --hosts 64 --steps 8 [--max_staleness 1] [--weight_mb 2] [--fanout storage|relay]
 
 Real parts, the product's own code: each host's `RolloutWriter` (one Parquet file per host per step), the
 trainer's `RolloutReader` + `ReplayBuffer` (its ingestion thread, staleness window, off-policy sampling),
@@ -60,7 +60,7 @@ LESSONS = ("easy", "hard")
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, default=8)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--groups_per_host", type=int, default=2, help="groups each host writes per trainer step")
     p.add_argument("--group_size", type=int, default=8)
     p.add_argument("--prompt_tokens", type=int, default=128)
