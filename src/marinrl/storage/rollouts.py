@@ -160,6 +160,10 @@ class RolloutReader:
     Parquet, not ours, a newer format version, not a file at all), is moved to `ROOT/quarantine/` and
     counted, never fatal; transient errors are retried, and a file that still fails stays unconsumed
     for the next call.
+
+    Requests per call follow the files written, not the run's history: given `max_step`, a call lists
+    only the step folders that can hold new files (the root on the first call and every
+    `rescan_every`-th), and reads a call's files `max_concurrent_reads` at a time (docs/storage.md).
     """
 
     def __init__(self, root: str, *, storage_options: dict | None = None, fs=None,
