@@ -629,8 +629,8 @@ class ListingReader(RolloutReader):
         self.listed = threading.Condition()
         self.listings = 0
 
-    def read_new_with_paths(self, min_step=None, max_files=None):
-        out = super().read_new_with_paths(min_step, max_files)
+    def read_new_with_paths(self, min_step=None, max_files=None, max_step=None):
+        out = super().read_new_with_paths(min_step, max_files, max_step)
         with self.listed:
             self.listings += 1
             self.listed.notify_all()
@@ -669,7 +669,7 @@ class FailingReader:
     def __init__(self, first: BaseException, then=None):
         self.first, self.then, self.calls = first, then, 0
 
-    def read_new_with_paths(self, min_step=None, max_files=None):
+    def read_new_with_paths(self, min_step=None, max_files=None, max_step=None):
         self.calls += 1
         if self.calls == 1:
             raise self.first

@@ -467,3 +467,66 @@ def test_summarize_reports_steps_envs_and_finish_reasons():
     assert s["totals"] == {"files": 2, "rollouts": 12, "groups": 3, "unreadable": 0, "quarantined": 0}
     rewards = [r.episode_reward for r in make_batch(n_groups=2, group_size=4, env_name="a").rollouts]
     assert s["envs"]["a"]["reward"]["mean"] == pytest.approx(np.mean(rewards))
+
+
+# ----------------------------------------------------------------------------- requests per poll (issue 30)
+
+
+def _counted_root(name: str, latency_s: float = 0.0):
+    """A fresh memory root behind a SimulatedStore whose stats label a listing of the root itself."""
+    from marinrl.storage.simulated import RequestStats, SimulatedStore
+
+    root = f"/fleet-{name}-{os.getpid()}-{threading.get_ident()}"
+    stats = RequestStats(labeler=lambda p: "root" if p.rstrip("/") == root else "step")
+    return root, stats, SimulatedStore(latency_s=latency_s, stats=stats)
+
+
+def test_reader_requests_per_poll_grow_with_the_files_written_not_the_runs_history():
+    """A trainer's polls over a run of 60 steps, 4 hosts writing one file each per step: every poll
+    lists the root never after the first, lists a bounded number of step folders and reads exactly
+    the new files, so the last ten polls cost what the first ten did."""
+    root, stats, fs = _counted_root("history")
+    writer, reader = RolloutWriter(root, fs=fs), RolloutReader(root, fs=fs)
+    per_poll, reads = [], []
+    for step in range(60):
+        for host in range(4):
+            writer.write(make_batch(weight_step=step, seed=step * 4 + host))
+        stats.reset()
+        got = reader.read_new(min_step=max(0, step - 1), max_step=step)
+        assert len(got) == 4
+        per_poll.append(stats.total())
+        reads.append(stats.total(kind="read"))
+    assert stats.total(kind="list", label="root") == 0 and reader.root_listings == 1
+    assert reads == [4] * 60
+    assert sum(per_poll[-10:]) <= sum(per_poll[1:11])
+    assert max(per_poll[1:]) <= 4 + storage.PROBE_STEPS + 2
+
+
+def test_reader_finds_every_file_of_a_late_or_skipped_step_and_still_reads_each_once():
+    """Files of a step below the trainer's (a slow host), a step nobody wrote before, and a step above
+    `max_step` found by the periodic root listing: each returned exactly once."""
+    root, stats, fs = _counted_root("late")
+    writer = RolloutWriter(root, fs=fs)
+    reader = RolloutReader(root, fs=fs, rescan_every=5)
+    writer.write(make_batch(weight_step=30, seed=1))  # a previous run's future: seen by the first listing
+    assert [b.weight_step for b in reader.read_new(min_step=0, max_step=3)] == [30]
+    seen = []
+    for step in range(4, 20):
+        writer.write(make_batch(weight_step=step, seed=step))
+        if step == 12:
+            writer.write(make_batch(weight_step=9, seed=99))  # a late file in a step folder seen before
+            writer.write(make_batch(weight_step=7, seed=98))  # a step no host had written
+        seen += [b.weight_step for b in reader.read_new(min_step=0, max_step=step)]
+    assert sorted(seen) == sorted([*range(4, 20), 9, 7])
+
+
+def test_reader_reads_a_polls_files_concurrently_in_a_bounded_pool():
+    root, stats, fs = _counted_root("pool", latency_s=0.01)
+    writer = RolloutWriter(root, fs=fs)
+    for i in range(40):
+        writer.write(make_batch(weight_step=0, seed=i))
+    reader = RolloutReader(root, fs=fs, max_concurrent_reads=8)
+    stats.reset()
+    assert len(reader.read_new(max_step=0)) == 40
+    assert 1 < stats.max_in_flight <= 8
+    reader.close()

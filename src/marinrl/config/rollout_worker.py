@@ -54,6 +54,12 @@ class RolloutWorkerConfig:
     at the start and the end."""
     eval_examples: int = 32
     weight_timeout_s: float = 600.0
+    fleet_size: int = 1
+    """The rollout workers of the job (the plan sets it): a waiting worker's share of `pointer_reads_per_s`."""
+    pointer_reads_per_s: float = 200.0
+    """The weight-pointer reads per second all waiting rollout workers may make together: each backs off
+    to `fleet_size / pointer_reads_per_s` seconds between reads (at least 50 ms), jittered
+    (`transfer.base.PollBackoff`)."""
     """How long to wait for weights the trainer owes us before giving up."""
     max_consecutive_env_failures: int = 5
     """A lesson whose environment fails this many calls in a row (it raises, fails to construct, or
@@ -73,7 +79,9 @@ class RolloutWorkerConfig:
         if not self.streams:
             raise ValueError("RolloutWorkerConfig.streams: a worker samples at least one policy model")
         require_at_least(self, 1, "groups_per_batch", "n_generations", "eval_examples", "micro_eval_examples",
-                         "max_consecutive_env_failures")
+                         "max_consecutive_env_failures", "fleet_size")
+        if not self.pointer_reads_per_s > 0:
+            raise ValueError(f"RolloutWorkerConfig.pointer_reads_per_s must be > 0, got {self.pointer_reads_per_s}")
         require_at_least(self, 0, "max_staleness", "micro_eval_every", "eval_every", "final_step")
         if self.inflight.enabled and len(self.streams) > 1:
             raise ValueError("inflight.enabled with several policy models is not supported")

@@ -36,6 +36,9 @@ class WeightTransferConfig(draccus.ChoiceRegistry):
         return "filesystem"
 
 
+FANOUTS = ("storage", "relay")
+
+
 @WeightTransferConfig.register_subclass("filesystem")
 @dataclasses.dataclass(frozen=True)
 class FilesystemTransferConfig(WeightTransferConfig):
@@ -57,8 +60,14 @@ class FilesystemTransferConfig(WeightTransferConfig):
     full_every: int = FULL_EVERY_DEFAULT
     """With `delta`: every how many versions a full snapshot is written (a client that is further
     behind, or new, loads the snapshot and the deltas after it)."""
+    fanout: str = "storage"
+    """How rollout hosts get a version: `storage`, each host reads the pointer and the version from
+    storage; `relay`, one Ray actor per root reads each packed version once and the hosts fetch it
+    from Ray's object store (transfer/relay.py; docs/scaling.md, "A fleet of rollout hosts")."""
 
     def __post_init__(self):
+        if self.fanout not in FANOUTS:
+            raise ValueError(f"FilesystemTransferConfig.fanout must be one of {FANOUTS}, got {self.fanout!r}")
         if not self.root:
             raise ValueError("FilesystemTransferConfig.root must be set")
         if self.keep_last < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from typing import Any, Optional, Sequence
 
@@ -14,7 +15,7 @@ import fsspec
 import numpy as np
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig
-from marinrl.curriculum.lessons import Curriculum
+from marinrl.curriculum.lessons import Curriculum, sample_from_weights
 from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS
 
 logger = logging.getLogger(__name__)
@@ -186,27 +187,93 @@ def curriculum_actor(
     return handle
 
 
+MAX_PENDING_UPDATES = 16
+"""Statistics updates a client lets be in flight before it waits for the oldest (a bound on its memory)."""
+
+
 class CurriculumClient:
-    """Synchronous calls on a curriculum actor: what the RolloutManager (`update_from_training`,
-    `update_from_eval`), the RolloutWorker (`sample_lesson(seed)`) and the TrainWorker (`set_step`,
-    `save`, `load`) need."""
+    """Calls on a curriculum actor: what the RolloutManager (`update_from_training`, `update_from_eval`),
+    the RolloutWorker (`sample_lesson(seed)`) and the TrainWorker (`set_step`, `save`, `load`) need.
+
+    No call of a rollout host's batch waits for the actor, so a fleet's hosts never queue behind one
+    another at it (docs/scaling.md, "A fleet of rollout hosts"): the statistics updates are sent without
+    waiting (at most `MAX_PENDING_UPDATES` in flight), and `sample_lesson` draws from a copy of the
+    sampling weights (`Curriculum.weights()`, the draw `lessons.sample_from_weights`), refreshed by a
+    call sent at each draw and taken at the next one, so the copy is at most one batch old and holds
+    this client's own earlier updates. Ray runs one process's calls on the actor in the order they were
+    sent, so a later call of this process sees them applied; an update that failed raises from the next
+    call (or `flush()`). Every other call waits for its answer."""
 
     def __init__(self, handle):
         self.handle = handle
+        self._pending: list = []
+        self._lock = threading.Lock()
+        self._weights: dict[str, float] | None = None
+        self._weights_ref = None
+        self.weight_refreshes = 0
+        self.waited_calls = 0
+        """Calls that waited for the actor's answer (a rollout host's first lesson, the trainer's calls)."""
+
+    def _reap(self, keep: int | None = None) -> None:
+        """Collects finished updates (raising the first failure); with `keep`, first waits until at most
+        `keep` are in flight."""
+        import ray
+
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        need = 0 if keep is None else max(0, len(pending) - keep)
+        done, rest = ray.wait(pending, num_returns=need or len(pending), timeout=None if need else 0)
+        with self._lock:
+            self._pending = rest + self._pending
+        ray.get(done)
+
+    def _send(self, method: str, *args) -> None:
+        self._reap()
+        ref = getattr(self.handle, method).remote(*args)
+        with self._lock:
+            self._pending.append(ref)
+            over = len(self._pending) > MAX_PENDING_UPDATES
+        if over:
+            self._reap(keep=MAX_PENDING_UPDATES)
+
+    def flush(self) -> None:
+        """Waits for every update this client sent; raises the first that failed."""
+        self._reap(keep=0)
+
+    @property
+    def pending(self) -> int:
+        """Updates sent and not yet known to be applied."""
+        return len(self._pending)
 
     def _call(self, method: str, *args):
         import ray
 
-        return ray.get(getattr(self.handle, method).remote(*args))
+        self.waited_calls += 1
+        out = ray.get(getattr(self.handle, method).remote(*args))
+        self._reap()  # the actor ran this process's earlier updates first: their failures are known now
+        return out
 
     def sample_lesson(self, seed: int) -> str:
-        return self._call("sample_lesson", seed)
+        """A lesson drawn with the weights as of this client's previous draw (the first draw waits for them)."""
+        import ray
+
+        ref = self._weights_ref
+        if ref is not None and ray.wait([ref], timeout=0)[0]:
+            self._weights, self._weights_ref = ray.get(ref), None
+            self.weight_refreshes += 1
+        if self._weights is None:
+            self._weights = self._call("weights")
+        if self._weights_ref is None:
+            self._weights_ref = self.handle.weights.remote()
+        return sample_from_weights(self._weights, np.random.default_rng(seed))
 
     def update_from_training(self, lesson_id: str, rewards: Sequence[float], step: int) -> None:
-        self._call("update_from_training", lesson_id, [float(r) for r in rewards], int(step))
+        self._send("update_from_training", lesson_id, [float(r) for r in rewards], int(step))
 
     def update_from_eval(self, lesson_id: str, rewards: Sequence[float], step: int) -> None:
-        self._call("update_from_eval", lesson_id, [float(r) for r in rewards], int(step))
+        self._send("update_from_eval", lesson_id, [float(r) for r in rewards], int(step))
 
     def set_step(self, step: int) -> None:
         self._call("set_step", int(step))

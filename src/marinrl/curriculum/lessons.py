@@ -147,9 +147,7 @@ class Curriculum:
 
     def sample_lesson(self, rng: np.random.Generator) -> str:
         """A lesson to train on, drawn with `weights()`."""
-        w = self.weights()
-        ids = [i for i, p in w.items() if p > 0]
-        return str(ids[int(rng.choice(len(ids), p=np.array([w[i] for i in ids]) / sum(w[i] for i in ids)))])
+        return sample_from_weights(self.weights(), rng)
 
     def metrics(self) -> dict[str, float]:
         """`curriculum/...` numbers for the tracker (status: 0 locked, 1 active, 2 graduated)."""
@@ -286,3 +284,10 @@ class Curriculum:
             raise ValueError(f"curriculum state is malformed: {type(e).__name__}: {e}") from e
         self._state, self._step = fresh, step
         self._refresh()
+
+
+def sample_from_weights(weights: dict[str, float], rng: np.random.Generator) -> str:
+    """A lesson drawn with `weights` (`Curriculum.weights()`): the curriculum's draw, which a client holding
+    a copy of the weights makes without a call (`curriculum.actor.CurriculumClient.sample_lesson`)."""
+    ids = [i for i, p in weights.items() if p > 0]
+    return str(ids[int(rng.choice(len(ids), p=np.array([weights[i] for i in ids]) / sum(weights[i] for i in ids)))])

@@ -72,7 +72,7 @@ def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
         eval_examples=job.eval_examples, micro_eval_every=job.micro_eval_every,
         micro_eval_examples=job.micro_eval_examples, seed=job.seed * 1000 + index,
         max_consecutive_env_failures=job.max_consecutive_env_failures, warm_up_sampler=job.warm_up_sampler,
-        inflight=job.inflight)
+        inflight=job.inflight, fleet_size=job.n_rollout_workers)
 
 
 # ------------------------------------------------------------------------------------- a rollout host

@@ -157,5 +157,11 @@ class RolloutManager:
             self.server.reload(model, weight_step, model_name)
 
     def shutdown(self) -> None:
+        flush = getattr(self.curriculum, "flush", None)  # statistics updates still in flight (CurriculumClient)
+        if flush is not None:
+            try:
+                flush()
+            except Exception as e:  # noqa: BLE001 - the curriculum's own errors are not the server's
+                logger.warning("curriculum updates still in flight failed: %s", e)
         self.server.shutdown()
 

@@ -32,7 +32,7 @@ from marinrl.rollout.warmup import warm_up_sampler
 from marinrl.startup import StartupClock
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutWriter
-from marinrl.transfer.base import WAIT_FIRST_INTERVAL_S, WAIT_MAX_INTERVAL_S, WeightTransferClient, WeightWaitTimeout
+from marinrl.transfer.base import PollBackoff, WeightTransferClient, WeightWaitTimeout
 from marinrl.types import RolloutBatch, version_spread_metrics
 
 logger = logging.getLogger(__name__)
@@ -105,6 +105,8 @@ class RolloutWorker:
         self._model_of = {p: s.name for s in streams for p in s.policies}
         self._several = len(streams) > 1
         self._rng = np.random.default_rng([config.seed, abs(hash(worker_id)) % (2**31)])
+        self._backoff = PollBackoff(config.fleet_size, config.pointer_reads_per_s, seed=[config.seed, 7])
+        """While waiting for weights: this host's share of the fleet's pointer reads, jittered."""
         self._env_totals: dict[str, float] = {}  # "<lesson>/<counter>" -> running total
         self._failure_streak = 0  # failed calls in a row, any lesson: paces the backoff
         self._lesson_streaks: dict[str, int] = {}  # failed calls in a row per lesson: the budget
@@ -141,7 +143,7 @@ class RolloutWorker:
         self._evaluate(full=True)
         clock.mark("first_eval")
         last_eval_step = self.weight_step
-        waiting_since, interval = None, WAIT_FIRST_INTERVAL_S  # waiting for weights the next batch needs
+        waiting_since = None  # waiting for weights the next batch needs
         while not self._stop.is_set() and not self.finished:
             for name, client in self._clients.items():  # every version a client takes is noted here: a
                 update = client.poll()                  # restart's lower step included
@@ -157,9 +159,9 @@ class RolloutWorker:
             seen_restarts = restarts
             if any(step < target - cfg.max_staleness for step in self.weight_steps.values()):
                 if waiting_since is None:
-                    waiting_since, interval = time.perf_counter(), WAIT_FIRST_INTERVAL_S
-                self._stop.wait(interval)  # backs off to WAIT_MAX_INTERVAL_S; stop() ends it at once
-                interval = min(2 * interval, WAIT_MAX_INTERVAL_S)
+                    waiting_since = time.perf_counter()
+                    self._backoff.reset()
+                self._stop.wait(self._backoff.next())  # backs off to the fleet's cap; stop() ends it at once
                 continue
             waiting_since = None
             if self._generate_and_write(target):
@@ -207,7 +209,7 @@ class RolloutWorker:
         than the checkpoint this job's trainer resumed from) is skipped, so the worker neither stops at a
         final step nor waits for a step that the trainer now running will not publish."""
         deadline = time.monotonic() + self.config.weight_timeout_s
-        update = client.wait_for(0, self.config.weight_timeout_s)
+        update = client.wait_for(0, self.config.weight_timeout_s, self._backoff)
         while self._min_epoch is not None and client.version.epoch < self._min_epoch:
             if time.monotonic() > deadline:
                 raise WeightWaitTimeout(

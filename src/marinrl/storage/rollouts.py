@@ -14,6 +14,7 @@ import re
 import threading
 import uuid
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import numpy as np
@@ -27,6 +28,12 @@ logger = logging.getLogger(__name__)
 QUARANTINE_DIR = "quarantine"
 CURSOR_VERSION = 1
 """The format of `RolloutReader.state_dict()` (its `format_version`); the replay buffer edits cursors of it."""
+DEFAULT_CONCURRENT_READS = 16
+"""Files a reader fetches at once: storage latency (tens of ms a request on GCS) overlaps across files."""
+DEFAULT_RESCAN_EVERY = 100
+"""Polls between two listings of a reader's whole root (the rest list only the step folders that can change)."""
+PROBE_STEPS = 8
+"""Steps below `max_step` a reader lists even before it has seen their folders (a host's late first file)."""
 _STEP_DIR = re.compile(r"^step=(\d+)$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _MAX_WORKER_CHARS = 64
@@ -153,73 +160,138 @@ class RolloutReader:
     Parquet, not ours, a newer format version, not a file at all), is moved to `ROOT/quarantine/` and
     counted, never fatal; transient errors are retried, and a file that still fails stays unconsumed
     for the next call.
+
+    Requests per call follow the files written, not the run's history: given `max_step`, a call lists
+    only the step folders that can hold new files (the root on the first call and every
+    `rescan_every`-th), and reads a call's files `max_concurrent_reads` at a time (docs/storage.md).
     """
 
-    def __init__(self, root: str, *, storage_options: dict | None = None, fs=None):
+    def __init__(self, root: str, *, storage_options: dict | None = None, fs=None,
+                 max_concurrent_reads: int = DEFAULT_CONCURRENT_READS, rescan_every: int = DEFAULT_RESCAN_EVERY):
+        if max_concurrent_reads < 1 or rescan_every < 1:
+            raise ValueError(f"max_concurrent_reads and rescan_every must be >= 1, got {max_concurrent_reads}, "
+                             f"{rescan_every}")
         self.url = root
         self._fs, self._root = open_root(root, storage_options, fs)
         self._floor = 0
         self._consumed: dict[int, set[str]] = defaultdict(set)
+        self._known: set[int] = set()
+        """Step folders seen at or above the floor: listed every poll, the root only every `rescan_every`."""
+        self._polls = 0
+        self._rescan_every = rescan_every
+        self._max_concurrent_reads = max_concurrent_reads
+        self._pool: ThreadPoolExecutor | None = None
         self.files_read = 0
         self.rollouts_read = 0
         self.bytes_read = 0
         self.read_errors = 0
+        self.root_listings = 0
         self.quarantined: list[str] = []
 
-    def read_new(self, min_step: int | None = None, max_files: int | None = None) -> list[RolloutBatch]:
+    def read_new(self, min_step: int | None = None, max_files: int | None = None,
+                 max_step: int | None = None) -> list[RolloutBatch]:
         """Returns the batches of files not returned before, oldest weight step first.
 
         `min_step`: skip (and forget) files of weight steps below it, for good.
         `max_files`: read at most this many files in this call; the rest wait for the next one.
+        `max_step`: the newest weight step that can have new files (the trainer's step), see
+        `read_new_with_paths`.
         """
-        return [batch for _, batch in self.read_new_with_paths(min_step, max_files)]
+        return [batch for _, batch in self.read_new_with_paths(min_step, max_files, max_step)]
 
-    def read_new_with_paths(self, min_step: int | None = None, max_files: int | None = None):
+    def _steps_to_list(self, max_step: int | None) -> list[int]:
+        """The step folders this poll lists. Without `max_step`, or on the first poll and every
+        `rescan_every`-th, the root is listed (one request per 1,000 folders on GCS, so it grows with the
+        run's history unless writers set `retain_steps`). Otherwise only the folders that can hold new
+        files: those seen at or above the floor, and the `PROBE_STEPS` + 1 steps up to `max_step` (a new
+        weight step's folder appears when its first file is written): requests per poll grow with the
+        window and the files written, never with the steps the run wrote before."""
+        rescan = max_step is None or self._polls % self._rescan_every == 0
+        self._polls += 1
+        if rescan:
+            self.root_listings += 1
+            self._known = {s for s in _list_steps(self._fs, self._root) if s >= self._floor}
+            return sorted(self._known)
+        probe = range(max(self._floor, max_step - PROBE_STEPS), max_step + 1)
+        return sorted(self._known.union(probe))
+
+    def read_new_with_paths(self, min_step: int | None = None, max_files: int | None = None,
+                            max_step: int | None = None):
         if min_step is not None and min_step > self._floor:
             self._floor = min_step
             for s in [s for s in self._consumed if s < min_step]:
                 del self._consumed[s]
-        out: list[tuple[str, RolloutBatch]] = []
-        for step in _list_steps(self._fs, self._root):
+            self._known = {s for s in self._known if s >= min_step}
+        todo: list[tuple[int, str, str]] = []  # (step, name, path) of the files to read, in order
+        for step in self._steps_to_list(max_step):
             if step < self._floor:
                 continue
-            consumed = self._consumed[step]
-            for name in _list_files(self._fs, self._root, step):
+            names = _list_files(self._fs, self._root, step)
+            if names:
+                self._known.add(step)
+            else:  # deleted by retention, or not written yet (the probe lists it again while it is recent)
+                self._known.discard(step)
+            consumed = self._consumed[step] if names else self._consumed.get(step, ())
+            for name in names:
                 if name in consumed:
                     continue
-                if max_files is not None and len(out) >= max_files:
-                    return out
-                path = f"{self._root}/{step_dir_name(step)}/{name}"
-                try:
-                    data = with_retries(lambda path=path: self._fs.cat_file(path), "reading", path)
-                except FileNotFoundError:  # deleted by retention between listing and reading
-                    consumed.add(name)
-                    continue
-                except RolloutStorageError:
-                    self.read_errors += 1
-                    if out:  # hand back what was read; this file is retried next call
-                        return out
-                    raise
-                except OSError as e:  # not transient (a folder, no permission): retrying cannot help
-                    self._quarantine(step, name, path, f"{self._display(path)}: cannot be read ({e!r})")
-                    consumed.add(name)
-                    continue
-                try:
-                    batch = decode_batch(data, self._display(path))
-                except UnsupportedFormatVersion as e:
-                    self._quarantine(step, name, path, f"{e} to train on it")
-                    consumed.add(name)
-                    continue
-                except RolloutFormatError as e:
-                    self._quarantine(step, name, path, str(e))
-                    consumed.add(name)
-                    continue
+                if max_files is not None and len(todo) >= max_files:
+                    break
+                todo.append((step, name, f"{self._root}/{step_dir_name(step)}/{name}"))
+            if max_files is not None and len(todo) >= max_files:
+                break
+        out: list[tuple[str, RolloutBatch]] = []
+        for (step, name, path), (data, error) in zip(todo, self._fetch_all([p for _, _, p in todo])):
+            consumed = self._consumed[step]
+            if isinstance(error, FileNotFoundError):  # deleted by retention between listing and reading
                 consumed.add(name)
-                self.files_read += 1
-                self.rollouts_read += len(batch)
-                self.bytes_read += len(data)
-                out.append((self._display(path), batch))
+                continue
+            if isinstance(error, RolloutStorageError):
+                self.read_errors += 1
+                if out:  # hand back what was read; this file and those after it are retried next call
+                    return out
+                raise error
+            if error is not None:  # not transient (a folder, no permission): retrying cannot help
+                self._quarantine(step, name, path, f"{self._display(path)}: cannot be read ({error!r})")
+                consumed.add(name)
+                continue
+            try:
+                batch = decode_batch(data, self._display(path))
+            except UnsupportedFormatVersion as e:
+                self._quarantine(step, name, path, f"{e} to train on it")
+                consumed.add(name)
+                continue
+            except RolloutFormatError as e:
+                self._quarantine(step, name, path, str(e))
+                consumed.add(name)
+                continue
+            consumed.add(name)
+            self.files_read += 1
+            self.rollouts_read += len(batch)
+            self.bytes_read += len(data)
+            out.append((self._display(path), batch))
         return out
+
+    def _fetch_all(self, paths: list[str]) -> list[tuple[bytes | None, BaseException | None]]:
+        """Each path's bytes or the error reading it, in order, at most `max_concurrent_reads` at a time."""
+
+        def fetch(path):
+            try:
+                return with_retries(lambda: self._fs.cat_file(path), "reading", path), None
+            except OSError as e:  # FileNotFoundError, RolloutStorageError and other OSErrors: the caller sorts
+                return None, e
+
+        if len(paths) <= 1 or self._max_concurrent_reads == 1:
+            return [fetch(p) for p in paths]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._max_concurrent_reads, thread_name_prefix="rollout-read")
+        return list(self._pool.map(fetch, paths))
+
+    def close(self) -> None:
+        """Stops the read threads (a later read starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _display(self, path: str) -> str:
         return self._fs.unstrip_protocol(path)
@@ -255,7 +327,8 @@ class RolloutReader:
     @property
     def metrics(self) -> dict[str, int]:
         return {"files_read": self.files_read, "rollouts_read": self.rollouts_read, "bytes_read": self.bytes_read,
-                "read_errors": self.read_errors, "quarantined_files": len(self.quarantined)}
+                "read_errors": self.read_errors, "quarantined_files": len(self.quarantined),
+                "root_listings": self.root_listings}
 
 
 # ----------------------------------------------------------------------------- inspection

@@ -281,6 +281,34 @@ class WeightTransferServer(abc.ABC):
 
 WAIT_FIRST_INTERVAL_S = 0.01
 WAIT_MAX_INTERVAL_S = 0.05  # a waiting rollout worker sees new weights within 50 ms (on-policy waits every step)
+POINTER_READS_PER_S = 200.0
+"""The pointer reads per second a whole fleet of waiting rollout hosts may make together (`PollBackoff`)."""
+
+
+class PollBackoff:
+    """The sleeps of a client waiting for weights: from `WAIT_FIRST_INTERVAL_S`, doubling up to a cap that
+    keeps the fleet's reads of the pointer under `reads_per_s` in all, `max(WAIT_MAX_INTERVAL_S,
+    fleet_size / reads_per_s)` (50 ms up to 10 hosts at the default, 1.28 s at 256), each sleep
+    multiplied by a uniform draw in [0.5, 1.5] so that hosts which started waiting together spread out.
+    Pointer reads per second then stay bounded however many hosts wait (docs/scaling.md, "A fleet of
+    rollout hosts")."""
+
+    def __init__(self, fleet_size: int = 1, reads_per_s: float = POINTER_READS_PER_S, seed=None):
+        if fleet_size < 1 or reads_per_s <= 0:
+            raise ValueError(f"PollBackoff: fleet_size must be >= 1 and reads_per_s > 0, got {fleet_size}, "
+                             f"{reads_per_s}")
+        self.cap_s = max(WAIT_MAX_INTERVAL_S, fleet_size / reads_per_s)
+        self._rng = np.random.default_rng(seed)
+        self._interval = WAIT_FIRST_INTERVAL_S
+
+    def reset(self) -> None:
+        self._interval = WAIT_FIRST_INTERVAL_S
+
+    def next(self) -> float:
+        """The next sleep, jittered; the interval behind it doubles up to the cap."""
+        sleep = self._interval * float(self._rng.uniform(0.5, 1.5))
+        self._interval = min(2 * self._interval, self.cap_s)
+        return sleep
 
 
 class WeightTransferClient(abc.ABC):
@@ -348,14 +376,16 @@ class WeightTransferClient(abc.ABC):
                     "/".join(floating_dtypes(model)) or "no floating", seconds)
         return WeightUpdate(model, version.weight_step)
 
-    def wait_for(self, min_step: int, timeout_s: float) -> WeightUpdate:
-        """Polls, backing off, until the client holds weights of step >= `min_step`, and returns them.
+    def wait_for(self, min_step: int, timeout_s: float, backoff: PollBackoff | None = None) -> WeightUpdate:
+        """Polls, backing off (`backoff`: one host's share of the fleet's pointer reads), until the client
+        holds weights of step >= `min_step`, and returns them.
 
         Always polls at least once, so a restarted trainer's lower step replaces what is held before
         the comparison. Raises WeightWaitTimeout after `timeout_s` seconds.
         """
         deadline = time.monotonic() + timeout_s
-        interval = WAIT_FIRST_INTERVAL_S
+        backoff = backoff or PollBackoff()
+        backoff.reset()
         while True:
             self.poll()
             if self.version is not None and self.version.weight_step >= min_step:
@@ -366,8 +396,7 @@ class WeightTransferClient(abc.ABC):
                     f"no weights of step >= {min_step} at {self.location} after {timeout_s:.1f} s "
                     f"(holding {self.version or 'nothing'}; {self.failures} failed transfers)"
                 )
-            time.sleep(min(interval, remaining))
-            interval = min(interval * 2, WAIT_MAX_INTERVAL_S)
+            time.sleep(min(backoff.next(), remaining))
 
     @property
     def metrics(self) -> dict[str, float]:

@@ -38,4 +38,8 @@ def build_server(config: WeightTransferConfig) -> WeightTransferServer:
 def build_client(config: WeightTransferConfig, skeleton) -> WeightTransferClient:
     """The rollout side of `config`; `skeleton` is a model of the right structure and placement (e.g. the
     current model) or a ModelSkeleton of one."""
+    if isinstance(config, FilesystemTransferConfig) and config.fanout == "relay":
+        from marinrl.transfer.relay import RelayWeightClient
+
+        return RelayWeightClient(config, skeleton)
     return _transport(config, 2)(config, skeleton)

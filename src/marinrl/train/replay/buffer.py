@@ -239,7 +239,10 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
             raise RuntimeError("this ReplayBuffer has no reader to poll; use ingest()")
         with self._ingest_lock:
             min_step = self._window.oldest_step(self._step)
-            pairs = self.reader.read_new_with_paths(min_step=min_step, max_files=self.config.max_files_per_poll)
+            # Only folders up to the trainer's next weights (published before it samples that step) can
+            # hold new files of this run; the reader lists those, and the whole root only now and then.
+            pairs = self.reader.read_new_with_paths(min_step=min_step, max_files=self.config.max_files_per_poll,
+                                                    max_step=self._step + 1)
             self._last_read_at = self._clock()
             if pairs:
                 self.ingest([b for _, b in pairs], sources=[p for p, _ in pairs])

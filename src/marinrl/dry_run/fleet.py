@@ -1,0 +1,225 @@
+"""The fleet planner: one trainer and N rollout hosts talking through object storage, per step, as pure
+arithmetic (no JAX, no Ray, no storage): what `marinrl plan` prints and `bench/fleet.py` checks
+(docs/planning.md; tests/test_fleet.py holds it to the bench within ±25% on step time and idle fraction).
+
+The model (every figure per trainer step; `FleetShape` names the inputs, `plan_fleet` returns `FleetPlan`):
+
+- a host generates `groups_per_host × group_size` responses at `host_tokens_per_s` (the slowest of N
+  hosts, with generation times uniform in ±`jitter`, takes `1 + jitter·(N−1)/(N+1)` times the mean),
+  writes one file (one request: latency + bytes over a stream), asks the curriculum for a lesson;
+- the trainer reads the step's N files (two listings, then reads `read_concurrency` at a time, each
+  a latency plus its bytes over a stream, all of them no faster than the shared link; decoding at
+  `decode_rollouts_per_s`), updates (`train_tokens_per_s`, or the dry run's FLOPs over a chip's
+  peak × MFU: `trainer_tokens_per_s`), publishes a version (its bytes over one stream plus the
+  pointer's and the clean-up's requests);
+- the hosts see it after a pointer read (a waiting host polls every `fleet / pointer_reads_per_s`
+  seconds, half that on average) and fetch it: a stream each, N versions through the shared link;
+- with `max_staleness = 0` all of that is one chain per step; with `max_staleness >= 1` a host
+  generates step t's batch with weights t − 1 while the trainer trains step t − 1, so the period is
+  the longest of the hosts' cycle, the trainer's work, and half the loop through both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from marinrl.dry_run.flops import chip_peak_flops
+
+_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "a100": "NVIDIA A100",
+          "h100": "NVIDIA H100"}
+ACCELERATORS: dict[str, dict[str, float]] = {
+    # chip: bf16 dense peak FLOP/s per chip (`flops.CHIP_PEAK_FLOPS`, by JAX's device kind), a training MFU, and
+    # an assumed generation speed of one rollout host (tokens/s, a 0.6B–8B model with batched decoding). The CPU
+    # row is this repository's measured figures (docs/performance.md, bench/fleet.py defaults); the H100's MFU
+    # is bench/device_check.py's (Qwen3-0.6B, 32 × 1024 tokens, gradient checkpointing: docs/device_check.md);
+    # the other MFUs are assumptions.
+    "cpu": {"peak_flops": 1.8e11, "mfu": 0.5, "host_tokens_per_s": 8_000.0},
+    **{name: {"peak_flops": chip_peak_flops(_KINDS[name]), "mfu": mfu, "host_tokens_per_s": tps}
+       for name, mfu, tps in (("v4", 0.4, 20_000.0), ("v5e", 0.4, 15_000.0), ("v5p", 0.4, 30_000.0),
+                              ("v6e", 0.4, 40_000.0), ("a100", 0.4, 20_000.0), ("h100", 0.21, 50_000.0))},
+}
+"""Chip peaks (bf16 dense, per chip) and the assumptions the planner makes per accelerator."""
+
+ROLLOUT_FILE_BYTES_PER_TOKEN = 13.5
+"""Parquet bytes per token of a rollout file (token ids, logprobs, masks, rewards), measured with
+`bench/fleet.py` (32k vocabulary, 128 + 384 tokens); a group's prompt is stored with each rollout."""
+DECODE_ROLLOUTS_PER_S = 45_000.0
+"""The trainer's decoding speed of rollout files (bench/storage.py on a 2-core AMD EPYC)."""
+CURRICULUM_CALL_S = 0.002
+"""One waited curriculum call (a lesson) through Ray on one machine."""
+POINTER_REQUESTS_PER_PUBLISH = 5
+"""A publish's requests besides the version's bytes: the pointer read and written, listing and deleting
+the oldest version, the snapshot-request listing."""
+RELAY_POLL_S = 0.05
+"""How often the relay reads the pointer (transfer/relay.py)."""
+INGEST_TAIL_POLLS = 1.5
+"""Polls of the trainer's reader between the last file and the batch (it lists every 10–100 ms while it
+waits, then reads)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetShape:
+    groups_per_host: int = 2
+    group_size: int = 8
+    prompt_tokens: int = 128
+    response_tokens: int = 384
+    host_tokens_per_s: float = 8_000.0
+    jitter: float = 0.1
+    train_tokens_per_s: float = 2_000_000.0
+    max_staleness: int = 1
+    latency_s: float = 0.03
+    stream_bytes_per_s: float = 200e6
+    total_bytes_per_s: float | None = None
+    weight_bytes: float = 1.2e9
+    pointer_reads_per_s: float = 200.0
+    read_concurrency: int = 16
+    file_bytes_per_token: float = ROLLOUT_FILE_BYTES_PER_TOKEN
+    decode_rollouts_per_s: float = DECODE_ROLLOUTS_PER_S
+    weight_streams: int = 1
+    """Streams a version is written and each host reads it with (1: one packed object; a sharded
+    tensorstore version moves over many)."""
+    fanout: str = "storage"
+    """storage: every host reads each version from storage; relay: one read per version, then each host
+    from Ray's object store (transfer/relay.py) at `relay_bytes_per_s` a host (None: free, one machine)."""
+    relay_bytes_per_s: float | None = None
+    groups_per_step: int | None = None
+    """A job's groups per trainer step, shared by the hosts (each generates `groups_per_host`, its share
+    rounded up); None: every host writes `groups_per_host` a step (the bench's fleet shape)."""
+
+    @classmethod
+    def from_bench(cls, args) -> FleetShape:
+        """The shape of a `bench/fleet.py` run (its argparse namespace)."""
+        return cls(groups_per_host=args.groups_per_host, group_size=args.group_size,
+                   prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
+                   host_tokens_per_s=args.host_tokens_per_s, jitter=args.jitter,
+                   train_tokens_per_s=args.train_tokens_per_s, max_staleness=args.max_staleness,
+                   latency_s=args.latency_ms / 1e3, stream_bytes_per_s=args.stream_mb_s * 1e6,
+                   total_bytes_per_s=args.total_mb_s * 1e6 or None, weight_bytes=args.weight_stands_for_mb * 1e6,
+                   pointer_reads_per_s=args.pointer_reads_per_s, fanout=getattr(args, "fanout", "storage"))
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetPlan:
+    hosts: int
+    step_s: float
+    trainer_busy_s: float
+    trainer_idle_fraction: float
+    waits: str
+    """Which side waits: "trainer" (for rollouts) or "rollout hosts" (for weights or the trainer)."""
+    parts_s: dict[str, float]
+    requests_per_step: dict[str, float]
+    bytes_per_step: dict[str, float]
+
+
+def _transfer_s(shape: FleetShape, nbytes: float) -> float:
+    return shape.latency_s + nbytes / shape.stream_bytes_per_s
+
+
+def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
+    """The steady-state step of `shape` with `hosts` rollout hosts."""
+    if hosts < 1:
+        raise ValueError(f"hosts must be >= 1, got {hosts}")
+    s = shape
+    groups_per_host = math.ceil(s.groups_per_step / hosts) if s.groups_per_step else s.groups_per_host
+    step_groups = s.groups_per_step or hosts * s.groups_per_host
+    files = min(hosts, step_groups)
+    rollouts_per_host = groups_per_host * s.group_size
+    step_rollouts = step_groups * s.group_size
+    # lognormal(median, sigma 0.3) response lengths: the mean is exp(0.045) times the median
+    response_tokens = s.response_tokens * math.exp(0.3**2 / 2)
+    file_bytes = rollouts_per_host * (s.prompt_tokens + response_tokens) * s.file_bytes_per_token
+    gen_s = rollouts_per_host * response_tokens / s.host_tokens_per_s
+    slowest = 1 + s.jitter * (hosts - 1) / (hosts + 1)
+    host_s = gen_s * slowest + _transfer_s(s, file_bytes) + CURRICULUM_CALL_S
+    waves = math.ceil(files / s.read_concurrency)
+    link = s.total_bytes_per_s or math.inf
+    read_s = max(waves * _transfer_s(s, file_bytes), files * file_bytes / link)
+    decode_s = step_rollouts / s.decode_rollouts_per_s
+    ingest_tail_s = INGEST_TAIL_POLLS * 2 * s.latency_s + _transfer_s(s, file_bytes) + decode_s / files
+    train_s = step_rollouts * (s.prompt_tokens + response_tokens) / s.train_tokens_per_s
+    weight_bps = s.stream_bytes_per_s * s.weight_streams
+    publish_s = POINTER_REQUESTS_PER_PUBLISH * s.latency_s + s.weight_bytes / weight_bps
+    busy_s = train_s + publish_s + CURRICULUM_CALL_S
+    poll_every = max(0.05, hosts / s.pointer_reads_per_s)
+    # every host fetches every version (its own stream; all of them through the shared link), between batches
+    fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
+    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store, a host's share
+        fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
+                   + (s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+    cycle_s = host_s + fetch_s
+    fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
+    if s.max_staleness == 0:
+        step_s = busy_s + fanout_s + host_s + ingest_tail_s
+    else:  # a host's cycle, the trainer's work, or half the loop through both (weights t-1 make batch t+1)
+        step_s = max(cycle_s, busy_s + ingest_tail_s, (fanout_s + host_s + ingest_tail_s + busy_s) / 2)
+    idle = max(0.0, step_s - busy_s) / step_s
+    host_idle = max(0.0, step_s - cycle_s)
+    waits = "trainer" if step_s - busy_s >= host_idle else "rollout hosts"
+    polls = busy_s / 1.0 + (step_s - busy_s) / 0.1  # every poll_interval_s (1 s) busy, 10-100 ms waiting
+    return FleetPlan(
+        hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
+        parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
+                 "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
+        requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
+                           "weight_reads": 1 if s.fanout == "relay" else hosts,
+                           "pointer_reads": (step_s / RELAY_POLL_S if s.fanout == "relay"
+                                             else hosts + hosts * host_idle / poll_every)},
+        bytes_per_step={"rollouts": files * file_bytes,
+                        "weights": (2 if s.fanout == "relay" else hosts + 1) * s.weight_bytes},
+    )
+
+
+def smallest_fleet(shape: FleetShape, max_hosts: int = 4096) -> int | None:
+    """The smallest number of hosts at which the trainer stops waiting (rollout hosts wait instead)."""
+    for n in range(1, max_hosts + 1):
+        if plan_fleet(shape, n).waits != "trainer":
+            return n
+    return None
+
+
+def shape_of_job(job, hosts: int, *, accelerator: str = "cpu", trainer_chips: int = 1,
+                 host_tokens_per_s: float | None = None, prompt_tokens: int | None = None,
+                 response_tokens: int | None = None, params: float | None = None, **overrides) -> FleetShape:
+    """The `FleetShape` of an `RLJobConfig` (`job`) with `hosts` rollout hosts sharing its step's groups.
+
+    The trainer's tokens/s is the chip's peak × MFU × `trainer_chips` over the train step's model FLOPs
+    per token (`dry_run.flops.train_flops`, from the config's architecture; `params` in parameters
+    instead, at 6 FLOPs per parameter per token, for a model the config names by checkpoint). Response
+    tokens: the lessons' largest `max_tokens` (a budget: an upper bound); prompt tokens: the rest of
+    `batching.max_length`. A version is the parameters in the job's rollout dtype (`rollout_dtype()`: 2
+    bytes unless float32)."""
+    from marinrl.dry_run.flops import ModelDims, train_flops
+
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"unknown accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
+    chip = ACCELERATORS[accelerator]
+    lessons = job.curriculum.lessons if job.curriculum is not None else ()
+    response = response_tokens or max((lesson.max_tokens for lesson in lessons), default=256)
+    prompt = prompt_tokens or max(1, job.batching.max_length - response)
+    rows = job.groups_per_step * job.n_generations
+    if params is None:
+        dims = ModelDims.of(job.model.model, job.model.vocab_size)
+        flops = train_flops(dims, rows, prompt + response, 0)
+        per_token = flops.model / flops.tokens
+        params = dims.matmul_params + dims.vocab * dims.hidden * (0 if dims.tied_embeddings else 1)
+    else:
+        per_token = 6.0 * params
+    train_tps = chip["peak_flops"] * chip["mfu"] * trainer_chips / per_token
+    dtype_bytes = 4 if str(job.rollout_dtype()) in ("float32", "f32") else 2
+    return FleetShape(groups_per_step=job.groups_per_step, group_size=job.n_generations,
+                      prompt_tokens=prompt, response_tokens=response,
+                      host_tokens_per_s=host_tokens_per_s or chip["host_tokens_per_s"],
+                      train_tokens_per_s=train_tps, max_staleness=job.max_staleness,
+                      weight_bytes=params * dtype_bytes, **overrides)
+
+
+def describe(plan: FleetPlan, shape: FleetShape) -> str:
+    """`marinrl plan`'s text: the step, who waits, the parts, requests and bytes."""
+    lines = [f"{plan.hosts} rollout hosts: a step every {plan.step_s:.2f} s; the trainer works "
+             f"{plan.trainer_busy_s:.2f} s of it (idle {100 * plan.trainer_idle_fraction:.0f}%); "
+             f"who waits: the {plan.waits}",
+             "  per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in plan.parts_s.items()),
+             "  requests per step: " + ", ".join(f"{k} {v:.0f}" for k, v in plan.requests_per_step.items()),
+             "  bytes per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in plan.bytes_per_step.items())]
+    return "\n".join(lines)

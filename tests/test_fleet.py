@@ -1,0 +1,177 @@
+"""Issue 30, a fleet of rollout hosts: what must not grow faster than the work as hosts are added (pointer
+polling, curriculum calls), the fleet bench and the planner checked against it. The rollout reader's
+requests per poll are tested in tests/test_storage.py."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.env import EnvConfig
+from marinrl.curriculum.actor import MAX_PENDING_UPDATES, CurriculumClient, curriculum_actor
+from marinrl.transfer.base import POINTER_READS_PER_S, WAIT_MAX_INTERVAL_S, PollBackoff
+
+# ----------------------------------------------------------------------------- pointer polling
+
+
+def _reads_in(hosts: int, wait_s: float, reads_per_s: float) -> int:
+    """Pointer reads of `hosts` hosts waiting `wait_s` seconds of modelled time, each with its backoff."""
+    reads = 0
+    for h in range(hosts):
+        backoff, t = PollBackoff(hosts, reads_per_s, seed=h), 0.0
+        while t < wait_s:
+            reads += 1
+            t += backoff.next()
+    return reads
+
+
+@pytest.mark.parametrize("hosts", [1, 8, 64, 256])
+def test_a_waiting_fleet_reads_the_pointer_at_a_bounded_rate_however_many_hosts(hosts):
+    """Without the fleet cap a host reads every 50 ms: 5,120 reads a second at 256 hosts."""
+    wait_s = 120.0
+    per_s = _reads_in(hosts, wait_s, POINTER_READS_PER_S) / wait_s
+    assert per_s <= 1.15 * min(hosts / WAIT_MAX_INTERVAL_S, POINTER_READS_PER_S)
+
+
+def test_backoff_is_jittered_so_hosts_that_start_together_spread_out():
+    a, b = PollBackoff(64, seed=1), PollBackoff(64, seed=2)
+    xs, ys = [a.next() for _ in range(12)], [b.next() for _ in range(12)]
+    assert xs != ys and max(xs) <= 1.5 * a.cap_s
+    a.reset()
+    assert a.next() <= 1.5 * 0.01
+
+
+def test_backoff_refuses_nonsense():
+    with pytest.raises(ValueError, match="fleet_size"):
+        PollBackoff(0)
+
+
+# ----------------------------------------------------------------------------- curriculum calls
+
+ECHO = EnvConfig("echo", {"alphabet_size": 10})
+
+
+@pytest.fixture
+def curriculum(ray_session):
+    name = f"fleet-curriculum-{uuid.uuid4().hex[:8]}"
+    cfg = CurriculumConfig(lessons=(LessonConfig("a", ECHO), LessonConfig("b", ECHO)))
+    handle = curriculum_actor(cfg, name=name, namespace="marinrl-tests")
+    yield handle
+    ray_session.kill(handle, no_restart=True)
+
+
+def test_statistics_updates_do_not_wait_and_are_applied_in_order_exactly_once(curriculum):
+    """A host sends its updates without waiting for each round trip (at most MAX_PENDING_UPDATES in
+    flight); a later call from the same process sees every one applied, in order."""
+    client = CurriculumClient(curriculum)
+    for step in range(3 * MAX_PENDING_UPDATES):
+        client.update_from_training("a", [float(step % 2)] * 4, step)
+        assert client.pending <= MAX_PENDING_UPDATES
+    assert client.step() == 3 * MAX_PENDING_UPDATES - 1  # the last update's step: all applied before
+    other = CurriculumClient(curriculum)
+    assert other.metrics() == client.metrics()
+    client.flush()
+    assert client.pending == 0
+
+
+def test_a_failed_update_raises_from_the_next_call(curriculum):
+    client = CurriculumClient(curriculum)
+    client.update_from_training("nope", [1.0], 1)  # an unknown lesson: the actor raises
+    with pytest.raises(Exception, match="nope"):
+        client.flush()
+    client.update_from_training("a", [np.nan], 1)
+    with pytest.raises(Exception, match="finite"):
+        client.sample_lesson(0)
+
+
+def test_a_hosts_lesson_draw_waits_only_the_first_time_and_draws_what_the_actor_draws(curriculum, ray_session):
+    """`sample_lesson` draws from the client's copy of the weights, refreshed by a call it does not wait
+    for: the same lesson the actor would draw with the same seed, one waited call per client in all."""
+    client = CurriculumClient(curriculum)
+    client.update_from_training("a", [1.0] * 8, 1)  # "a" solved: "b" gets the larger weight
+    for seed in range(40):
+        assert client.sample_lesson(seed) == ray_session.get(curriculum.sample_lesson.remote(seed))
+    assert client.waited_calls == 1
+
+
+# ----------------------------------------------------------------------------- the fleet bench and the planner
+
+SMALL_FLEET = ["--steps", "6", "--prompt_tokens", "32", "--response_tokens", "128", "--group_size", "4",
+               "--host_tokens_per_s", "2000", "--weight_mb", "1", "--weight_stands_for_mb", "20", "--latency_ms", "10"]
+
+
+def test_the_fleet_bench_loses_nothing_and_the_planner_predicts_its_step_within_a_quarter(ray_session):
+    """bench/fleet.py at 4 hosts (the product's writer, reader, replay buffer, weight server and clients,
+    curriculum actor and audit trail; generation and the update as models of time): nothing lost or
+    trained twice, every batch's lesson drawn without waiting after the first, and the planner's step
+    time and trainer idle fraction within ±25% of the measured ones."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import fleet
+
+    out = fleet.run(fleet.parse(["--hosts", "4", *SMALL_FLEET]))
+    assert out["steps_trained"] == 6 and out["groups_trained"] == 6 * 4 * 2
+    assert out["groups_lost"] == 0 and out["groups_duplicated"] == 0 and out["groups_dropped"] == {}
+    assert out["requests_per_step"]["read"] == pytest.approx(4, abs=1)  # a read per file, no more
+    assert out["weight_gcs_reads_per_version"] <= 4  # every host reads each version once
+    assert out["curriculum_waited_calls_per_batch"] <= 1 / 6 + 1e-3  # a host's first draw only
+    plan = out["planner"]
+    assert plan["step_s_predicted"] == pytest.approx(plan["step_s_measured"], rel=0.25)
+    assert plan["idle_predicted"] == pytest.approx(plan["idle_measured"], rel=0.25)
+
+
+def test_marinrl_plan_answers_from_a_job_config_without_jax_or_ray(capsys):
+    from marinrl.cli import main
+
+    assert main(["plan", "experiments/quickstart.yaml", "--rollout_hosts", "1", "8", "--accelerator", "v5p",
+                 "--params", "8e9", "--weight_streams", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("rollout hosts: a step every") == 2 and "the trainer stops waiting at" in out
+
+
+def test_the_planner_moves_the_wait_from_the_trainer_to_the_hosts_as_the_fleet_grows():
+    from marinrl.dry_run.fleet import FleetShape, plan_fleet, smallest_fleet
+
+    shape = FleetShape(weight_bytes=20e6, train_tokens_per_s=2e5)  # a slow trainer: it waits for few hosts only
+    assert plan_fleet(shape, 1).waits == "trainer" and plan_fleet(shape, 256).waits == "rollout hosts"
+    n = smallest_fleet(shape)
+    assert plan_fleet(shape, n - 1).waits == "trainer" and plan_fleet(shape, n).waits == "rollout hosts"
+
+
+# ----------------------------------------------------------------------------- weight fan-out
+
+
+def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hosts(ray_session, tmp_path):
+    """Eight hosts' clients of a relayed root: each version read from storage once (by the relay), the
+    hosts' copies from Ray's object store, equal to what was published."""
+    import jax
+    import jax.numpy as jnp
+
+    from marinrl.config.transfer import FilesystemTransferConfig
+    from marinrl.transfer.endpoints import build_client, build_server
+    from marinrl.transfer.relay import RelayWeightClient, relay_name
+
+    config = FilesystemTransferConfig(root=f"file://{tmp_path}/weights", format="packed", fanout="relay")
+    model = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((10, 10), jnp.bfloat16)}
+    server = build_server(config)
+    clients = [build_client(config, model) for _ in range(8)]
+    assert all(isinstance(c, RelayWeightClient) for c in clients)
+    try:
+        for step in range(3):
+            published = jax.tree.map(lambda x, step=step: x + step, model)
+            server.publish(published, step)
+            for c in clients:
+                got = c.wait_for(step, timeout_s=60).model
+                for k in published:
+                    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(published[k]))
+        relay = ray_session.get_actor(relay_name(config))
+        metrics = ray_session.get(relay.metrics.remote())
+        assert metrics["version_reads"] == 3 and metrics["failures"] == 0
+        assert all(c.storage_fetches == 0 and c.relay_failures == 0 for c in clients)
+    finally:
+        ray_session.kill(ray_session.get_actor(relay_name(config)), no_restart=True)
