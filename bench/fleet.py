@@ -20,7 +20,7 @@ lognormal around `--response_tokens`, capped at twice it; deterministic tokens) 
 listing costs one request per 1,000 names. Hosts drop the weights they receive (nothing serves them), so
 256 hosts × the version size need not fit in memory.
 
-Prints the machine, a line per step, then one JSON line (the keys of ../shared/BENCHMARK.md's fleet shape).
+Prints the machine, a line per step, then one JSON line (the fields docs/scaling.md, "A fleet of rollout hosts", lists).
 """
 
 from __future__ import annotations
