@@ -204,9 +204,9 @@ class Host(threading.Thread):
                 self.stop.wait(self.backoff.next())
                 continue
             self.backoff.reset()
+            # no last batch: as a rollout worker does, a host goes on until the trainer is done, so that a group
+            # the trainer took for another step than its host meant, or dropped as stale, is made up for
             target = w if target is None else max(target, w)
-            if target >= args.steps:
-                return
             start = time.perf_counter()
             lesson = self.curriculum.sample_lesson(int(self.rng.integers(0, 2**31)))
             ms = 1e3 * (time.perf_counter() - start)
@@ -415,7 +415,7 @@ def run(args) -> dict:
         "requests_per_step_last10": round(float(np.mean([total(st) for st in measured[-k:]])), 1),
         "bytes_per_step": {"rollouts": bytes_of("rollouts"), "weights": bytes_of("weights")},
         "weight_fanout_s": {"median": pct(fanout, 50), "max": pct(fanout, 100)},
-        "weight_gcs_reads_per_version": round(weight_reads / args.steps, 2),
+        "weight_gcs_reads_per_version": round(weight_reads / len(publish_at), 2),  # the initial version too
         "weight_version_mb": args.weight_mb, "weight_stands_for_mb": args.weight_stands_for_mb,
         "curriculum_call_ms": {"p50": pct(log["curriculum_ms"], 50), "p99": pct(log["curriculum_ms"], 99),
                                "first_call_max": pct(log["curriculum_first_ms"], 100)},
