@@ -257,26 +257,12 @@ def test_a_checkpoint_levanter_cannot_represent_is_one_clear_error(tmp_path):
         load_hf_checkpoint(str(tmp_path / "not-there"))
 
 
-def _levanter_load(path, dtype, mapping=None, mesh=None):
-    """Levanter's own `load_pretrained` (every process reads every byte): what the loader replaced."""
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-
-    from marinrl.models.hf_checkpoints import _in_dtype, default_mesh, levanter_config, read_hf_config
-
-    hf_config = read_hf_config(path)
-    config = levanter_config(hf_config, path)
-    converter = HFCheckpointConverter(type(config), reference_checkpoint=path, HfConfigClass=type(hf_config),
-                                      tokenizer=byte_tokenizer(VOCAB))
-    with default_mesh(mesh):
-        model = converter.load_pretrained(config.model_type, ref=path, config=config, axis_mapping=mapping,
-                                          resize_vocab_to_match_tokenizer=False, dtype=dtype)
-    return _in_dtype(model, jnp.dtype(dtype))
-
-
 def test_range_reads_give_levanters_model_bitwise_and_one_process_reads_every_byte_once(family):
     """The row-range reader against Levanter's whole-file reader, on a 2 × 2 mesh with the mapping of a
     trainer (FSDP over "data", tensor parallel over "model"), in float32 and bf16: the same values, dtypes
     and shardings. One process holds every device, so it reads each file's bytes exactly once."""
+    from factories import levanter_load_pretrained
+
     from marinrl.models.hf_checkpoints import hf_read_bytes
 
     name, path, _, _ = family
@@ -287,7 +273,7 @@ def test_range_reads_give_levanters_model_bitwise_and_one_process_reads_every_by
         before = hf_read_bytes()
         ours = load_hf_checkpoint(path, dtype=dtype, axis_mapping=mapping, mesh=mesh)
         assert hf_read_bytes() - before == file_bytes
-        theirs = _levanter_load(path, dtype, mapping, mesh)
+        theirs = levanter_load_pretrained(path, dtype, mapping, mesh)
         assert jax.tree.structure(ours) == jax.tree.structure(theirs)
         for a, b in zip(jax.tree.leaves(eqx.filter(ours, eqx.is_array)),
                         jax.tree.leaves(eqx.filter(theirs, eqx.is_array)), strict=True):
