@@ -138,7 +138,8 @@ def load_hf_checkpoint(
     mesh: Optional[jax.sharding.Mesh] = None,
     gradient_checkpointing: Optional[bool] = None,
 ) -> LmHeadModel:
-    """Load a Hugging Face checkpoint directory (local or fsspec URL) through Levanter's converter.
+    """Load a Hugging Face checkpoint directory (local or fsspec URL): each process reads the rows of each
+    safetensors tensor its devices hold (`_read_state_dict`), Levanter's converter maps them onto the model.
 
     The architecture comes from its config.json; the vocabulary keeps the checkpoint's size. Weights are
     read in `dtype` onto `mesh` (default: the mesh in context, else one device) and sharded by
