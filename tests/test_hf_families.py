@@ -236,8 +236,12 @@ def test_loads_straight_from_gcs(tmp_path, gcs_root):
 
     path = str(tmp_path / "hf")
     _write_checkpoint(FAMILIES["llama3"](), path)
+    from marinrl.models.hf_checkpoints import hf_read_bytes
+
     fsspec.filesystem("gs", token="anon").put(path + "/", f"{gcs_root}/hf/", recursive=True)
+    before = hf_read_bytes()
     loaded = load_hf_checkpoint(f"{gcs_root}/hf")
+    assert hf_read_bytes() - before == os.path.getsize(os.path.join(path, "model.safetensors"))  # ranged GETs, once
     assert isinstance(loaded, LlamaLMHeadModel)
     _assert_close(_logits(loaded, IDS), _torch_logits(path, IDS))
 
