@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -256,6 +255,8 @@ def test_each_trainer_process_reads_only_its_rows_of_an_hf_checkpoint(tmp_path):
     (FSDP over their 4 devices): each reads its half of every tensor's rows plus the headers, at most
     0.6 × the checkpoint's tensor bytes, and holds exactly Levanter's model (which reads every byte on
     every process). One process holding all 4 devices, as a rollout host does, reads every byte once."""
+    import jax
+
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from marinrl.models.hf_checkpoints import _read_header, _safetensors_files, hf_read_bytes, load_hf_checkpoint
