@@ -105,9 +105,10 @@ def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, r
         "jit_constant_bytes": max(jit_constants) if jit_constants else None,
         "hf_reads_per_process": max(hf_reads.values()) if hf_reads and None not in hf_reads.values() else None,
         "hf_reads": hf_reads,
-        # Levanter's "Reading N tensors from <checkpoint>" lines in the first job's trainer log (the
-        # rollout worker's log carries marinrl's INFO lines only).
-        "hf_reads_logged": {"trainer": logs1.count("fsspec_safetensor: Reading", "trainer")},
+        "hf_read_bytes": {r: s.get("hf_read_bytes") for r, s in procs.items()} or None,
+        # marinrl's "Reading N tensors from <checkpoint>: B of T bytes" lines in the first job's trainer log
+        # (one per load; the rollout worker's log carries marinrl's INFO lines only).
+        "hf_reads_logged": {"trainer": logs1.count("hf_checkpoints: Reading", "trainer")},
         "predicted_peak_gib": predicted,
         "measured_peak_gib": {r: None if v is None else round(v, 3) for r, v in measured.items()},
         "peak_rss_gib": {r: round(max(w.get(r, 0) for w in watched) / 1024, 3) for r in ("trainer", "rollout")},

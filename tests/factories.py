@@ -137,3 +137,22 @@ HAND_ADVANTAGES = {
                   (2, 0): [0.999999, -0.999999], (3,): [0.0], (1, 1, 1): [0.0, 0.0, 0.0]},
 }
 """kind -> rewards -> advantages, to ~1e-9 (the literals above carry 9-10 significant digits)."""
+
+
+def levanter_load_pretrained(path: str, dtype, mapping=None, mesh=None):
+    """A Hugging Face checkpoint loaded by Levanter's own `HFCheckpointConverter.load_pretrained`, which
+    reads every byte on every process: the loader `marinrl.models.hf_checkpoints` replaced, to compare with."""
+    import jax.numpy as jnp
+    from levanter.compat.hf_checkpoints import HFCheckpointConverter
+
+    from marinrl.models.hf_checkpoints import _in_dtype, default_mesh, levanter_config, read_hf_config
+    from marinrl.models.tokenizers import byte_tokenizer
+
+    hf_config = read_hf_config(path)
+    config = levanter_config(hf_config, path)
+    converter = HFCheckpointConverter(type(config), reference_checkpoint=path, HfConfigClass=type(hf_config),
+                                      tokenizer=byte_tokenizer(512))
+    with default_mesh(mesh):
+        model = converter.load_pretrained(config.model_type, ref=path, config=config, axis_mapping=mapping,
+                                          resize_vocab_to_match_tokenizer=False, dtype=dtype)
+    return _in_dtype(model, jnp.dtype(dtype))

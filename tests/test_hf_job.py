@@ -5,6 +5,7 @@ constants; the job trains and resumes from its own checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import equinox as eqx
 import jax
@@ -77,8 +78,10 @@ def test_a_job_from_an_hf_checkpoint_reads_it_once_per_process_trains_and_resume
     train = first.train
     assert train["final_step"] == 2 and all(np.isfinite(h["loss"]) for h in train["history"])
     processes = [train["process"], *(r["process"] for r in first.rollouts)]
+    file_bytes = os.path.getsize(os.path.join(hf_path, "model.safetensors"))
     for p in processes:
         assert p["hf_reads"] == 1, p  # the trainer's policy and reference from one read; each rollout worker one
+        assert p["hf_read_bytes"] == file_bytes, p  # one process holds all its mesh's devices: every byte, once
         assert p["jit_constant_bytes"] is not None and p["jit_constant_bytes"] <= 0.01 * params, p
 
     resumed = RLJob(dataclasses.replace(cfg, num_train_steps=3)).run()

@@ -214,6 +214,97 @@ def test_killing_one_process_ends_the_other_naming_the_checkpoint_and_resume_tra
     assert {g for g, _ in resumed[5]} == {g for g, _ in killed[5]}  # consumed after the checkpoint: read again
 
 
+def reads_child_main(process_id: int, port: int, path: str, out_path: str) -> None:
+    """One of 2 trainer processes loading an HF checkpoint as the trainer does (`CheckpointWeights`:
+    `build_model` on the trainer config's mesh with its parameter axis mapping, FSDP over the 4 devices
+    of the 2 processes), then Levanter's own loader for comparison; writes its bytes read and whether
+    its shards of the two models are bitwise equal to `out_path`."""
+    from marinrl import multihost
+
+    multihost.initialize(multihost.ProcessGroupConfig(num_processes=2, process_id=process_id, cpu_devices=2,
+                                                      coordinator_address=f"127.0.0.1:{port}", heartbeat_timeout_s=300))
+    import equinox as eqx
+    import jax
+    from factories import levanter_load_pretrained
+
+    from marinrl.config.model import ModelConfig
+    from marinrl.levanter_configs import cpu_trainer_config
+    from marinrl.models.hf_checkpoints import hf_read_bytes, hf_reads
+    from marinrl.models.policy_model import build_model
+
+    trainer = multihost.levanter_trainer_config(cpu_trainer_config())
+    mesh, mapping = trainer.device_mesh, trainer.parameter_axis_mapping
+    model = build_model(ModelConfig(hf_checkpoint=path), axis_mapping=mapping, mesh=mesh)
+    read, reads = hf_read_bytes(), hf_reads()
+    theirs = levanter_load_pretrained(path, "float32", mapping, mesh)
+    same, held = True, 0
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(theirs, eqx.is_array)),
+                    strict=True):
+        same &= a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
+            same &= sa.index == sb.index and np.array_equal(np.asarray(sa.data), np.asarray(sb.data))
+        held += sum(np.asarray(s.data).nbytes for s in a.addressable_shards if s.replica_id == 0)
+    with open(out_path, "w") as f:
+        json.dump({"read_bytes": read, "reads": reads, "same_as_levanter": bool(same), "held_bytes": held,
+                   "mesh": dict(mesh.shape), "mapping": {k: str(v) for k, v in mapping.items()}}, f)
+    multihost.finish()
+
+
+def test_each_trainer_process_reads_only_its_rows_of_an_hf_checkpoint(tmp_path):
+    """A Qwen3 checkpoint written by transformers in 3 safetensors files, loaded by 2 trainer processes
+    (FSDP over their 4 devices): each reads its half of every tensor's rows plus the headers, at most
+    0.6 × the checkpoint's tensor bytes, and holds exactly Levanter's model (which reads every byte on
+    every process). One process holding all 4 devices, as a rollout host does, reads every byte once."""
+    import jax
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from marinrl.models.hf_checkpoints import _read_header, _safetensors_files, hf_read_bytes, load_hf_checkpoint
+
+    path = str(tmp_path / "hf")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path, max_shard_size="100KB")
+    import fsspec
+
+    fs = fsspec.filesystem("file")
+    files = _safetensors_files(fs, path)
+    assert len(files) >= 2  # the index path
+    file_bytes = sum(os.path.getsize(f) for f in files)
+    tensor_bytes = sum(t.end - t.start for f in files for t in _read_header(fs, f, "<count-nothing>"))
+
+    port = free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    procs, outs = [], []
+    for pid in range(2):
+        out = tmp_path / f"reads-{pid}.json"
+        code = (f"import sys; sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r}); import test_multihost as t; "
+                f"t.reads_child_main({pid}, {port}, {path!r}, {str(out)!r})")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+        outs.append(out)
+    wait_all(procs)
+    results = [json.loads(o.read_text()) for o in outs]
+    print(f"checkpoint: {len(files)} files, {file_bytes} bytes, {tensor_bytes} of tensors; per process: "
+          + ", ".join(f"read {r['read_bytes']} ({r['read_bytes'] / tensor_bytes:.3f}×), holds {r['held_bytes']}"
+                      for r in results) + f"; mesh {results[0]['mesh']}")
+    for r in results:
+        assert r["mesh"]["data"] == 4 and r["mapping"].get("embed") == "data", r  # FSDP over both processes
+        assert r["same_as_levanter"], r
+        assert r["reads"] == 1
+        assert r["read_bytes"] <= 0.6 * tensor_bytes, (r, tensor_bytes)
+    # between them the two processes read every tensor byte once, and each every header
+    assert sum(r["read_bytes"] for r in results) == tensor_bytes + 2 * (file_bytes - tensor_bytes)
+
+    before = hf_read_bytes()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    load_hf_checkpoint(path, mesh=mesh, axis_mapping={"embed": "data"})
+    assert hf_read_bytes() - before == file_bytes
+
+
 def test_process_group_config_names_the_bad_field():
     from marinrl.multihost import ProcessGroupConfig
 

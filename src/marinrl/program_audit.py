@@ -6,7 +6,7 @@
   Weights must always be arguments, so a train step or sampler program holds at most a few scalars and
   small tables (rotary frequencies, masks): tests bound it at 1% of the parameters' bytes.
 - `process_stats()`: this process's peak RSS, its RSS before its model was built (the baseline the dry
-  run's prediction leaves out), and how often it read a Hugging Face checkpoint.
+  run's prediction leaves out), how often it read a Hugging Face checkpoint and how many of its bytes.
 
 The job's actors report these in their results (`process`), where `bench/rehearsal.py` reads them.
 Measuring the programs costs one extra trace of each, so actors do it only when the environment variable
@@ -90,7 +90,7 @@ def peak_rss_bytes() -> int:
 
 def process_stats(rss_before_model_bytes: Optional[int], jit_constant_bytes: Optional[int]) -> dict:
     """What an actor reports about its process (`bench/rehearsal.py` reads it from the job's result)."""
-    from marinrl.models.hf_checkpoints import hf_reads
+    from marinrl.models.hf_checkpoints import hf_read_bytes, hf_reads
 
     return {"peak_rss_bytes": peak_rss_bytes(), "rss_before_model_bytes": rss_before_model_bytes,
-            "hf_reads": hf_reads(), "jit_constant_bytes": jit_constant_bytes}
+            "hf_reads": hf_reads(), "hf_read_bytes": hf_read_bytes(), "jit_constant_bytes": jit_constant_bytes}
