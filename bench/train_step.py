@@ -46,6 +46,23 @@ log-normal around a median of 64 tokens, clipped to 8–512 (rows up to 768 toke
 also reports trained (non-pad, loss-mask) tokens per second of update, the padding fraction (positions
 holding no token) and the row shape.
 
+`--shape vocab150k` is issue 31's large vocabulary: Qwen3's 151,936 columns on the reference model's small body, 1
+prompt × 8 samples of 128 prompt + 384 response tokens, one rollout per row (`padded`), 8 rows × 512 positions
+without microbatches: the LM head's logits (4,096 tokens × 151,936 × 4 bytes = 2.3 GiB per float32 array) dominate
+the step (16 rows would take the `full` mode past what a 24 GiB machine can spare). Its modes are `kl_0+blockwise`
+(the default: logprobs and entropy over 32k-column blocks, `policy_forward.lm_head_block`) and `kl_0+full`
+(`cross_entropy_block_size` = the vocabulary: one block); the `bf16` variant applies as elsewhere. Each mode runs
+in a process of its own (`--processes`, the default at this shape) so that its peak is its own: `peak_gib` is the
+process's peak RSS (`ru_maxrss`; on an accelerator `memory_stats()['peak_bytes_in_use']`) less its RSS before the
+mode's model was built, as bench/rehearsal.py measures, and `predicted_peak_gib` is the dry run's
+(`predicted_memory(job, "trainer", 1, cpu=True)`) for the same model, rows, row length and precision; the line also
+carries the prediction's components. `runtime_gib` is what the process keeps after its first step beyond the
+trainer state (parameters and AdamW moments): compiled programs and XLA:CPU's allocator, which the dry run leaves to
+the caller as it does the Python baseline; `peak_ratio_with_runtime` compares the peak with the prediction plus it.
+Timings across processes are not paired: the summary gives the ratio of the modes' medians.
+
+    python bench/train_step.py --shape vocab150k --steps 4           # kl_0+blockwise, kl_0+full
+
 `--devices N` runs on N fake CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, as the test
 harness does with 4); the default is one device, what a TrainWorker on this machine has. Other XLA flags
 pass through the XLA_FLAGS environment variable.
@@ -61,17 +78,24 @@ import tempfile
 import time
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="steps per mode; medians over steps 3..steps")
-    parser.add_argument("--modes", default="kl_0.04,kl_0",
-                        help="comma-separated kl_<beta>[+bucket<N>][+scanned][+bf16], e.g. kl_0.04,kl_0.04+bf16")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated kl_<beta>[+bucket<N>][+scanned][+bf16][+full], e.g. kl_0.04,kl_0.04+bf16 "
+                             "(default: kl_0.04,kl_0; kl_0+blockwise,kl_0+full at --shape vocab150k)")
     parser.add_argument("--devices", type=int, default=1, help="fake CPU devices (data-parallel mesh)")
     parser.add_argument("--attn-backend", default="default", choices=["default", "vanilla", "jax_flash"],
                         help="LlamaConfig.attn_backend (default: Levanter's choice for the platform, jax_flash on CPU)")
-    parser.add_argument("--shape", default="reference", choices=["reference", "realistic", "quickstart"])
+    parser.add_argument("--shape", default="reference", choices=["reference", "realistic", "quickstart", "vocab150k"])
+    parser.add_argument("--processes", action=argparse.BooleanOptionalAction, default=None,
+                        help="each mode in a process of its own, its peak its own (default: only at --shape vocab150k)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.modes is None:
+        args.modes = "kl_0+blockwise,kl_0+full" if args.shape == "vocab150k" else "kl_0.04,kl_0"
+    if args.processes is None:
+        args.processes = args.shape == "vocab150k"
     if args.steps < 3:
         parser.error("--steps must be >= 3 (medians are over steps 3..steps)")
     return args
@@ -104,6 +128,7 @@ from levanter.layers.attention import AttentionBackend  # noqa: E402
 from levanter.models.llama import LlamaConfig  # noqa: E402
 from levanter.tracker.json_logger import JsonLoggerConfig  # noqa: E402
 from levanter.trainer import Trainer  # noqa: E402
+from machine import machine  # noqa: E402
 
 from marinrl.config.batching import BatchingConfig  # noqa: E402
 from marinrl.config.loss import LossConfig  # noqa: E402
@@ -128,21 +153,26 @@ FIRST_MEASURED = 3  # 1-based: steps 1 and 2 are warm-up
 
 
 def reference_model_config(*, seed: int = 0, attn_backend: str = "default", scan_layers: bool = False,
-                           seq_len: int = 256) -> ModelConfig:
+                           seq_len: int = 256, vocab: int = VOCAB) -> ModelConfig:
     """The reference model of docs/performance.md as a `ModelConfig` (what a TrainWorker builds); `seq_len` 768 for the
     realistic shape's longest rollouts."""
     backend = None if attn_backend == "default" else AttentionBackend(attn_backend)
     llama = LlamaConfig(seq_len=seq_len, hidden_dim=128, intermediate_dim=512, num_layers=4, num_heads=4,
                         num_kv_heads=4, tie_word_embeddings=False, gradient_checkpointing=False, attn_backend=backend,
                         scan_layers=scan_layers)
-    return ModelConfig(model=llama, vocab_size=VOCAB, seed=seed, init_std=0.02, dtype="float32")
+    return ModelConfig(model=llama, vocab_size=vocab, seed=seed, init_std=0.02, dtype="float32")
 
 
 SHAPES = {  # prompts, samples, rows' max_length, min_bucket
     "reference": (PROMPTS, SAMPLES, 256, 16),
     "realistic": (16, 8, 768, 32),
     "quickstart": (32, 16, 64, 8),  # the quickstart's batches: 5-token prompts, one-token responses
+    "vocab150k": (1, 8, 512, 512),  # 128-token prompts, 384-token responses: one 512-token row per rollout
 }
+SHAPE_VOCAB = {"vocab150k": 151_936}
+"""The vocabulary of a shape where it is not the reference's 512 (Qwen3's at vocab150k)."""
+FIXED_LENGTHS = {"reference": (PROMPT_TOKENS, RESPONSE_TOKENS), "quickstart": (5, 1), "vocab150k": (128, 384)}
+"""(prompt, response budget) tokens of the shapes whose lengths are fixed; realistic's are drawn."""
 
 
 def synthetic_rollouts(rng: np.random.Generator, step: int,
@@ -150,22 +180,23 @@ def synthetic_rollouts(rng: np.random.Generator, step: int,
     """One step's groups (8 × 8 at the reference shape, 16 × 8 at the realistic one) and their group
     mean/std advantages."""
     prompts, samples = SHAPES[shape][:2]
+    vocab = SHAPE_VOCAB.get(shape, VOCAB)
+    fixed = FIXED_LENGTHS.get(shape)
     rollouts, advantages = [], []
     for _ in range(prompts):
-        prompt_tokens = {"reference": PROMPT_TOKENS, "quickstart": 5}.get(shape) or int(rng.integers(32, 257))
-        prompt = rng.integers(2, VOCAB, prompt_tokens)
+        prompt_tokens = fixed[0] if fixed else int(rng.integers(32, 257))
+        prompt = rng.integers(2, vocab, prompt_tokens)
         rewards = rng.integers(0, 2, samples).astype(np.float64)
         group_id = uuid.UUID(int=int(rng.integers(0, 2**62))).hex
         for reward in rewards:
-            budget = {"reference": RESPONSE_TOKENS, "quickstart": 1}.get(shape) or \
-                int(np.clip(round(math.exp(rng.normal(math.log(64), 0.9))), 8, 512))
-            tokens = rng.integers(2, VOCAB, budget)
+            budget = fixed[1] if fixed else int(np.clip(round(math.exp(rng.normal(math.log(64), 0.9))), 8, 512))
+            tokens = rng.integers(2, vocab, budget)
             stops = np.flatnonzero(rng.random(budget) < 1.0 / VOCAB) if shape == "reference" else np.array([])
             n = budget if stops.size == 0 else int(stops[0]) + 1
             tokens = tokens[:n]
             if n < RESPONSE_TOKENS and shape == "reference":
                 tokens[-1] = STOP_TOKEN
-            logprobs = np.minimum(-math.log(VOCAB) + 0.25 * rng.standard_normal(n), 0.0).astype(np.float32)
+            logprobs = np.minimum(-math.log(vocab) + 0.25 * rng.standard_normal(n), 0.0).astype(np.float32)
             rollouts.append(Rollout(
                 prompt_tokens=prompt, response_tokens=tokens, response_logprobs=logprobs,
                 temperature=1.0, loss_mask=np.ones(n, dtype=bool),
@@ -175,6 +206,37 @@ def synthetic_rollouts(rng: np.random.Generator, step: int,
                 metadata=RolloutMetadata("bench", step, 1_700_000_000.0)))
         advantages.extend(group_advantages(rewards, "group_std"))
     return rollouts, np.asarray(advantages)
+
+
+def current_rss_bytes() -> float:
+    """This process's resident set now (Linux /proc; elsewhere the peak so far, an upper bound)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except OSError:
+        return peak_bytes()
+
+
+def peak_bytes() -> float:
+    """The process's peak: `memory_stats()['peak_bytes_in_use']` on an accelerator, else the peak RSS."""
+    if jax.default_backend() != "cpu":
+        return float((jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", float("nan")))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024))
+
+
+def mode_job(mode: Mode, batch_size: int, prompts: int):
+    """The job a TrainWorker running `mode` would have, for the dry run: the Qwen3-0.6B recipe with the mode's
+    model, rows (no microbatches), layout, precision and loss, on this process's devices."""
+    import runpy
+
+    from marinrl.recipe import parse_recipe
+
+    recipe = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "experiments" /
+                                "grpo_math_qwen3_0p6b.py"), run_name="recipe")["RECIPE"]
+    job = parse_recipe(recipe, ["--model.hf_checkpoint=null", "--trainer.per_device_parallelism=-1",
+                                f"--groups_per_step={prompts}", f"--n_generations={batch_size // prompts}"])
+    return dataclasses.replace(job, model=mode.model, batching=mode.batching, loss=mode.loss,
+                               trainer=dataclasses.replace(job.trainer, mp=mode.mp))
 
 
 def stats(values: list[float]) -> dict:
@@ -204,7 +266,12 @@ class Mode:
     """The precision policy (`bf16` variant: p=f32,c=bfloat16: float32 masters, bfloat16 compute)."""
     levanter_dots: bool = False
     """`levanter_dots` variant: the projections' dots as Levanter writes them (3-D, before flat_dots.py)."""
+    logits: str = "blockwise"
+    """`full` variant: `cross_entropy_block_size` = the vocabulary (one block); `blockwise`: marinrl's default."""
     trainer: Trainer | None = None
+    rss_before_model: float = float("nan")  # bytes, when setup began
+    rss_after_setup: float = float("nan")  # bytes: model, trainer state (and reference) built
+    rss_after_first_step: float = float("nan")  # bytes: the first step compiled and run
     state: object = None
     reference: object = None
     ref_fn: object = None
@@ -223,7 +290,9 @@ class Mode:
             raise SystemExit(f"unknown mode {spec!r}: expected kl_<beta>[+bucket<N>][+scanned], e.g. kl_0.04")
         _, _, max_length, min_bucket = SHAPES[args.shape]
         batching, scan_layers, mp = BatchingConfig(max_length=max_length, min_bucket=min_bucket), False, "f32"
-        levanter_dots = False
+        if args.shape == "vocab150k":  # one rollout per row: rows × length as the dry run counts them
+            batching = dataclasses.replace(batching, layout="padded")
+        levanter_dots, logits = False, "blockwise"
         for v in variants:
             if v.startswith("bucket") and v[6:].isdigit():
                 batching = dataclasses.replace(batching, min_bucket=int(v[6:]))
@@ -235,19 +304,26 @@ class Mode:
                 mp = "p=f32,c=bfloat16"
             elif v == "levanter_dots":
                 levanter_dots = True
+            elif v in ("blockwise", "full"):
+                logits = v
             else:
                 raise SystemExit(f"unknown variant {v!r} in mode {spec!r}: expected padded, packed, shared, "
-                                 "bucket<N>, scanned, bf16 or levanter_dots")
+                                 "bucket<N>, scanned, bf16, levanter_dots, blockwise or full")
+        vocab = SHAPE_VOCAB.get(args.shape, VOCAB)
         model = reference_model_config(seed=args.seed, attn_backend=args.attn_backend, scan_layers=scan_layers,
-                                       seq_len=max(256, max_length))
+                                       seq_len=max(256, max_length), vocab=vocab)
+        if logits == "full":
+            model = dataclasses.replace(model, model=dataclasses.replace(model.model, cross_entropy_block_size=vocab))
         if args.shape == "quickstart":  # experiments/quickstart.yaml's model
             llama = dataclasses.replace(model.model, seq_len=64, hidden_dim=64, intermediate_dim=256, num_layers=2)
             model = dataclasses.replace(model, model=llama, init_std=None)
         batching = batching.for_model(model.model.hidden_dim)  # as the worker does
-        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching, mp, levanter_dots)
+        return cls(spec, LossConfig.preset("grpo", kl_beta=float(head[3:])), model, batching, mp, levanter_dots,
+                   logits)
 
     def setup(self, trainer_cfg, optimizer) -> None:
         """What `TrainWorker.run` does before its loop (minus the replay buffer and the weight server)."""
+        self.rss_before_model = current_rss_bytes()
         trainer_cfg = dataclasses.replace(trainer_cfg, mp=jmp.get_policy(self.mp))
         self.trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=self.loss),
                                add_default_hooks=False)
@@ -274,6 +350,33 @@ class Mode:
         if not math.isfinite(info.loss):
             raise RuntimeError(f"{self.name}: loss {info.loss} at step {int(info.step) + 1}")
         return ref_t, update_t, float(info.loss)
+
+    def memory(self, batch_size: int, prompts: int, prompt_tokens: int, response_tokens: int) -> dict:
+        """The measured peak against the dry run's for this mode (call in a process of its own)."""
+        from marinrl.dry_run import predicted_memory
+
+        plan = predicted_memory(mode_job(self, batch_size, prompts), "trainer", jax.device_count(),
+                                prompt_tokens=prompt_tokens, response_tokens=response_tokens,
+                                cpu=jax.default_backend() == "cpu")
+        peak = peak_bytes()
+        cpu = jax.default_backend() == "cpu"
+        measured = peak - self.rss_before_model if cpu else peak
+        gib = float(1 << 30)
+        b = plan.bytes_per_device
+        # What the process keeps after its first step beyond the trainer state (compiled programs, XLA:CPU's
+        # allocator): the dry run leaves it to the caller, as it does the Python baseline.
+        runtime = self.rss_after_first_step - self.rss_before_model - b["parameters"] - b["optimizer_state"]
+        with_runtime = plan.peak_bytes_per_device + runtime if cpu else float("nan")
+        return {"logits": self.logits, "mp": self.mp,
+                "peak_gib": round(measured / gib, 3), "predicted_peak_gib": round(plan.peak_bytes_per_device / gib, 3),
+                "peak_ratio": round(measured / plan.peak_bytes_per_device, 3),
+                "runtime_gib": round(runtime / gib, 3) if cpu else None,
+                "peak_ratio_with_runtime": round(measured / with_runtime, 3) if cpu else None,
+                "peak_rss_gib": round(peak / gib, 3) if cpu else None,
+                "rss_before_model_gib": round(self.rss_before_model / gib, 3) if cpu else None,
+                "rss_after_setup_gib": round(self.rss_after_setup / gib, 3) if cpu else None,
+                "rss_after_first_step_gib": round(self.rss_after_first_step / gib, 3) if cpu else None,
+                "predicted_gib": {k: round(v / gib, 3) for k, v in plan.bytes_per_device.items()}}
 
     def close(self) -> None:
         if self.trainer is not None:
@@ -307,7 +410,39 @@ def _summary(mode: Mode, r: dict) -> str:
             f"(setup {b['setup']:.2f}, reference {b['reference']:.2f}, update {b['update']:.2f})")
 
 
+def run_in_processes(args) -> None:
+    """Each mode in a child process of its own (this script with `--modes <mode> --no-processes`), one after
+    the other: their output as it comes, then the ratios of their medians and peaks, then their JSON lines."""
+    import subprocess
+
+    results = []
+    for spec in [m for m in args.modes.split(",") if m]:
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--steps", str(args.steps), "--modes", spec,
+               "--devices", str(args.devices), "--attn-backend", args.attn_backend, "--shape", args.shape,
+               "--seed", str(args.seed), "--no-processes"]
+        print(f"[{spec}] in a process of its own: {' '.join(cmd[1:])}", flush=True)
+        child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        for line in child.stdout:
+            if line.startswith("{"):
+                results.append(json.loads(line))
+            else:
+                print(line, end="", flush=True)
+        if child.wait():
+            raise SystemExit(f"[{spec}] exited with {child.returncode}")
+    first = results[0]
+    for r in results[1:]:
+        line = (f"update {r['mode']} / {first['mode']}: ratio of medians "
+                f"{r['update_s']['median'] / first['update_s']['median']:.3f} (separate processes: not paired)")
+        if "peak_gib" in r and "peak_gib" in first:
+            line += f"; peak {r['peak_gib'] / first['peak_gib']:.2f}×"
+        print(line)
+    for r in results:
+        print(json.dumps(r))
+
+
 def main(args) -> None:
+    if args.processes and len([m for m in args.modes.split(",") if m]) > 1:
+        return run_in_processes(args)
     work = pathlib.Path(tempfile.mkdtemp(prefix="marinrl-bench-train-step-"))
     prompts, samples = SHAPES[args.shape][:2]
     batch_size = prompts * samples
@@ -343,7 +478,9 @@ def main(args) -> None:
                   f"scan_layers={mode.model.model.scan_layers}")
             with _Timer() as setup_t:
                 mode.setup(trainer_cfg, optimizer)
+            mode.rss_after_setup = current_rss_bytes()
             ref_t, update_t, _ = mode.step(mode.batches[0])
+            mode.rss_after_first_step = current_rss_bytes()
             mode.first_step_s = setup_t.wall + ref_t.wall + update_t.wall
             mode.first_breakdown = {"setup": setup_t.wall, "reference": ref_t.wall, "update": update_t.wall}
         for step in range(1, args.steps):
@@ -358,6 +495,9 @@ def main(args) -> None:
 
     load = [load_start, os.getloadavg()[0]]
     results = [{**mode.result(), "load_avg": load} for mode in modes]
+    if len(modes) == 1 and args.shape in FIXED_LENGTHS:  # a process of its own: its peak is the mode's
+        results[0].update(modes[0].memory(batch_size, prompts, *FIXED_LENGTHS[args.shape]))
+        results[0]["machine"] = machine()
     for mode, r in zip(modes, results):
         print(f"[{mode.name}] {_summary(mode, r)}; steps {FIRST_MEASURED}-{args.steps}")
     for mode, r in zip(modes, results):

@@ -9,11 +9,20 @@ Components (per device), and how exact each is:
 - trainer: `parameters` (float32 master weights, `trainer.mp`'s param dtype), `gradients` (the same
   leaves and shardings: gradients of float32 parameters are float32), `gradient_accumulator` (Levanter's
   microbatch loop keeps a running sum beside each microbatch's gradients; 0 without microbatches) and
-  `optimizer_state`: exact from shapes and shardings. `activations`: an estimate from shapes for one
-  microbatch (`train_activation_bytes`).
-  Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations; with `cpu=True`
-  also `gathered_parameters` and `unsharded_gradients` (what XLA:CPU holds per FSDP device) and, with delta
-  sync, `delta_host_copy` (the last version, kept on the host: device memory on a CPU).
+  `optimizer_state`: exact from shapes and shardings. Estimates from shapes for one microbatch:
+  `activations` (the layers', `train_activation_bytes`) and the LM head's (`train_logits_bytes`): `logits`
+  (three float32 [tokens, vocabulary block] arrays live in the loss's backward, plus the remainder block's
+  where the vocabulary is not a multiple of the block), `logits_compute_copy` (with a compute dtype
+  narrower than float32: the head's matmul output before its float32 cast), `lm_head_gradient` (the
+  blockwise VJP's whole head gradient, vocab × hidden in the compute dtype, before it joins the gradients
+  and, on FSDP, before its reduce-scatter) and `compute_parameters` (with `trainer.mp` p=f32,c=bfloat16:
+  jmp's bfloat16 copy of the float32 masters, sharded as they are). The entropy metric's vocabulary pass
+  is not counted: it runs in the forward and its blocks are freed before the backward's.
+  Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations + logits +
+  logits_compute_copy + lm_head_gradient + compute_parameters; with `cpu=True` also
+  `gathered_parameters` (in place of `compute_parameters`) and `unsharded_gradients` (what XLA:CPU holds
+  per FSDP device) and, with delta sync, `delta_host_copy` (the last version, kept on the host: device
+  memory on a CPU).
 - rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis),
   `cache` (engine: the paged KV cache of `inference.engine.max_pages` pages, by default `max_seqs` ×
   ceil(`max_seq_len` / page) pages, plus the engine's decode state; scan: one call's KV cache):
@@ -244,20 +253,52 @@ def microbatch_rows_per_device(job, mesh: dict) -> int:
 
 
 def train_activation_bytes(job, mesh: dict, length: int) -> float:
-    """One microbatch's activations per device, from shapes (an estimate). With gradient checkpointing
+    """One microbatch's layer activations per device, from shapes (an estimate). With gradient checkpointing
     each layer keeps its input (rows × length × hidden, compute dtype) and one layer's working set is live
     at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
-    gradients); without, every layer keeps its working set. The loss's logits and their gradient in
-    float32 come on top, over one vocabulary block (`train/policy_forward.lm_head_block`)."""
+    gradients); without, every layer keeps its working set. The LM head's share is `train_logits_bytes`."""
     cfg = to_levanter(job.model.model)
     rows = microbatch_rows_per_device(job, mesh)
     compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
     working = 16 * rows * length * max(cfg.hidden_dim, cfg.intermediate_dim // 2) * compute / mesh["model"]
     checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
     kept = rows * length * cfg.hidden_dim * compute * cfg.num_layers if checkpointing else working * cfg.num_layers
-    block = lm_head_block(getattr(cfg, "cross_entropy_block_size", None), job.model.vocab_size)
-    logits = 2 * rows * length * block * 4 / mesh["model"]
-    return float(kept + working + logits)
+    return float(kept + working)
+
+
+LOGITS_BLOCKS_LIVE = 3
+"""Float32 `[tokens, block]` arrays the loss's backward holds at once (XLA:CPU's buffer assignment of the
+train step's blockwise cross-entropy, one block or five): the recomputed logits, exp(logits − log Z), and
+the gradient p − onehot (whose transposed copy for the head's gradient dot reuses the logits' buffer)."""
+
+
+def train_logits_bytes(job, mesh: dict, length: int) -> dict:
+    """The LM head's share of one microbatch's step per device, from shapes (an estimate), by component:
+
+    - `logits`: `LOGITS_BLOCKS_LIVE` float32 blocks of rows × length × block (`policy_forward.lm_head_block`:
+      32,768 columns by default, the whole vocabulary with `cross_entropy_block_size` = vocab), plus one
+      float32 array of the remainder block when the vocabulary is not a multiple of the block (XLA places the
+      remainder's buffers beside the loop's rather than in them).
+    - `logits_compute_copy` (compute dtype narrower than float32, `trainer.mp: p=f32,c=bfloat16`): the head's
+      matmul yields a block in the compute dtype before the float32 cast.
+    - `lm_head_gradient`: the blockwise VJP's whole head gradient (vocab × hidden, compute dtype), filled block
+      by block, held beside the parameter gradients until it joins them (and on FSDP before its
+      reduce-scatter).
+
+    Not counted: the entropy metric's pass (forward only, its blocks freed before the backward's; the
+    compiled step's temporaries are the same with and without it)."""
+    cfg = to_levanter(job.model.model)
+    rows = microbatch_rows_per_device(job, mesh)
+    vocab = job.model.vocab_size
+    compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
+    block = lm_head_block(getattr(cfg, "cross_entropy_block_size", None), vocab)
+    full_blocks, rest = divmod(vocab, block)
+    tokens = rows * length / mesh["model"]
+    out = {"logits": tokens * 4 * (LOGITS_BLOCKS_LIVE * block + (rest if full_blocks > 1 and rest else 0))}
+    if compute < 4:
+        out["logits_compute_copy"] = tokens * block * compute
+    out["lm_head_gradient"] = vocab * cfg.hidden_dim * compute / mesh["model"]
+    return {k: float(v) for k, v in out.items()}
 
 
 def rollout_working_set_bytes(job, model_axis_size: int, data_axis_size: int) -> float:
@@ -309,16 +350,23 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     accumulating = mbs is not None and mbs < rows
     length = train_row_length(job, prompt_tokens, response_tokens)
     per_host = job.ray.trainer.devices()
+    head = train_logits_bytes(job, mesh, length)
     components = {"parameters": params, "gradients": grads,
                   "gradient_accumulator": grads if accumulating else 0.0,
                   "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
-                  "activations": train_activation_bytes(job, mesh, length)}
-    estimated = ("activations",)
-    if cpu and mesh["data"] * mesh["replica"] > 1:
+                  "activations": train_activation_bytes(job, mesh, length), **head}
+    estimated = ("activations", *head)
+    compute = jnp.dtype(parse_mp(job.trainer.mp)["compute"])
+    gathered = cpu and mesh["data"] * mesh["replica"] > 1
+    if compute != jnp.dtype(parse_mp(job.trainer.mp)["params"]) and not gathered:
+        # jmp casts the float32 masters to the compute dtype for the forward and backward: a copy, sharded
+        # as the parameters (XLA:CPU's whole gathered copy on FSDP devices is `gathered_parameters`)
+        components["compute_parameters"] = shard_bytes(cast_floats(state.model, compute), mapping, mesh)
+        estimated += ("compute_parameters",)
+    if gathered:
         # XLA:CPU's SPMD program gathers every FSDP-sharded weight whole (in the compute dtype) for the
         # forward and holds whole float32 gradients before their reduce-scatter, per device (measured:
         # docs/scaling.md, "Rehearsal"); an accelerator's gathers stay within the layer scan.
-        compute = jnp.dtype(parse_mp(job.trainer.mp)["compute"])
         components["gathered_parameters"] = total_bytes(cast_floats(state.model, compute)) / mesh["model"]
         components["unsharded_gradients"] = total_bytes(state.trainable_model) / mesh["model"] - grads
         estimated += ("gathered_parameters", "unsharded_gradients")
