@@ -3,7 +3,8 @@
 With no cluster address the job starts a local Ray sized for this machine (the default); with an
 address it joins that cluster and places the trainer and the rollout workers by resources. A rollout
 worker that dies is restarted; a trainer that dies ends the job with its error and the checkpoint to
-resume from; normal completion and Ctrl-C leave no actor behind. A trainer that spans several hosts
+resume from; normal completion and Ctrl-C leave no actor behind, nor does the driver's death on a local Ray
+(`kill -9` included: marinrl/job/reaper.py). A trainer that spans several hosts
 (`ray.trainer.num_hosts`, or a multi-host `ray.trainer.tpu` slice) is a `TrainerGroup`: one actor per
 host in one placement group, one JAX process group (marinrl/job/trainer_group.py, docs/multihost.md).
 """
@@ -29,6 +30,7 @@ from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilatio
 from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
 from marinrl.job.plan import train_worker_config
 from marinrl.job.preflight import check_job
+from marinrl.job.reaper import Reaper
 from marinrl.job.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.job.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.logs import local_log_dir, log_actor_to_file
@@ -62,6 +64,7 @@ class RLJob:
         self._lock: Optional[RunLock] = None
         self._autoscaler = AutoscalerRequest()  # cleared when the job ends: see shutdown()
         self._n_trainers = 1
+        self._reaper: Optional[Reaper] = None
 
     def _init_ray(self) -> Optional[str]:
         cfg = self.config.ray
@@ -71,12 +74,20 @@ class RLJob:
             trainers = sum(cpus(m.job.ray.trainer) for m in policy_models(self.config))
             asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
-                     namespace=f"marinrl-{self.config.run_id}",
-                     object_store_memory=512 * 1024 * 1024,
-                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
-                     log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
-                     logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+            self._reaper = Reaper()  # the driver's death (kill -9 included) takes this Ray with it at once
+            self._reaper.start()
+            try:
+                with self._reaper.marked():
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's
+                             namespace=f"marinrl-{self.config.run_id}",
+                             object_store_memory=512 * 1024 * 1024,
+                             runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                             log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                             logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+            except BaseException:
+                self._reaper.stop()  # what Ray started before it failed
+                self._reaper = None
+                raise
         else:
             try:
                 ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
@@ -293,6 +304,9 @@ class RLJob:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._reaper is not None:  # sweeps what ray.shutdown left (nothing, normally) and exits
+            self._reaper.stop()
+            self._reaper = None
 
 
 STOP_ANSWER_S = 2.0

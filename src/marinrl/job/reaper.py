@@ -1,0 +1,125 @@
+"""The job's processes die with its driver: a watchdog for the local Ray a job starts (`RLJob`, no
+`ray.address`).
+
+Ray ties its head processes (GCS, raylet, monitors) to the driver that started them with the kernel's
+parent-death signal, and the actors' workers end once their raylet is gone (about 2 s, during which a
+trainer keeps training and may write a checkpoint). Ray's two agents (the dashboard and runtime-env
+agents, about 217 MB) see their raylet die at once but then try to report it to the dead GCS for 60 s
+before they exit. After `kill -9` of the driver, nothing of Ray's own ends them sooner.
+
+So the driver marks every process of its Ray: `MARINRL_RAY_OWNER=<token>` is in the environment Ray's
+processes start with (the driver's own environment while `ray.init` runs; every worker, agent and
+process an actor starts inherits it). This watchdog, started by the driver before `ray.init`, reads a
+pipe from the driver; when the driver ends (exit, crash, `kill -9`: the kernel closes the pipe), it
+SIGKILLs every process of this user whose environment holds the token, until none is left, and exits.
+After a normal end it finds nothing: `ray.shutdown` stopped them all.
+
+Run as a script (`python -I reaper.py <driver pid> <token>`): the standard library only, never marinrl
+or Ray (a few MB of memory for the job's lifetime).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from typing import Iterator, Optional
+
+OWNER_ENV = "MARINRL_RAY_OWNER"
+"""The environment variable that marks a process as one of a job's local Ray."""
+
+
+def job_processes(token: str, exclude: tuple[int, ...] = ()) -> Iterator[int]:
+    """The pids of this user's processes whose environment holds `OWNER_ENV=token` (from /proc)."""
+    mark = f"{OWNER_ENV}={token}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        if mark in environ:
+            yield int(entry)
+
+
+def sweep(token: str, exclude: tuple[int, ...] = (), rounds: int = 20) -> int:
+    """SIGKILLs the job's processes until a look finds none (a raylet killed while it starts a worker may
+    leave that one behind: the next look finds it; a killed process's environment reads empty). Returns
+    how many were killed."""
+    killed: set[int] = set()
+    for _ in range(rounds):
+        found = list(job_processes(token, (os.getpid(), *exclude)))
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    return len(killed)
+
+
+class Reaper:
+    """The driver's side: `start()` before `ray.init`, `ray.init` inside `marked()`, `stop()` after
+    `ray.shutdown`."""
+
+    def __init__(self, token: Optional[str] = None):
+        self.token = token or uuid.uuid4().hex
+        self._proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> None:
+        """The watchdog, its stdin the read end of a pipe only this process writes (the write end is not
+        inherited by anything this process starts later), in a session of its own: the terminal's Ctrl-C
+        and a signal to the driver's process group are the driver's to handle, not its."""
+        self._proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), self.token],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
+                                      start_new_session=True)
+
+    @contextlib.contextmanager
+    def marked(self) -> Iterator[None]:
+        """This process's environment holds the mark while the block runs (`ray.init`: what it starts
+        inherits the mark, and what those start)."""
+        saved = os.environ.get(OWNER_ENV)
+        os.environ[OWNER_ENV] = self.token
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(OWNER_ENV, None)
+            else:
+                os.environ[OWNER_ENV] = saved
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Closes the pipe: the watchdog sweeps what is left of the job's processes and exits."""
+        if self._proc is None:
+            return
+        try:
+            self._proc.stdin.close()
+            self._proc.wait(timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self._proc = None
+
+
+def main(argv: list[str]) -> int:
+    driver, token = int(argv[1]), argv[2]
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while sys.stdin.buffer.read(4096):  # nothing is ever written: read returns b"" once the driver is gone
+        pass
+    n = sweep(token, exclude=(driver,))
+    if n:
+        print(f"[marinrl] the job's driver ended: killed {n} processes of its local Ray", file=sys.stderr,
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
