@@ -1,0 +1,103 @@
+"""The watchdog that takes a local job's processes with its driver (marinrl/job/reaper.py), on real
+processes without Ray: a driver killed with SIGKILL, its marked process killed within seconds, an
+unmarked one left alone; a driver that ends normally leaves its watchdog nothing to do.
+The same on a real job: tests/test_job_faults.py::test_the_drivers_death_takes_its_local_ray_with_it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from marinrl.job.reaper import OWNER_ENV, Reaper, job_processes
+
+SRC = str(pathlib.Path(__file__).resolve().parent.parent / "src")
+
+_DRIVER = textwrap.dedent("""
+    import subprocess, sys, time
+    from marinrl.job.reaper import Reaper
+    SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
+    reaper = Reaper(sys.argv[1])
+    reaper.start()
+    with reaper.marked():  # as around ray.init: what starts now is the job's
+        job = subprocess.Popen(SLEEP, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    other = subprocess.Popen(SLEEP, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # after: not the job's
+    print(job.pid, other.pid, flush=True)
+    if sys.argv[2] == "end":
+        job.kill(); job.wait()
+        reaper.stop()
+        print("stopped", flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(condition, what: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"timed out after {deadline_s:.0f} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _driver(token: str, how: str) -> tuple[subprocess.Popen, int, int]:
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, token, how], stdout=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC})
+    job, other = map(int, proc.stdout.readline().split())
+    return proc, job, other
+
+
+def test_a_killed_driver_takes_its_marked_processes_and_no_other():
+    token = os.urandom(8).hex()
+    proc, job, other = _driver(token, "kill")
+    try:
+        assert list(job_processes(token)) == [job]  # the mark is in the job's process only
+        proc.kill()
+        proc.wait(timeout=30)
+        _until(lambda: not _alive(job), "the job's process to be killed", deadline_s=30)
+        assert _alive(other)
+        assert "the job's driver ended: killed 1 processes of its local Ray" in proc.stderr.read()  # at its exit
+    finally:
+        for pid in (job, other):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_driver_that_stops_its_watchdog_leaves_it_nothing_to_kill():
+    token = os.urandom(8).hex()
+    proc, job, other = _driver(token, "end")
+    try:
+        assert proc.stdout.readline().strip() == "stopped"
+        assert not _alive(job) and _alive(other) and proc.poll() is None
+        watchdog = f"reaper.py {proc.pid} {token}"
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and watchdog in _cmdline(int(p))]  # it exited
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if _alive(other):
+            os.kill(other, signal.SIGKILL)
+    assert "killed" not in proc.stderr.read()
+
+
+def test_the_mark_is_this_block_only():
+    reaper = Reaper("t0ken")
+    before = os.environ.get(OWNER_ENV)
+    with reaper.marked():
+        assert os.environ[OWNER_ENV] == "t0ken"
+    assert os.environ.get(OWNER_ENV) == before
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
