@@ -12,7 +12,8 @@ processes start with (the driver's own environment while `ray.init` runs; every 
 process an actor starts inherits it). This watchdog, started by the driver before `ray.init`, reads a
 pipe from the driver; when the driver ends (exit, crash, `kill -9`: the kernel closes the pipe), it
 SIGKILLs every process of this user whose environment holds the token, until none is left, and exits.
-After a normal end it finds nothing: `ray.shutdown` stopped them all.
+The driver stops it after `ray.shutdown` (a write, then the pipe closed): it sweeps what is left, if
+anything, without a word.
 
 Run as a script (`python -I reaper.py <driver pid> <token>`): the standard library only, never marinrl
 or Ray (a few MB of memory for the job's lifetime).
@@ -98,10 +99,12 @@ class Reaper:
                 os.environ[OWNER_ENV] = saved
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Closes the pipe: the watchdog sweeps what is left of the job's processes and exits."""
+        """Closes the pipe: the watchdog sweeps what is left of the job's processes (quietly: this is no
+        driver's death) and exits."""
         if self._proc is None:
             return
         try:
+            self._proc.stdin.write(b"stop")
             self._proc.stdin.close()
             self._proc.wait(timeout=timeout_s)
         except (OSError, subprocess.TimeoutExpired):
@@ -112,10 +115,11 @@ class Reaper:
 def main(argv: list[str]) -> int:
     driver, token = int(argv[1]), argv[2]
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while sys.stdin.buffer.read(4096):  # nothing is ever written: read returns b"" once the driver is gone
-        pass
+    stopped = False  # the driver writes once, when it stops this watchdog after `ray.shutdown`
+    while sys.stdin.buffer.read(4096):  # b"" once the pipe is closed: stopped, or the driver is gone
+        stopped = True
     n = sweep(token, exclude=(driver,))
-    if n:
+    if n and not stopped:
         print(f"[marinrl] the job's driver ended: killed {n} processes of its local Ray", file=sys.stderr,
               flush=True)
     return 0
