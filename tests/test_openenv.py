@@ -322,10 +322,12 @@ def test_ctrl_c_stops_a_job_whose_rollout_worker_waits_on_a_server_that_never_an
     config = tmp_path / "job.yaml"
     config.write_text(_STUCK_JOB.format(root=tmp_path, url=mute_url, wait_s=LONG_WAIT_S))
     log = tmp_path / "train.log"
-    proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(config)], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True,  # as a terminal's foreground job:
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # SIGINT not ignored
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    # As a terminal's foreground job: SIGINT not ignored (a shell's background job inherits it ignored), set
+    # before exec rather than in a preexec_fn (a fork of this process, which runs JAX's threads)
+    train = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'marinrl.cli', 'train', sys.argv[1]])")
+    proc = subprocess.Popen([sys.executable, "-c", train, str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     notice = f"[marinrl] rollout worker 0 is waiting: openenv: opening a session on {mute_url} (up to 4 tries of 300 s)"
     try:
         _poll(lambda: proc.poll() is not None or notice in log.read_text(), "the stall notice")
