@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.server
 import json
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -241,3 +242,110 @@ def test_a_short_job_trains_on_an_openenv_server(openenv_url, tmp_path, ray_sess
     evals = [e["metrics"] for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
     assert np.isfinite(evals[-1]["eval/letters/reward_mean"])
     assert _get(f"{openenv_url}/stats")["opened"] >= 3 * cfg.groups_per_step * cfg.n_generations
+
+
+@pytest.fixture
+def mute_url():
+    """A WebSocket server that completes the handshake and never answers a message: the job's check of the
+    URL (a handshake) passes, then every session's reset waits for an answer that never comes."""
+    import asyncio
+
+    from websockets.asyncio.server import serve
+
+    loop = asyncio.new_event_loop()
+    started, done = threading.Event(), None
+    port = []
+
+    async def hold(ws):
+        await ws.wait_closed()
+
+    async def main():
+        nonlocal done
+        done = asyncio.Event()
+        async with serve(hold, "127.0.0.1", 0, ping_interval=None) as server:
+            port.append(server.sockets[0].getsockname()[1])
+            started.set()
+            await done.wait()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    assert started.wait(30), "the mute WebSocket server did not start"
+    yield f"http://127.0.0.1:{port[0]}"
+    loop.call_soon_threadsafe(done.set)
+    thread.join(30)
+    loop.close()
+
+
+_STUCK_JOB = """
+run_id: job
+run_root: {root}
+model:
+  model: {{type: llama, seq_len: 32, hidden_dim: 32, intermediate_dim: 64, num_layers: 2, num_heads: 2,
+          num_kv_heads: 2, gradient_checkpointing: false, scan_layers: false}}
+  vocab_size: 512
+curriculum:
+  lessons:
+    - lesson_id: letters
+      env: {{name: openenv, args: {{url: "{url}", action_field: message, observation_field: prompt, chat: false,
+                                   request_timeout: {wait_s}, max_retries: 3}}}}
+      max_tokens: 1
+      graduate_at: null
+num_train_steps: 100000
+groups_per_step: 4
+n_generations: 4
+eval_every: 100000
+eval_examples: 4
+batching: {{max_length: 32, min_bucket: 8}}
+ray: {{stop_timeout_s: {wait_s}}}
+"""
+
+LONG_WAIT_S = 300.0
+"""The stuck job's long timeouts: each session open's answer (`request_timeout`, 4 tries) and the trainer's
+final checkpoint on Ctrl-C (`ray.stop_timeout_s`)."""
+STOP_BOUND_S = 60.0
+"""How long Ctrl-C may take in the test: six times the documented 10 s (on this 2-core machine it took 3.6 s,
+5 s when the trainer was still starting), for a loaded machine; a fifth of LONG_WAIT_S, so a stop that
+waits out any of those timeouts fails."""
+
+
+@pytest.mark.timeout(1200)
+def test_ctrl_c_stops_a_job_whose_rollout_worker_waits_on_a_server_that_never_answers(mute_url, tmp_path):
+    """`marinrl train` whose rollout worker is stuck opening sessions on a server that accepts and never
+    answers (the trainer waits for rollouts that never come, or is still starting): once the stall notice
+    shows, Ctrl-C to the process group stops the job without waiting out the server's or the trainer's
+    timeouts, exits 130, and leaves no process of the job behind (issue 33)."""
+    import os
+    import signal
+
+    from test_job_faults import _alive, _descendants, _poll
+
+    config = tmp_path / "job.yaml"
+    config.write_text(_STUCK_JOB.format(root=tmp_path, url=mute_url, wait_s=LONG_WAIT_S))
+    log = tmp_path / "train.log"
+    # As a terminal's foreground job: SIGINT not ignored (a shell's background job inherits it ignored), set
+    # before exec rather than in a preexec_fn (a fork of this process, which runs JAX's threads)
+    train = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+             "os.execv(sys.executable, [sys.executable, '-m', 'marinrl.cli', 'train', sys.argv[1]])")
+    proc = subprocess.Popen([sys.executable, "-c", train, str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    notice = f"[marinrl] rollout worker 0 is waiting: openenv: opening a session on {mute_url} (up to 4 tries of 300 s)"
+    try:
+        _poll(lambda: proc.poll() is not None or notice in log.read_text(), "the stall notice")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        started = _descendants(proc.pid)
+        assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=STOP_BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"Ctrl-C did not stop the job in {STOP_BOUND_S:.0f} s:\n{log.read_text()[-3000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = log.read_text()
+    assert proc.returncode == 130, out[-3000:]
+    stopped = re.findall(r"\[marinrl\] stopped [^\r\n]*", out)
+    assert stopped and ("before training a step" in stopped[0] or "while the trainer was starting" in stopped[0]), \
+        out[-3000:]
+    assert "did not stop in time" not in out and "checkpoint None" not in out, out[-3000:]
+    _poll(lambda: not any(_alive(p) for p in started), "every process the job started to exit", deadline_s=30)

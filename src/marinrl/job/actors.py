@@ -125,8 +125,9 @@ class TrainerActor:
         """(step, group ids trained at it) for every step so far: survives in no result if the trainer dies."""
         return [(h["step"], list(g)) for h, g in zip(list(self.worker.history), list(self.worker.trained_groups))]
 
-    def stop(self) -> None:
-        self.worker.stop()
+    def stop(self) -> bool:
+        """Whether the trainer is training (`TrainWorker.stop`): False, it is starting and has nothing to save."""
+        return self.worker.stop()
 
 
 @ray.remote(max_concurrency=2)

@@ -3,7 +3,8 @@
 With no cluster address the job starts a local Ray sized for this machine (the default); with an
 address it joins that cluster and places the trainer and the rollout workers by resources. A rollout
 worker that dies is restarted; a trainer that dies ends the job with its error and the checkpoint to
-resume from; normal completion and Ctrl-C leave no actor behind. A trainer that spans several hosts
+resume from; normal completion and Ctrl-C leave no actor behind, nor does the driver's death on a local Ray
+(`kill -9` included: marinrl/job/reaper.py). A trainer that spans several hosts
 (`ray.trainer.num_hosts`, or a multi-host `ray.trainer.tpu` slice) is a `TrainerGroup`: one actor per
 host in one placement group, one JAX process group (marinrl/job/trainer_group.py, docs/multihost.md).
 """
@@ -29,6 +30,7 @@ from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilatio
 from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
 from marinrl.job.plan import train_worker_config
 from marinrl.job.preflight import check_job
+from marinrl.job.reaper import Reaper
 from marinrl.job.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
 from marinrl.job.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.logs import local_log_dir, log_actor_to_file
@@ -62,6 +64,7 @@ class RLJob:
         self._lock: Optional[RunLock] = None
         self._autoscaler = AutoscalerRequest()  # cleared when the job ends: see shutdown()
         self._n_trainers = 1
+        self._reaper: Optional[Reaper] = None
 
     def _init_ray(self) -> Optional[str]:
         cfg = self.config.ray
@@ -71,12 +74,20 @@ class RLJob:
             trainers = sum(cpus(m.job.ray.trainer) for m in policy_models(self.config))
             asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's Ray
-                     namespace=f"marinrl-{self.config.run_id}",
-                     object_store_memory=512 * 1024 * 1024,
-                     runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
-                     log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
-                     logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+            self._reaper = Reaper()  # the driver's death (kill -9 included) takes this Ray with it at once
+            self._reaper.start()
+            try:
+                with self._reaper.marked():
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's
+                             namespace=f"marinrl-{self.config.run_id}",
+                             object_store_memory=512 * 1024 * 1024,
+                             runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                             log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                             logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+            except BaseException:
+                self._reaper.stop()  # what Ray started before it failed
+                self._reaper = None
+                raise
         else:
             try:
                 ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
@@ -189,9 +200,8 @@ class RLJob:
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
-                for ref, k in waited.items():
-                    if k not in results:
-                        self._stop_trainer(trainers[k], ref)
+                self._stop_trainers([(trainers[k], ref, k == 0 and bar.answered) for ref, k in waited.items()
+                                     if k not in results])
                 raise
             for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
                 try:
@@ -205,26 +215,46 @@ class RLJob:
         finally:
             self.shutdown()
 
-    def _stop_trainer(self, trainer, train_ref) -> None:
-        """Ctrl-C: the trainer finishes its step and saves a checkpoint (the job resumes from it), for
-        at most `ray.stop_timeout_s`; a second Ctrl-C gives up waiting. `run`'s cleanup follows."""
+    def _stop_trainers(self, stopping: list[tuple[Any, Any, bool]]) -> None:
+        """Ctrl-C: each trainer (actor, its `run` ref, whether it has answered a call: its actor is built)
+        that is training finishes its step and saves a checkpoint (the job resumes from it), for at most
+        `ray.stop_timeout_s`; a second Ctrl-C gives up waiting. One still starting (its actor being built:
+        no answer to `stop` within STOP_ANSWER_S; or loading, compiling, publishing its first weights: False)
+        has nothing new to save and is not waited for. A trainer waiting for rollouts stops at once (the
+        replay's wait ends on the stop event). `run`'s cleanup follows."""
         timeout = self.config.ray.stop_timeout_s
         print(f"\n[marinrl] interrupted: the trainer checkpoints and stops (up to {timeout:.0f} s; Ctrl-C again "
               "to quit now)", file=sys.stderr, flush=True)
         try:
-            trainer.stop.remote()
-            ready, _ = ray.wait([train_ref], timeout=timeout)
-            if ready:
-                result = ray.get(train_ref)
-                print(f"[marinrl] stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the "
-                      "same config again to resume", file=sys.stderr, flush=True)
-            else:
-                print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
-                      file=sys.stderr, flush=True)
+            answers = [trainer.stop.remote() for trainer, _, _ in stopping]
+            answered, _ = ray.wait(answers, num_returns=len(answers), timeout=STOP_ANSWER_S)
+            built = [a for a, (_, _, known) in zip(answers, stopping) if known and a not in answered]
+            if built:  # an actor that answered before answers this too: a loaded machine is slow, not silent
+                answered += ray.wait(built, num_returns=len(built), timeout=timeout)[0]
+            training = []
+            for answer, (_, ref, _) in zip(answers, stopping):
+                try:
+                    if answer in answered and ray.get(answer):
+                        training.append(ref)
+                        continue
+                    print("[marinrl] stopped while the trainer was starting (no step trained: nothing new to "
+                          "checkpoint); run the same config again to resume", file=sys.stderr, flush=True)
+                except Exception as e:  # the trainer is gone already: nothing more to save
+                    print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
+                          flush=True)
+            ready, _ = ray.wait(training, num_returns=len(training), timeout=timeout) if training else ([], [])
+            for ref in training:
+                if ref not in ready:
+                    print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
+                          file=sys.stderr, flush=True)
+                    continue
+                try:
+                    print(f"[marinrl] {_stopped_line(ray.get(ref))}", file=sys.stderr, flush=True)
+                except Exception as e:  # it died while stopping
+                    print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
+                          flush=True)
         except KeyboardInterrupt:
             print("[marinrl] quitting without a final checkpoint", file=sys.stderr, flush=True)
-        except Exception as e:  # the trainer is gone already: nothing more to save
-            print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
         """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts
@@ -274,6 +304,26 @@ class RLJob:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._reaper is not None:  # sweeps what ray.shutdown left (nothing, normally) and exits
+            self._reaper.stop()
+            self._reaper = None
+
+
+STOP_ANSWER_S = 2.0
+"""Ctrl-C: how long a trainer that has not answered a call yet has to answer its stop (a flag set on an idle
+thread of its actor); one that has not is still being built, has trained nothing and is not waited for."""
+
+
+def _stopped_line(result: dict) -> str:
+    """What a trainer stopped by Ctrl-C left: the checkpoint a rerun resumes from."""
+    if result.get("checkpoint"):
+        return (f"stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the same config "
+                "again to resume")
+    if result.get("resumed_from"):  # stopped before its first step: the checkpoint it started from still holds
+        return (f"stopped at step {result['final_step']} before training a step (nothing new to checkpoint); run "
+                f"the same config again to resume from {result['resumed_from']}")
+    return (f"stopped at step {result['final_step']} before training a step: no checkpoint yet, running the config "
+            "again starts from step 0")
 
 
 # Errors a rerun with the same config repeats: the config or an input it names must change first.
@@ -408,12 +458,15 @@ class _ProgressBar:
         from tqdm import tqdm
 
         self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+        self.answered = False
+        """Whether the trainer has answered: its actor is built (Ctrl-C waits for its answer to `stop`)."""
 
     def update(self, trainer) -> None:
         try:
             p = ray.get(trainer.progress.remote(), timeout=2.0)
         except Exception:  # compiling, or gone: the main loop notices the latter
             return
+        self.answered = True
         self._bar.update(p["step"] - self._bar.n)
         if "batch/reward_mean" in p:
             self._bar.set_postfix(reward=f"{p['batch/reward_mean']:.2f}", step_s=f"{p['train/step_s']:.2f}",

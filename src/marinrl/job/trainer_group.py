@@ -102,10 +102,10 @@ class TrainerHostActor:
             return []
         return [(h["step"], list(g)) for h, g in zip(list(self.worker.history), list(self.worker.trained_groups))]
 
-    def stop(self) -> None:
-        """Process 0 tells the others at the next batch (its stop flag travels with it)."""
-        if self.worker is not None:
-            self.worker.stop()
+    def stop(self) -> bool:
+        """Process 0 tells the others at the next batch (its stop flag travels with it). Returns whether
+        it is training (`TrainWorker.stop`); False while it is still joining its group or starting."""
+        return self.worker.stop() if self.worker is not None else False
 
 
 class TrainerGroup:

@@ -140,6 +140,9 @@ class TrainWorker:
         self._curriculum = curriculum
         self._on_step = on_step
         self._stop = threading.Event()
+        self.training = False
+        """True once `run()` has loaded its state, built its reference and published its first weights: a
+        stop from then on ends the run with a final checkpoint; before, it has nothing new to save."""
         self.step = 0
         self.history: list[dict[str, float]] = []
         self.trained_groups: list[list[str]] = []
@@ -151,9 +154,12 @@ class TrainWorker:
         self.model = None
         """The trained model once `run()` returns (with LoRA: base and adapters)."""
 
-    def stop(self) -> None:
-        """Ends the run after the current step, with a final checkpoint."""
-        self._stop.set()
+    def stop(self) -> bool:
+        """Ends the run after the current step, with a final checkpoint. Returns `training`: False means
+        the run is still starting (it stops before its first step, with nothing new to save), so a caller
+        that is shutting down need not wait for it."""
+        self._stop.set()  # before reading `training`: `run()` sets it before its first look at the event
+        return self.training
 
     # ------------------------------------------------------------------ the loop
 
@@ -211,6 +217,7 @@ class TrainWorker:
             program_constants = None
             if replay is not None:
                 replay.start()
+            self.training = True  # before the loop's first look at the stop event (`stop()`)
             try:
                 # several: stop is shared
                 while self.step < num_steps and (cohort.multiprocess or not self._stop.is_set()):

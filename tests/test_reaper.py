@@ -1,0 +1,123 @@
+"""The watchdog that takes a local job's processes with its driver (marinrl/job/reaper.py), on real
+processes without Ray: a driver killed with SIGKILL takes the job's processes (marked, or descendants of
+a marked one) within seconds and leaves its other one alone; a driver that stops its watchdog (after
+ray.shutdown) has it sweep without a word.
+The same on a real job: tests/test_job_faults.py::test_the_drivers_death_takes_its_local_ray_with_it."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from marinrl.job.reaper import OWNER_ENV, Reaper, job_processes
+
+SRC = str(pathlib.Path(__file__).resolve().parent.parent / "src")
+
+_SPAWN = textwrap.dedent("""
+    import os, subprocess, sys, time
+    env = {k: v for k, v in os.environ.items() if k != "MARINRL_RAY_OWNER"}  # as a retitled process's lost mark
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(child.pid, flush=True)
+    time.sleep(float(sys.argv[1]))  # then exits: its child is handed to init, as a dead raylet's workers are
+""")
+
+_DRIVER = textwrap.dedent("""
+    import subprocess, sys, time
+    from marinrl.job.reaper import Reaper
+    reaper = Reaper(sys.argv[1])
+    reaper.start()
+    with reaper.marked():  # as around ray.init: what starts now is the job's
+        job = subprocess.Popen([sys.executable, "-c", sys.argv[3], sys.argv[4]], stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
+    unmarked = int(job.stdout.readline())
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # started after: not the job's
+    print(job.pid, unmarked, other.pid, flush=True)
+    if sys.argv[2] == "end":  # as after ray.shutdown, with stragglers left
+        reaper.stop()
+        print("stopped", flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(condition, what: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"timed out after {deadline_s:.0f} s waiting for {what}"
+        time.sleep(0.05)
+
+
+def _driver(token: str, how: str, job_s: float) -> tuple[subprocess.Popen, int, int, int]:
+    """A driver with its watchdog, a marked process (living `job_s`) with an unmarked child, and an unmarked
+    process of its own."""
+    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, token, how, _SPAWN, str(job_s)], stdout=subprocess.PIPE,
+                            text=True, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": SRC})
+    job, child, other = map(int, proc.stdout.readline().split())
+    return proc, job, child, other
+
+
+def _kill(*pids: int) -> None:
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_driver_takes_its_processes_and_no_other():
+    """The child of a marked process is the job's though unmarked, and stays so once its parent is gone
+    and init holds it (the watchdog saw it while the parent lived); the driver's other process is not."""
+    token = os.urandom(8).hex()
+    proc, job, child, other = _driver(token, "kill", job_s=3.0)
+    try:
+        assert list(job_processes(token)) == [job]  # the mark is in the job's process only
+        _until(lambda: not _alive(job), "the marked process to exit, handing its child to init")
+        proc.kill()
+        proc.wait(timeout=30)
+        _until(lambda: not _alive(child), "the job's process to be killed", deadline_s=30)
+        assert _alive(other)
+        assert "the job's driver ended: killed 1 processes of its local Ray" in proc.stderr.read()  # at its exit
+    finally:
+        _kill(job, child, other)
+
+
+def test_a_driver_that_stops_its_watchdog_has_it_sweep_quietly():
+    token = os.urandom(8).hex()
+    proc, job, child, other = _driver(token, "end", job_s=600.0)
+    try:
+        assert proc.stdout.readline().strip() == "stopped"
+        assert not _alive(job) and not _alive(child)  # `job` a zombie until its driver reaps it
+        assert _alive(other) and proc.poll() is None
+        watchdog = f"reaper.py {proc.pid} {token}"
+        assert not [p for p in os.listdir("/proc") if p.isdigit() and watchdog in _cmdline(int(p))]  # it exited
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        _kill(job, child, other)
+    assert "killed" not in proc.stderr.read()
+
+
+def test_the_mark_is_this_block_only():
+    reaper = Reaper("t0ken")
+    before = os.environ.get(OWNER_ENV)
+    with reaper.marked():
+        assert os.environ[OWNER_ENV] == "t0ken"
+    assert os.environ.get(OWNER_ENV) == before
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
