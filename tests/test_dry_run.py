@@ -234,8 +234,14 @@ def test_train_activation_bytes_by_hand():
     mesh = {"data": 1, "replica": 1, "model": 1}
     kept = 4 * 128 * 64 * 2 * 3           # each layer's input, bfloat16, 3 layers
     working = 16 * 4 * 128 * 80 * 2       # one layer's working set: 16 × rows × length × max(64, 160 / 2)
-    logits = 2 * 4 * 128 * 300 * 4        # the loss's logits and their gradient, float32, whole vocabulary
-    assert train_activation_bytes(job, mesh, 128) == kept + working + logits
+    assert train_activation_bytes(job, mesh, 128) == kept + working
+    # the LM head's share, apart: float32 logits blocks live at once (one block: the vocabulary of 300), the
+    # bfloat16 copy of a block, the head's gradient in bfloat16
+    from marinrl.dry_run.memory import LOGITS_BLOCKS_LIVE, train_logits_bytes
+
+    assert train_logits_bytes(job, mesh, 128) == {"logits": LOGITS_BLOCKS_LIVE * 4 * 128 * 300 * 4,
+                                                  "logits_compute_copy": 4 * 128 * 300 * 2,
+                                                  "lm_head_gradient": 300 * 64 * 2}
     job = _with_model(job, gradient_checkpointing=False)  # every layer keeps its working set
-    assert train_activation_bytes(job, mesh, 128) == 3 * working + working + logits
-    assert train_activation_bytes(job, {**mesh, "model": 2}, 128) == (4 * working + logits) / 2
+    assert train_activation_bytes(job, mesh, 128) == 3 * working + working
+    assert train_activation_bytes(job, {**mesh, "model": 2}, 128) == 4 * working / 2
