@@ -77,18 +77,20 @@ def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, ru
 
 
 def cpu_trainer_config(**overrides):
-    """A `TrainerConfig` that works on a laptop CPU: no accelerator required, no Ray of its own,
-    offline JSON tracking, no second compile for watch hooks."""
+    """A `TrainerConfig` that works on a laptop CPU: no accelerator required, no Ray of its own, no
+    `jax.distributed` of Levanter's own (`levanter_trainer` says why), offline JSON tracking, no second compile
+    for watch hooks."""
     import pathlib
 
     from levanter.callbacks.watch import WatchConfig
-    from levanter.distributed import RayConfig
+    from levanter.distributed import DistributedConfig, RayConfig
     from levanter.tracker.json_logger import JsonLoggerConfig
     from levanter.trainer import TrainerConfig
 
     defaults: dict[str, Any] = dict(
         require_accelerator=False,
         ray=RayConfig(auto_start_cluster=False),
+        distributed=DistributedConfig(initialize_jax_distributed=False),
         tracker=JsonLoggerConfig(),
         watch=WatchConfig(watch_targets=[]),
         log_dir=pathlib.Path("logs"),
