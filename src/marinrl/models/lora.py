@@ -175,8 +175,8 @@ class AdapterMergingClient:
     def poll(self) -> WeightUpdate | None:
         return None if self._inner.poll() is None else self._merged()
 
-    def wait_for(self, min_step: int, timeout_s: float) -> WeightUpdate:
-        self._inner.wait_for(min_step, timeout_s)
+    def wait_for(self, min_step: int, timeout_s: float, backoff=None) -> WeightUpdate:
+        self._inner.wait_for(min_step, timeout_s, backoff)
         return self._merged()
 
     @property
