@@ -187,6 +187,10 @@ class TrainerGroup:
     def _died(self, failures: list[tuple[int, BaseException]], stuck: list[int]) -> TrainerGroupDied:
         n = self.num_processes
         first, error = failures[0]
+        if len(failures) > 1:  # a survivor's task can end (a barrier broken) just before its peer watch logs why
+            waited = time.monotonic() + min(5.0, self.config.death_grace_s)
+            while not self._peer_lost_lines() and time.monotonic() < waited:
+                time.sleep(0.1)
         cause = getattr(error, "cause", None)
         what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else \
             f"{type(error).__name__}: {error}"
