@@ -301,7 +301,6 @@ def _recipe_job(backend: str, overlay: list[str]):
 
 
 def _scale_overlay(scale: str) -> list[str]:
-    sys.path.insert(0, str(_BENCH))
     if scale == "full":
         return []
     small = {"small": dict(hidden_dim=256, intermediate_dim=768, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -314,8 +313,6 @@ def _scale_overlay(scale: str) -> list[str]:
 
 def _job_for_section(args, backend: str, rows: int | None = None):
     """The recipe's job on one device, random weights, at this check's scale."""
-    import jax
-
     scale = args.scale or ("full" if backend in ("gpu", "tpu") else "tiny")
     devices = "--ray.trainer.num_gpus=1" if backend == "gpu" else (
         "--ray.trainer.tpu_chips=1" if backend == "tpu" else "--ray.trainer.num_gpus=0")
@@ -332,7 +329,6 @@ def _job_for_section(args, backend: str, rows: int | None = None):
 
     # metrics to the JSON log only: a device image need not have wandb, and the check logs nothing anyway
     job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, tracker=JsonLoggerTracker()))
-    del jax
     return job, scale
 
 
