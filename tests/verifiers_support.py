@@ -1,4 +1,4 @@
-"""The verifiers virtualenv in tests: its interpreter (`verifiers_interpreter`, from `MARINRL_VERIFIERS_PYTHON`) and
+"""The verifiers virtualenv in tests: its interpreter (`verifiers_interpreter`) and
 one or more chat turns through verifiers 0.4's own `TrainClient` run in it (`run_verifiers_client`, which starts
 tests/verifiers_train_client.py there). A test that needs the virtualenv fails without it, never skips: it is
 what checks our endpoints against the real client."""
@@ -13,17 +13,17 @@ import subprocess
 import pytest
 
 CLIENT_SCRIPT = pathlib.Path(__file__).with_name("verifiers_train_client.py")
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def verifiers_interpreter() -> str:
-    """The interpreter of a virtualenv with verifiers 0.4.0 (`MARINRL_VERIFIERS_PYTHON`); the calling test
-    fails without one. Test files take it through a session fixture named `verifiers_python`."""
-    path = os.environ.get("MARINRL_VERIFIERS_PYTHON")
-    if not path:
-        pytest.fail("MARINRL_VERIFIERS_PYTHON is not set: point it at the python of a virtualenv with verifiers "
-                    "0.4.0 installed")
+    """The interpreter of a virtualenv with verifiers 0.4.0: the one `MARINRL_VERIFIERS_PYTHON` names, else the
+    repo's `.venv-verifiers`; the calling test fails without one. Test files take it through a session fixture
+    named `verifiers_python`."""
+    path = os.environ.get("MARINRL_VERIFIERS_PYTHON") or str(REPO / ".venv-verifiers" / "bin" / "python")
     if not os.access(path, os.X_OK):
-        pytest.fail(f"MARINRL_VERIFIERS_PYTHON={path}: not an executable")
+        pytest.fail(f"no verifiers virtualenv: {path} is not an executable; set MARINRL_VERIFIERS_PYTHON to the "
+                    "python of a virtualenv with verifiers 0.4.0 installed", pytrace=False)
     return path
 
 
