@@ -32,8 +32,10 @@ Components (per device), and how exact each is:
   weights for its matmuls) and, with delta sync, `delta_host_copy` (the receiver's copy of the last version).
 
 Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
-the Python process (its baseline), Ray, the trainer's copy of a version while it publishes (between
-updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
+the Python process (its baseline; it includes the host memory JAX's tracing and lowering of the train step keep,
+~0.3 GiB at bench/train_step.py's vocab150k shape, and a transient of about as much while the step runs, beyond
+XLA's temporaries: docs/performance.md, "Large vocabulary"), Ray, the trainer's copy of a version while it
+publishes (between updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
 copies of bfloat16 weights for its matmuls, the engine's scratch growing by twice a layer's bfloat16 shard
 per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`.
 
