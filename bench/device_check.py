@@ -80,6 +80,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous", default=None, help=argparse.SUPPRESS)
     p.add_argument("--section_timeout", type=float, default=300.0, help=argparse.SUPPRESS)
+    p.add_argument("--backend", default=None, help=argparse.SUPPRESS)  # the quickstart's, from the env section
     args = p.parse_args(argv)
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
@@ -114,7 +115,9 @@ def run_child(argv: list[str], timeout_s: float, env: dict | None = None) -> dic
         def text(x):
             return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
-        return {"ok": False, "error": f"timed out after {timeout_s:.0f} s",
+        partial = [ln for ln in text(e.stdout).splitlines() if ln.startswith(RESULT_TAG)]
+        return {**(json.loads(partial[-1][len(RESULT_TAG):]) if partial else {}),  # what it had measured
+                "ok": False, "error": f"timed out after {timeout_s:.0f} s",
                 "log_tail": (text(e.stdout)[-1000:] + "\n" + text(e.stderr)[-2500:]).strip(),
                 "wall_s": round(time.monotonic() - started, 1)}
     for line in reversed(proc.stdout.splitlines()):
@@ -177,7 +180,14 @@ def main(args) -> dict:
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
         else:
             limit = min(SECTION_S[section], left)
-            out = run_child([f"--section={section}", f"--section_timeout={limit}", *passthrough], limit)
+            extra = []
+            if section == "quickstart":  # its process must not start JAX: the quickstart's actors take the device
+                backend = result["sections"].get("env", {}).get("backend")
+                if backend is None:  # the env section was not asked for, or failed: ask a process of its own
+                    backend = run_child(["--section=env"], min(SECTION_S["env"], limit / 3)).get("backend")
+                    limit = min(SECTION_S[section], deadline - time.monotonic())
+                extra = [f"--backend={backend}"]
+            out = run_child([f"--section={section}", f"--section_timeout={limit}", *passthrough, *extra], limit)
         out.setdefault("wall_s", round(time.monotonic() - started, 1))
         result["sections"][section] = out
         print(f"[device_check] {section}: {'ok' if out.get('ok') else 'FAILED'} in {out['wall_s']} s"
@@ -449,7 +459,7 @@ def section_generation(args) -> dict:
 
     from marinrl.dry_run import predicted_memory
     from marinrl.dry_run.flops import ModelDims, generation_flops
-    from marinrl.dry_run.memory import default_response_tokens
+    from marinrl.dry_run.memory import RolloutDevice, default_response_tokens
     from marinrl.inference.context import SamplingParams
     from marinrl.job.plan import serve
     from marinrl.levanter_configs import to_levanter
@@ -460,50 +470,76 @@ def section_generation(args) -> dict:
     response = args.new_tokens or default_response_tokens(job)
     inference = dataclasses.replace(job.inference, serve_http=False, model_axis_size=1)
     job = dataclasses.replace(job, inference=inference)
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    device = RolloutDevice(backend if backend in ("gpu", "tpu") else "cpu", jax.local_devices()[0].device_kind,
+                           float(limit) if limit and backend != "cpu" else None)
     predicted = predicted_memory(job, "rollout", 1, prompt_tokens=args.prompt_tokens, response_tokens=response,
-                                 cpu=backend == "cpu")
+                                 cpu=backend == "cpu", device=device)
     model = build_model(job.model, dtype=job.rollout_dtype())
     _progress(f"generation: model built; engine {inference.engine}")
+    server_s = time.perf_counter()
     server = serve(inference, model, build_tokenizer(job.model))
-    _progress("generation: server ready")
+    server_s = time.perf_counter() - server_s
+    _progress(f"generation: server ready in {server_s:.1f} s")
     rng = np.random.default_rng(0)
-    sampling = SamplingParams(temperature=1.0, max_tokens=response)
-    calls = []
+    dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
+    out = {"ok": False, "backend": backend, "scale": scale, "backend_kind": inference.backend,
+           "dtype": job.rollout_dtype(), "server_s": server_s, "jax_shim": _shimmed(),
+           "predicted_peak_gib": predicted.peak_bytes_per_device / 2**30,
+           "predicted": {k: v / 2**30 for k, v in predicted.bytes_per_device.items()},
+           "predicted_notes": list(predicted.notes)}
     try:
-        for call in range(2):  # the first compiles
-            prompts = rng.integers(2, 256, (args.prompts, args.prompt_tokens)).tolist()
-            t0 = time.perf_counter()
-            gens = server.generate(prompts, args.samples, sampling, seed=call)
-            calls.append((time.perf_counter() - t0, sum(len(g.tokens) for row in gens for g in row)))
-            _progress(f"generation: call {call + 1}: {calls[-1][1]} tokens in {calls[-1][0]:.1f} s")
+        for name, (prompts, samples, prompt_tokens, new_tokens) in generation_batches(args, response).items():
+            out[name] = batch = {"prompts": prompts, "samples": samples, "rows": prompts * samples,
+                                 "prompt_tokens": prompt_tokens, "max_new_tokens": new_tokens}
+            sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+            for call in ("first", "second"):  # the first compiles (or reuses the compile of an earlier batch)
+                prompt_ids = rng.integers(2, 256, (prompts, prompt_tokens)).tolist()
+                t0 = time.perf_counter()
+                gens = server.generate(prompt_ids, samples, sampling, seed=len(call))
+                batch[f"{call}_call_s"] = time.perf_counter() - t0
+                batch["tokens"] = sum(len(g.tokens) for row in gens for g in row)
+                _progress(f"generation: {name} batch, {call} call: {batch['tokens']} tokens in "
+                          f"{batch[f'{call}_call_s']:.1f} s")
+                _emit({**out, "partial": True})  # what a timeout leaves: the batches so far
+            batch["compile_s"] = batch["first_call_s"] - batch["second_call_s"]  # the first call's extra time
+            batch["gen_tokens_per_s"] = batch["tokens"] / batch["second_call_s"]
+            batch["generation_flops_budget"] = generation_flops(dims, prompts, samples, prompt_tokens,
+                                                                new_tokens).total
     finally:
         server.shutdown()
-    call_s, tokens = calls[-1]
-    dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
-    flops = generation_flops(dims, args.prompts, args.samples, args.prompt_tokens, response)
     peak = _device_peak()
-    return {"ok": True, "backend": backend, "scale": scale, "backend_kind": inference.backend,
-            "dtype": job.rollout_dtype(), "prompts": args.prompts, "samples": args.samples,
-            "prompt_tokens": args.prompt_tokens, "max_new_tokens": response, "first_call_s": calls[0][0],
-            "call_s": call_s, "tokens": tokens, "gen_tokens_per_s": tokens / call_s,
-            "generation_flops_budget": flops.total, "measured": peak,
-            "predicted_peak_gib": predicted.peak_bytes_per_device / 2**30,
-            "predicted": {k: v / 2**30 for k, v in predicted.bytes_per_device.items()},
-            "peak_ratio": (peak["peak_gib"] / (predicted.peak_bytes_per_device / 2**30)) if peak["peak_gib"] else None,
-            "jax_shim": _shimmed()}
+    out.update(ok=True, measured=peak, **{k: out["large"][k] for k in (
+        "prompts", "samples", "prompt_tokens", "max_new_tokens", "tokens", "gen_tokens_per_s")},
+        first_call_s=out["large"]["first_call_s"], call_s=out["large"]["second_call_s"],
+        peak_ratio=(peak["peak_gib"] / out["predicted_peak_gib"]) if peak["peak_gib"] else None)
+    return out
+
+
+SMALL_BATCH = (2, 4, 32, 32)
+"""The generation section's first batch: prompts, samples, prompt tokens, new tokens (8 rows of 64 tokens)."""
+
+
+def generation_batches(args, response: int) -> dict:
+    """The generation section's batches in order: `small` (`SMALL_BATCH`: its first call is the engine's compile,
+    its second a short steady loop), then `large` (the recipe's shape: `--prompts` × `--samples` rows of
+    `--prompt_tokens` + the recipe's `max_tokens`). A slow compile and a slow loop are then told apart."""
+    return {"small": SMALL_BATCH, "large": (args.prompts, args.samples, args.prompt_tokens, response)}
 
 
 def section_quickstart(args) -> dict:
+    """The quickstart as a user runs it. This process never starts JAX (on a GPU it would hold 75% of the
+    device's memory beside the job's actors): the backend is the `env` section's, passed down (`--backend`)."""
     if importlib.util.find_spec("ray") is None:
         return {"ok": False, "error": "skipped: ray is not importable here"}
-    import jax
-
-    backend = jax.default_backend()
+    backend = args.backend
+    if backend in (None, "None"):
+        return {"ok": False, "error": "skipped: no backend from the env section (it failed or timed out)",
+                "jax_imported": "jax" in sys.modules}
     overlay = []
     if backend == "gpu":  # both roles on the one GPU: the shared mode (docs/scaling.md, "One host")
         overlay = [f"--ray.trainer.memory_fraction={SHARED_GPU['trainer']}",
                    f"--ray.rollout.memory_fraction={SHARED_GPU['rollout']}"]
-    del jax
     run_id = f"device-check-{int(time.time())}"
     started = time.monotonic()
     # a session of its own, so that a timeout ends the job's Ray processes too
@@ -520,7 +556,7 @@ def section_quickstart(args) -> dict:
     summary_path = _REPO / "runs" / run_id / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"ok": proc.returncode == 0, "backend": backend, "exit": proc.returncode,
-            "wall_s": time.monotonic() - started, "overlay": overlay,
+            "wall_s": time.monotonic() - started, "overlay": overlay, "jax_imported": "jax" in sys.modules,
             **{k: summary.get(k) for k in ("steps", "seconds", "median_step_s", "eval_reward_start",
                                             "eval_reward_end", "rollouts_written", "rollout_worker_restarts")},
             "log_tail": None if proc.returncode == 0 else log[-2500:]}

@@ -11,7 +11,10 @@ What it runs, in one local Ray per job on fake CPU devices (`--devices`, 2 by de
    in bfloat16, delta weight sync (`weights: {type: filesystem, delta: true}`), the recipe's engine backend;
 3. SIGKILLs the job's process (and then the Ray processes it started, as a host crash would) once the
    checkpoint after step `--kill_after` is committed, then runs the same config again: the trainer resumes
-   from that checkpoint and trains to step `--kill_after + 1`.
+   from that checkpoint and trains to step `--kill_after + 1`;
+4. measures the rollout/trainer logprob mismatch with a bfloat16 and a float32 LM head (`model.lm_head_float32`)
+   in a process of its own, the job's parts over the same checkpoint (bench/rehearsal_mismatch.py: why a
+   phase and not a job, and why under XLA's strict precision); `--mismatch_only true` runs steps 1 and 4 alone.
 
 It prints the phase times (from the actors' `startup:` lines and JSON log metrics; docs/performance.md,
 "First step") and one final JSON line: docs/performance.md, "Rehearsal", says what each field is. Fields
@@ -20,6 +23,7 @@ the code cannot give yet are null, each with a line in `not_available` saying wh
     python bench/rehearsal.py                      # the real size (596M parameters; > 24 GiB today)
     python bench/rehearsal.py --scale small        # the harness alone (4.2M parameters), ~2 minutes
     python bench/rehearsal.py --root DIR --report_only true   # read a finished rehearsal back
+    python bench/rehearsal.py --mismatch_only true  # the checkpoint and the mismatch phase, no job (~2 min full)
 """
 
 from __future__ import annotations
@@ -126,6 +130,10 @@ class RehearsalConfig:
     """Read a finished rehearsal back from `root` (its watched.json and run folder) instead of running one."""
     job_timeout_s: float = 1800.0
     """Each job's limit: past it the job is killed and the rehearsal fails, naming the phase."""
+    mismatch: bool = True
+    """Measure the rollout/trainer mismatch with each LM head after the jobs (bench/rehearsal_mismatch.py)."""
+    mismatch_only: bool = False
+    """Write the checkpoint and measure the mismatch only: no job (its JSON line holds `mismatch` alone)."""
 
     def __post_init__(self):
         if self.scale not in SCALES:
@@ -319,6 +327,12 @@ def main(cfg: RehearsalConfig) -> dict:
     tmp = tempfile.TemporaryDirectory(prefix="marinrl-rehearsal-") if cfg.root is None else None
     root = pathlib.Path(cfg.root or tmp.name).resolve()
     try:
+        if cfg.mismatch_only:
+            report = {"scale": cfg.scale, "init": cfg.init, "backend": cfg.backend,
+                      "mismatch": mismatch_phase(cfg, root, write_checkpoint(cfg, root)),
+                      "total_s": round(time.time() - started, 1)}
+            print(json.dumps(report), flush=True)
+            return report
         if not cfg.report_only:
             rehearse(cfg, root)
         report = read_report(cfg, root)
@@ -335,28 +349,16 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     """Write the checkpoint, run the job until its checkpoint after `kill_after` steps, SIGKILL it, resume
     it to the end. What only the run can see (peak RSS by role, wall times, the machine and its load, the
     log lines each job wrote) goes to `root/watched.json`; the rest is read back from the run folder."""
-    import multiprocessing
-
     from e2e import RssWatcher
     from machine import machine
 
     from marinrl.train.checkpoints import COMMIT_MARKER
 
-    root.mkdir(parents=True, exist_ok=True)
     watched = {"machine": machine(), "phases": {}}
     phases = watched["phases"]
-    checkpoint = root / "hf-checkpoint"
     t = time.time()
-    writer = multiprocessing.get_context("spawn").Process(
-        target=write_hf_checkpoint,
-        args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype, 0, cfg.init == "hf"))
-    writer.start()
-    writer.join()
-    if writer.exitcode != 0:
-        raise RuntimeError(f"writing the HF checkpoint to {checkpoint} failed (exit {writer.exitcode})")
+    yaml_path = write_checkpoint(cfg, root)
     phases["write_hf_checkpoint"] = round(time.time() - t, 1)
-    yaml_path = root / "job.yaml"
-    yaml_path.write_text(job_yaml(cfg, str(root), str(checkpoint)))
     run_dir = root / f"rehearsal-{cfg.scale}"
     ckpts = run_dir / "checkpoints"
 
@@ -386,7 +388,38 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
                 kill_job(proc)
     phases["resume_job"] = round(time.time() - t, 1)
     watched.update(peaks_mb=[rss1.peaks, rss2.peaks], load_avg_end=round(os.getloadavg()[0], 2))
+    if cfg.mismatch:
+        t = time.time()
+        mismatch_phase(cfg, root, yaml_path)
+        phases["mismatch"] = round(time.time() - t, 1)
     (root / "watched.json").write_text(json.dumps(watched))
+
+
+def write_checkpoint(cfg: RehearsalConfig, root: pathlib.Path) -> pathlib.Path:
+    """The HF checkpoint (in a child process) and the job's YAML under `root`; returns the YAML's path."""
+    import multiprocessing
+
+    root.mkdir(parents=True, exist_ok=True)
+    checkpoint = root / "hf-checkpoint"
+    writer = multiprocessing.get_context("spawn").Process(
+        target=write_hf_checkpoint,
+        args=(str(checkpoint), cfg.scale, cfg.checkpoint_dtype, 0, cfg.init == "hf"))
+    writer.start()
+    writer.join()
+    if writer.exitcode != 0:
+        raise RuntimeError(f"writing the HF checkpoint to {checkpoint} failed (exit {writer.exitcode})")
+    yaml_path = root / "job.yaml"
+    yaml_path.write_text(job_yaml(cfg, str(root), str(checkpoint)))
+    return yaml_path
+
+
+def mismatch_phase(cfg: RehearsalConfig, root: pathlib.Path, yaml_path: pathlib.Path) -> dict:
+    """bench/rehearsal_mismatch.py on the job's YAML: the lesson's prompts × samples, both heads."""
+    from rehearsal_mismatch import run_phase
+
+    assert yaml_path == root / "job.yaml", yaml_path
+    return run_phase(root, cfg.groups, cfg.generations, cfg.max_tokens, temperature=1.0,
+                     timeout_s=cfg.job_timeout_s, env={**os.environ, **MEMORY_ENV})
 
 
 if __name__ == "__main__":

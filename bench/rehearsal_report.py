@@ -54,7 +54,23 @@ def read_report(cfg, root: pathlib.Path) -> dict:
     report = _report(cfg, json.loads((root / "result-2.json").read_text()), watched["killed_at"], logs1, logs2,
                      watched["peaks_mb"], predicted, missing, run_dir, root / "hf-checkpoint", watched["phases"])
     report.update(machine=watched["machine"], load_avg_end=watched["load_avg_end"])
+    report["mismatch"] = _mismatch(root, logs1, logs2, report["not_available"])
     return report
+
+
+def _mismatch(root: pathlib.Path, logs1, logs2, missing: list) -> Optional[dict]:
+    """The mismatch phase's figures (bench/rehearsal_mismatch.py: both heads, strict precision), with the job's own
+    per-step `train/mismatch/*` (its bfloat16 head, XLA:CPU's default precision; medians over the steps) beside
+    them as `job_bf16_head`."""
+    path = root / "mismatch.json"
+    if not path.exists():
+        missing.append("mismatch: no mismatch phase ran (--mismatch false)")
+        return None
+    out = json.loads(path.read_text())
+    job = {k: _median(logs1.metric(f"train/mismatch/{k}") + logs2.metric(f"train/mismatch/{k}"))
+           for k in ("k3_kl", "abs_logprob_mean", "abs_logprob_max")}
+    out["job_bf16_head"] = job if any(v is not None for v in job.values()) else None
+    return out
 
 
 def _report(cfg, result, killed_at, logs1, logs2, watched, predicted, missing, run_dir, checkpoint, phases) -> dict:

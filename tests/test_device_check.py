@@ -66,3 +66,29 @@ def test_the_jax_shim_does_nothing_on_our_pinned_jax():
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.stdout.split() == ["None", "True"], proc.stderr
+
+
+def test_the_quickstart_section_takes_the_backend_from_the_env_section_and_never_starts_jax():
+    """Its process starts the quickstart, whose actors take the device: JAX started here first would hold 75% of a
+    GPU. The parent passes the env section's backend down; without one the section says so, JAX unimported."""
+    proc = _run("--section=quickstart", "--backend=None", timeout=120)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("DEVICE_CHECK_RESULT ")][-1]
+    result = json.loads(line.split(" ", 1)[1])
+    assert not result["ok"] and "no backend from the env section" in result["error"]
+    assert result["jax_imported"] is False
+
+
+def test_generation_runs_a_small_batch_before_the_recipes_shape():
+    """8 rows of 64 tokens first (its first call times the compile, its second a short loop), then the recipe's
+    batch: a compile that never ends is told from a slow loop."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check", CHECK)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    args = check._args(["--prompts", "16", "--samples", "16", "--prompt_tokens", "256"])
+    batches = check.generation_batches(args, 512)
+    assert list(batches) == ["small", "large"]
+    prompts, samples, prompt_tokens, new_tokens = batches["small"]
+    assert prompts * samples == 8 and prompt_tokens + new_tokens == 64
+    assert batches["large"] == (16, 16, 256, 512)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import runpy
 
 import jax.numpy as jnp
@@ -122,6 +123,8 @@ def test_trainer_plan_counts_gradients_as_float32_parameters():
 def test_rollout_weights_and_cache_take_half_the_bytes_in_bfloat16():
     job = _recipe()
     assert job.rollout_dtype() == "bfloat16"  # the recipes' mp: p=f32,c=bfloat16
+    e = job.inference.engine  # a fixed page budget: on a TPU the engine would size it from free memory
+    job = _with(job, "inference", engine=dataclasses.replace(e, max_pages=e.max_seqs * -(-e.max_seq_len // 128)))
     bf16 = predicted_memory(job, "rollout", 4)
     f32 = predicted_memory(_with(job, "inference", dtype="float32"), "rollout", 4)
     assert bf16.bytes_per_device["weights"] * 2 == f32.bytes_per_device["weights"]
@@ -135,6 +138,64 @@ def test_rollout_weights_and_cache_take_half_the_bytes_in_bfloat16():
     assert kv <= bf16.bytes_per_device["cache"] <= kv * 1.01
     assert f32.bytes_per_device["cache"] == pytest.approx(2 * bf16.bytes_per_device["cache"], rel=0.01)
     assert bf16.estimated == ("working_set",)
+
+
+def _kv_bytes_per_page(job, page: int, model_axis: int, itemsize: int = 2) -> float:
+    """K and V of every layer for one page of `page` tokens, KV heads split over the model axis: by hand."""
+    cfg = job.model.model
+    return page * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize / model_axis
+
+
+def test_the_engine_cache_is_sized_as_the_engine_sizes_it_on_each_device_kind():
+    """CPU: max_seqs full-length sequences in pages of 64 tokens (`resolved_engine_config`). TPU v5e (the recipe's
+    `v5litepod-4`) and an H100: the most 128-token pages that fit hbm_utilization of the device's memory less
+    the weights. A GPU the table does not know: max_seqs sequences, and a note that says so."""
+    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION
+
+    job = _recipe()
+    e = job.inference.engine
+    cpu = predicted_memory(job, "rollout", 4, cpu=True)
+    kv_cpu = e.max_seqs * -(-e.max_seq_len // 64) * _kv_bytes_per_page(job, 64, 4)
+    assert kv_cpu <= cpu.bytes_per_device["cache"] <= kv_cpu * 1.01
+    assert "CPU" in cpu.notes[0] and "pages of 64 tokens" in cpu.notes[0]
+
+    gpu = _with(job, "ray", rollout=dataclasses.replace(job.ray.rollout, tpu=None, num_gpus=1,
+                                                        accelerator_type="H100"))
+    for plan_job, limit, devices in ((job, DEVICE_MEMORY_GIB["v5litepod"] * 2**30, 4),
+                                     (gpu, DEVICE_MEMORY_GIB["H100"] * GPU_MEMORY_FRACTION * 2**30, 1)):
+        plan = predicted_memory(plan_job, "rollout", devices)
+        per_page = _kv_bytes_per_page(job, 128, devices)
+        budget = e.hbm_utilization * (limit - plan.bytes_per_device["weights"])
+        pages = int(re.search(r"(\d+) pages of 128 tokens", plan.notes[0])[1])
+        assert pages * per_page <= budget < (pages + 1) * per_page, (pages, per_page, budget)
+        # the cache component: those pages plus the decode state (page tables, tokens: < 1% here)
+        assert pages * per_page <= plan.bytes_per_device["cache"] <= pages * per_page * 1.01
+
+    unknown = _with(gpu, "ray", rollout=dataclasses.replace(gpu.ray.rollout, accelerator_type=None))
+    plan = predicted_memory(unknown, "rollout", 1)
+    assert "unknown memory" in plan.notes[0] and "inference.engine.max_pages" in plan.notes[0]
+    kv = e.max_seqs * -(-e.max_seq_len // 128) * _kv_bytes_per_page(job, 128, 1)
+    assert kv <= plan.bytes_per_device["cache"] <= kv * 1.01
+
+
+def test_engine_pages_agree_with_levanters_own_sizing(monkeypatch):
+    """Levanter's `_infer_max_pages_from_hbm`, given the budget the dry run derives (a TPU's free memory cannot
+    be had on this machine: its budget function is the one stand-in), finds the same page count."""
+    import haliax as hax
+    from levanter.inference import engine as levanter_engine
+
+    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, RolloutDevice, engine_pages, engine_sizing, shard_bytes
+
+    job = _recipe()
+    e = job.inference.engine
+    model = abstract_model(job.model.model, job.model.vocab_size, jnp.bfloat16)
+    device = RolloutDevice("tpu", "v5litepod", DEVICE_MEMORY_GIB["v5litepod"] * 2**30)
+    pages, page, _ = engine_pages(job, model, {}, {}, device)
+    budget = int((device.memory_bytes - shard_bytes(model, {}, {})) * e.hbm_utilization)
+    monkeypatch.setattr(levanter_engine, "_available_hbm_budget_bytes", lambda utilization: budget)
+    config = dataclasses.replace(engine_sizing(job, page_size=page), max_pages=None)
+    with hax.axis_mapping({}):  # one device: nothing sharded, as the plan above
+        assert levanter_engine.InferenceEngine._infer_max_pages_from_hbm(model, config) == pages
 
 
 def test_predicted_memory_refuses_bad_input_naming_it():

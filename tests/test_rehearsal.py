@@ -46,3 +46,7 @@ def test_rehearsal_of_the_0p6b_recipe(tmp_path):
         predicted, measured = r["predicted_peak_gib"][role], r["measured_peak_gib"][role]
         assert predicted is not None and measured is not None, (role, r["not_available"])
         assert 0.7 * predicted <= measured <= 1.3 * predicted, (role, predicted, measured)
+    # the mismatch phase: both heads measured on the same checkpoint (bench/rehearsal_mismatch.py)
+    for head in ("bf16_head", "f32_head"):
+        m = r["mismatch"][head]
+        assert m["tokens"] > 0 and 0 <= m["k3_kl"] and 0 <= m["abs_logprob_mean"] <= m["abs_logprob_max"], (head, m)

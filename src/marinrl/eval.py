@@ -277,6 +277,8 @@ def run(prepared: Prepared) -> dict:
     writer = RolloutWriter(f"{prepared.output}/{ROLLOUTS_DIR}") if prepared.output else None
     sizes = [min(config.batch_size, config.n_examples - i) for i in range(0, config.n_examples, config.batch_size)]
     inference = with_endpoint_if_needed(config.inference, [lesson.env for lesson in config.lessons])
+    if config.model is not None and config.model.lm_head_float32:  # the head the run's trainer had
+        inference = dataclasses.replace(inference, lm_head_float32=True)
     server = serve(inference, model, tokenizer, weight_step=step)
     try:
         manager = RolloutManager(server, runtimes, curriculum=None)

@@ -170,6 +170,10 @@ class RLJobConfig:
                                    "max_staleness 0; replay: max_uses > 1; else off_policy with staleness "
                                    "max_staleness), which the rollout workers pace by too: set those, not "
                                    "replay.sampling")
+        if self.inference.lm_head_float32:
+            bad("inference.lm_head_float32", "a job's sampler head follows model.lm_head_float32, which sets the "
+                                             "trainer's head too (one side alone widens the sampler/trainer "
+                                             "mismatch): set model.lm_head_float32, not inference.lm_head_float32")
         if self.replay.seed != ReplayConfig().seed:
             bad("replay.seed", "a job's replay buffer draws with the job's `seed`: set seed, not replay.seed")
         check_optimizer_ranges(self.optimizer)

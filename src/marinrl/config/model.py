@@ -158,6 +158,14 @@ class ModelConfig:
     """HF tokenizer directory; None: the checkpoint's own tokenizer if it has one, else byte-level."""
     dtype: str = "float32"
     """Parameter dtype."""
+    lm_head_float32: bool = False
+    """Compute the LM head (final hidden state × output projection → logits) in float32 wherever this model's
+    logprobs are taken: by the rollout sampler (both backends) and by the trainer (the loss, π_old and the
+    reference), so that the two sides' logprobs of the same tokens stop differing by the rounding of
+    bfloat16 logits, the largest known source of sampler/trainer mismatch. The weights keep their dtype
+    (the head's bfloat16 weights are what both sides hold); the hidden state, the products' sums and the
+    logits are float32. A no-op for a float32 model. In a job this one switch sets both sides
+    (`inference.lm_head_float32` follows it); docs/training.md, "Sampler/trainer mismatch"."""
 
     def __post_init__(self):
         if self.levanter_checkpoint and self.hf_checkpoint:

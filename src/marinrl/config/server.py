@@ -82,6 +82,11 @@ class InferenceServerConfig:
     `mp: p=f32,c=bfloat16` and float32 on the CPU quickstart. Resolved by `RLJobConfig.rollout_dtype()`.
     A server given a model in another dtype casts it once; the engine's `compute_dtype`, when unset,
     follows it. Logprobs come back float32 whatever it is (docs/inference.md, "Dtypes")."""
+    lm_head_float32: bool = False
+    """The sampler's LM head in float32: bfloat16 hidden state and head weights multiplied with float32 sums
+    into float32 logits (exact products, no bfloat16 rounding of the logits), by the scan sampler and the
+    engine alike. In a job it follows `model.lm_head_float32`, which sets the trainer's head too (a job that
+    sets it here is refused: one side alone would widen the mismatch it exists to remove)."""
     model_axis_size: Optional[int] = None
     """Tensor parallelism of the rollout model: how many of this host's local devices share each
     weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local

@@ -23,22 +23,30 @@ Components (per device), and how exact each is:
   `gathered_parameters` (in place of `compute_parameters`) and `unsharded_gradients` (what XLA:CPU holds
   per FSDP device) and, with delta sync, `delta_host_copy` (the last version, kept on the host: device
   memory on a CPU).
-- rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis),
-  `cache` (engine: the paged KV cache of `inference.engine.max_pages` pages, by default `max_seqs` ×
-  ceil(`max_seq_len` / page) pages, plus the engine's decode state; scan: one call's KV cache):
-  exact from shapes and shardings. `working_set`: an estimate of one engine prefill or decode step's
-  buffers (`rollout_working_set_bytes`). `incoming_version`: a received version is built beside the
-  served weights before the swap (exact). Peak = weights + cache + working_set + incoming_version; with
-  `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16 weights for its matmuls) and,
-  with delta sync, `delta_host_copy` (the receiver's copy of the last version).
+- rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis), `cache`
+  (engine: the paged KV cache plus the engine's decode state, its pages as the engine sizes them on the role's
+  device kind, `engine_pages`; scan: one call's KV cache): exact from shapes and shardings. `working_set`: an
+  estimate of one engine prefill or decode step's buffers (`rollout_working_set_bytes`). `incoming_version`: a
+  received version is built beside the served weights before the swap (exact). Peak = weights + cache +
+  working_set + incoming_version; with `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16
+  weights for its matmuls) and, with delta sync, `delta_host_copy` (the receiver's copy of the last version).
 
 Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
-the Python process (its baseline), Ray, the trainer's copy of a version while it publishes (between
-updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
+the Python process (its baseline; it includes the host memory JAX's tracing and lowering of the train step keep,
+~0.3 GiB at bench/train_step.py's vocab150k shape, and a transient of about as much while the step runs, beyond
+XLA's temporaries: docs/performance.md, "Large vocabulary"), Ray, the trainer's copy of a version while it
+publishes (between updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
 copies of bfloat16 weights for its matmuls, the engine's scratch growing by twice a layer's bfloat16 shard
-per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`. On an accelerator with
-`inference.engine.max_pages: null` the engine grows its cache to `hbm_utilization` of free memory; the
-plan counts the pages `max_seqs` full-length sequences need.
+per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`.
+
+The engine's pages (`engine_pages`), as `levanter_engine.resolved_engine_config` and Levanter's engine size
+them: `inference.engine.max_pages` when set; on a CPU (`cpu=True`, or a rollout placement without an
+accelerator) `max_seqs` × ceil(`max_seq_len` / page) pages of 64 tokens; on a GPU or TPU with
+`max_pages: null` as many pages as fit `hbm_utilization` of the device's free memory when the engine starts
+(its memory limit less the served weights: Levanter's `_infer_max_pages_from_hbm`), pages of 128 tokens.
+The device's memory comes from the rollout placement (`DEVICE_MEMORY_GIB`: the TPU generation of `tpu` or
+`accelerator_type`, the GPU of `accelerator_type`, times `memory_fraction` on a GPU); where it names no
+known device the plan counts `max_seqs` full-length sequences and says so in `notes`.
 
 The rollout mesh is the accelerator's: `inference.model_axis_size`, else the largest divisor of the
 device count that splits the model's heads and MLP (on a CPU a server with `model_axis_size: null`
@@ -70,6 +78,25 @@ Role = Literal["trainer", "rollout"]
 GiB = float(1 << 30)
 ACCELERATOR_PAGE_SIZE = 128
 """The engine's page size on TPU/GPU when `inference.engine.page_size` is unset (`EngineConfig`)."""
+CPU_PAGE_SIZE = 64
+"""The engine's page size on a CPU when `inference.engine.page_size` is unset (`resolved_engine_config`)."""
+DEVICE_MEMORY_GIB = {
+    "H100": 79.18,
+    "v4": 32.0,
+    "v5litepod": 16.0,
+    "v5p": 95.0,
+    "v6e": 32.0,
+}
+"""One device's memory (GiB) as JAX's allocator would have it all, by GPU `accelerator_type` or TPU generation:
+the H100's measured (`memory_stats()['bytes_limit']` 59.38 GiB at JAX's default fraction 0.75,
+docs/device_checks/2026-11-26-h100.json); the TPU chips' HBM from Google's data sheets (v4 32, v5e 16, v5p 95,
+v6e 32 GiB; the runtime keeps a little of it). A device not listed leaves the engine's cache at `max_seqs`
+sequences, with a note."""
+GPU_MEMORY_FRACTION = 0.75
+"""JAX's default `XLA_PYTHON_CLIENT_MEM_FRACTION`: a GPU process's allocator limit is this share of the GPU
+(`PlacementConfig.memory_fraction` sets another)."""
+MAX_ENGINE_PAGES = 1 << 20
+"""Levanter's cap on the pages it sizes from memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +114,8 @@ class MemoryPlan:
     """Component name -> bytes on the most loaded device, in the order the peak adds them."""
     estimated: tuple
     """The components that are estimates from shapes (the others are exact from shapes and shardings)."""
+    notes: tuple = ()
+    """How a component was sized where the job leaves it to the device (the engine's pages)."""
 
     @property
     def peak_bytes_per_device(self) -> float:
@@ -213,14 +242,92 @@ def rollout_mapping(job, model_axis_size: int) -> dict:
     return mapping
 
 
-def engine_sizing(job):
-    """The Levanter `InferenceEngineConfig` a rollout worker builds on an accelerator: `inference.engine`
-    resolved, with the page size, page budget and cache dtype an accelerator would take."""
+def engine_sizing(job, *, page_size: Optional[int] = None, max_pages: Optional[int] = None):
+    """The Levanter `InferenceEngineConfig` a rollout worker builds: `inference.engine` resolved with an
+    accelerator's page size (`page_size`) and `max_pages` pages (default: `inference.engine.max_pages`, else
+    `max_seqs` full-length sequences; `engine_pages` sizes them as the engine does on each device kind), its
+    cache in `inference.engine.compute_dtype`, else the rollout dtype."""
     e = job.inference.engine
-    page = e.page_size or ACCELERATOR_PAGE_SIZE
-    pages = e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
+    page = page_size or e.page_size or ACCELERATOR_PAGE_SIZE
+    pages = max_pages or e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
     dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
     return dataclasses.replace(resolved_engine_config(e), page_size=page, max_pages=pages, compute_dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutDevice:
+    """What kind of device a rollout worker runs on, and how much memory its allocator may hand out."""
+
+    kind: Literal["cpu", "gpu", "tpu"]
+    name: Optional[str] = None
+    """The `DEVICE_MEMORY_GIB` key (GPU `accelerator_type`, TPU generation); None where the placement names none."""
+    memory_bytes: Optional[float] = None
+    """The allocator's limit per device (`bytes_limit`); None where unknown."""
+
+
+def tpu_generation(placement) -> Optional[str]:
+    """`v5litepod` of `tpu: v5litepod-4`, or of `accelerator_type: TPU-V5LITEPOD`; None if neither says."""
+    if placement.tpu:
+        return placement.tpu.rpartition("-")[0]
+    label = (placement.accelerator_type or "").lower()
+    return label.removeprefix("tpu-") if label.startswith("tpu-") else None
+
+
+def rollout_device(job, cpu: bool = False) -> RolloutDevice:
+    """The rollout placement's device (`cpu`: fake CPU devices whatever the placement says)."""
+    p = job.ray.rollout
+    if cpu or not p.has_accelerator:
+        return RolloutDevice("cpu")
+    if p.num_gpus:
+        gib = DEVICE_MEMORY_GIB.get(p.accelerator_type or "")
+        fraction = p.memory_fraction if p.memory_fraction is not None else GPU_MEMORY_FRACTION
+        return RolloutDevice("gpu", p.accelerator_type, None if gib is None else gib * fraction * GiB)
+    generation = tpu_generation(p)
+    gib = DEVICE_MEMORY_GIB.get(generation or "")
+    return RolloutDevice("tpu", generation, None if gib is None else gib * GiB)
+
+
+def engine_pages(job, model, mapping: dict, mesh: dict, device: RolloutDevice) -> tuple[int, int, str]:
+    """(pages, page size, how) of the engine's KV cache on `device`, as the engine sizes it (module doc).
+    On an accelerator with `max_pages: null`: the most pages whose cache (per device, `model.initial_cache`
+    as Levanter measures it) fits `hbm_utilization` × (the device's limit − the served weights)."""
+    from levanter.inference.page_table import PageTable
+
+    e = job.inference.engine
+    page = e.page_size or (CPU_PAGE_SIZE if device.kind == "cpu" else ACCELERATOR_PAGE_SIZE)
+    per_seq = -(-e.max_seq_len // page)
+    if e.max_pages is not None:
+        return e.max_pages, page, f"inference.engine.max_pages = {e.max_pages} pages of {page} tokens"
+    if device.kind == "cpu":
+        return e.max_seqs * per_seq, page, (f"CPU: max_seqs {e.max_seqs} x {per_seq} pages of {page} tokens "
+                                            "(resolved_engine_config)")
+    if device.memory_bytes is None:
+        field = "accelerator_type" if device.kind == "gpu" else "tpu or accelerator_type"
+        return e.max_seqs * per_seq, page, (
+            f"{device.kind.upper()} of unknown memory (ray.rollout.{field} names no device of DEVICE_MEMORY_GIB): "
+            f"counted max_seqs {e.max_seqs} x {per_seq} pages of {page} tokens, where the engine fills "
+            f"{e.hbm_utilization:.0%} of the free memory (set inference.engine.max_pages to fix it)")
+    dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
+
+    def cache_bytes(pages: int) -> float:
+        def build():
+            return model.initial_cache(PageTable.init(pages, e.max_seqs, page, per_seq).spec(), dtype=dtype)
+
+        with hax.axis_mapping(mapping):
+            return shard_bytes(eqx.filter_eval_shape(build), mapping, mesh)
+
+    weights = shard_bytes(model, mapping, mesh)
+    budget = int(max(device.memory_bytes - weights, 0) * e.hbm_utilization)
+    one, two = cache_bytes(1), cache_bytes(2)
+    per_page, base = two - one, 2 * one - two
+    if one > budget:
+        raise ValueError(f"inference.engine.hbm_utilization: {e.hbm_utilization} of the {device.name} device's free "
+                         f"memory ({budget / GiB:.2f} GiB after the weights) holds no KV page of {one / GiB:.3f} GiB: "
+                         "the engine would refuse to start")
+    pages = min(int((budget - base) // per_page), MAX_ENGINE_PAGES)
+    return pages, page, (f"{device.kind.upper()} {device.name}: {pages} pages of {page} tokens fill "
+                         f"{e.hbm_utilization:.0%} of {(device.memory_bytes - weights) / GiB:.2f} GiB free after the "
+                         f"weights ({device.memory_bytes / GiB:.2f} GiB limit)")
 
 
 def abstract_engine_state(model, engine_config):
@@ -378,14 +485,19 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         bytes_per_device=components, estimated=estimated)
 
 
-def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int, cpu: bool = False) -> MemoryPlan:
+def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int, cpu: bool = False,
+                  device: Optional[RolloutDevice] = None) -> MemoryPlan:
     model_axis = rollout_model_axis_size(job, n_devices)
     mesh = {"data": n_devices // model_axis, "model": model_axis}
     mapping = rollout_mapping(job, model_axis)
     model = abstract_model(to_levanter(job.model.model), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+    notes = ()
     if job.inference.backend == "engine":
+        pages, page, how = engine_pages(job, model, mapping, mesh, device or rollout_device(job, cpu))
+        notes = (f"cache: {how}",)
         with hax.axis_mapping(mapping):
-            cache = shard_bytes(abstract_engine_state(model, engine_sizing(job)), mapping, mesh)
+            cache = shard_bytes(abstract_engine_state(model, engine_sizing(job, page_size=page, max_pages=pages)),
+                                mapping, mesh)
     else:
         kv, chunk, _ = scan_cache_bytes(job, prompt_tokens, response_tokens)
         cache = kv / scan_cache_shards(job, mesh, chunk)
@@ -401,7 +513,7 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         components["delta_host_copy"] = weights
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
-        bytes_per_device=components, estimated=estimated)
+        bytes_per_device=components, estimated=estimated, notes=notes)
 
 
 def scan_cache_bytes(job, prompt_tokens: int, response_tokens: int) -> tuple[float, int, int]:
@@ -452,13 +564,16 @@ def _with_local_checkpoint_architecture(job):
 
 
 def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt_tokens: int = 256,
-                     response_tokens: Optional[int] = None, cpu: bool = False) -> MemoryPlan:
+                     response_tokens: Optional[int] = None, cpu: bool = False,
+                     device: Optional[RolloutDevice] = None) -> MemoryPlan:
     """`role`'s memory per device for `job` on `n_devices` devices (None: the trainer's placement, or the
     rollout worker's; see the module doc for what is counted). Lowers nothing. `prompt_tokens` and
     `response_tokens` (None: the curriculum's largest `max_tokens`) fix the trainer's row length and the
     scan sampler's cache; the engine's cache is sized by `inference.engine` alone. `cpu`: also count what
     XLA:CPU adds on fake CPU devices (whole gathered weights and gradients per FSDP device, float32 copies
-    of bfloat16 rollout weights), for a run on this machine (bench/rehearsal.py)."""
+    of bfloat16 rollout weights), for a run on this machine (bench/rehearsal.py). `device`: the rollout's device
+    as measured where one is at hand (its kind and `bytes_limit`; bench/device_check.py), in place of what the
+    placement says (`rollout_device`)."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"predicted_memory: role must be 'trainer' or 'rollout', got {role!r}")
     if n_devices is not None and n_devices < 1:
@@ -467,4 +582,4 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
     job = _with_local_checkpoint_architecture(job)
     if role == "trainer":
         return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response, cpu)
-    return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response, cpu)
+    return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response, cpu, device)

@@ -123,7 +123,8 @@ def check_train_step(job, layers: int, rows: int, length: int) -> ProgramCheck:
     started = time.perf_counter()
     trainer_cfg = dataclasses.replace(trainer_config(job), tracker=NoopConfig(), require_accelerator=False)
     optimizer = to_levanter(job.optimizer).build(job.num_train_steps)
-    trainer = Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=job.loss), add_default_hooks=False)
+    step_loss = functools.partial(_step_loss, config=job.loss, lm_head_float32=job.model.lm_head_float32)
+    trainer = Trainer(trainer_cfg, optimizer, step_loss, add_default_hooks=False)
     with trainer:
         mesh = trainer.device_mesh
         model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size,
@@ -189,6 +190,7 @@ def check_engine(job, layers: int, n_devices: int, model_axis_size: int) -> list
     from levanter.layers.sampler import Sampler
 
     from marinrl.inference import sharding
+    from marinrl.inference.levanter_engine import with_float32_head
 
     where = rollout_mesh(job, n_devices, model_axis_size)
     sizing = engine_sizing(job)
@@ -198,6 +200,8 @@ def check_engine(job, layers: int, n_devices: int, model_axis_size: int) -> list
         model = abstract_model(with_layers(to_levanter(job.model.model), layers), job.model.vocab_size,
                                jnp.dtype(job.rollout_dtype()))
         model = _sharded(model, where.axis_mapping, where.mesh)
+        if job.model.lm_head_float32:  # the engine's copy, as `LevanterEngine` makes it
+            model = with_float32_head(model)
         state = _sharded(abstract_engine_state(model, sizing), where.axis_mapping, where.mesh)
         work = _sharded(_prefill_work(state, sizing), where.axis_mapping, where.mesh)
         sampler = Sampler(model.Vocab)
@@ -227,7 +231,8 @@ def check_scan_sampler(job, layers: int, n_devices: int, model_axis_size: int, p
 
     with sharding.using(where):
         lowered = _lower(
-            functools.partial(sampler._generate.__wrapped__, n=job.n_generations, max_new=t_len, mesh=where.mesh),
+            functools.partial(sampler._generate.__wrapped__, n=job.n_generations, max_new=t_len, mesh=where.mesh,
+                              lm_head_float32=job.model.lm_head_float32),
             model, arg((prompts, p_len), jnp.int32), arg((prompts,), jnp.int32), arg((prompts,), jnp.bool_),
             arg((1, 1), jnp.int32), arg((1,), jnp.bool_), arg((), jnp.int32), arg((), jnp.float32),
             arg((prompts,), jnp.uint32), arg((prompts,), jnp.int32))

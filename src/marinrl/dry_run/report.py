@@ -71,6 +71,7 @@ class DryRunReport:
             out.append(f"[dry run] {plan.role} memory per device (GiB; {plan.devices} devices, mesh {plan.mesh}): "
                        f"{parts}; peak = {plan.composition} = {plan.peak_bytes_per_device / GiB:.3f} GiB, "
                        f"{plan.peak_bytes_per_process / GiB:.3f} GiB per process of {plan.devices_per_process} devices")
+            out += [f"[dry run] {plan.role} {note}" for note in plan.notes]
         out += [
             f"[dry run] train FLOPs per step ({self.rows} rows × {self.row_length} tokens): model {t.model:.4g} "
             f"(6·N·T + attention, for MFU), executed {t.executed:.4g} (+ {t.recompute:.4g} gradient-checkpointing "

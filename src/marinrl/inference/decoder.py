@@ -150,8 +150,19 @@ def _layer(layer, packed: PackedLayer, x, pos, k_cache, v_cache, write_at, key_o
     return residual + mlp_out, k_cache, v_cache
 
 
-def forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok):
-    """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]."""
+def head_logits(h, lm_head, lm_head_float32: bool = False):
+    """float32 logits h [B, E] · lm_head [E, V]. By default in the weights' dtype, the logits then cast (in a
+    bfloat16 model: bfloat16 logits, ~3 significant digits); `lm_head_float32`: the same operands multiplied
+    with float32 sums into float32 logits (products of bfloat16 values are exact in float32; `HIGHEST` keeps
+    an accelerator from rounding float32 operands to bfloat16 passes)."""
+    if not lm_head_float32:
+        return jnp.matmul(h, lm_head).astype(jnp.float32)
+    return jnp.matmul(h, lm_head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok, lm_head_float32: bool = False):
+    """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]
+    (float32; the head itself in float32 with `lm_head_float32`, `head_logits`)."""
     x = model.embeddings.embed(_named(ids, "batch", "position"))
     if sampler_family(model).embed_scale:  # Gemma: as its `activations` does, the factor in the embeddings' dtype
         x = x * jnp.sqrt(model.config.hidden_dim).astype(x.dtype)
@@ -161,7 +172,7 @@ def forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok):
         x, kc, vc = _layer(layer, p, x, pos, kc, vc, write_at, key_ok)
         new_caches.append((kc, vc))
     x = model.transformer.norm(x["position", -1])
-    return jnp.matmul(x.rearrange(("batch", "embed")).array, lm_head).astype(jnp.float32), new_caches
+    return head_logits(x.rearrange(("batch", "embed")).array, lm_head, lm_head_float32), new_caches
 
 
 def cache_layout(caches, mesh):

@@ -73,16 +73,17 @@ class WeightSwaps:
         return True
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh"))
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32"))
 def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
-           mesh):
+           mesh, lm_head_float32):
     return scan_sampler._start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds,
-                               key_index, n=n, max_new=max_new, mesh=mesh)
+                               key_index, n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
-def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh):
-    return scan_sampler._decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, mesh=mesh)
+@functools.partial(jax.jit, static_argnames=("mesh", "lm_head_float32"), donate_argnames=("state",))
+def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32):
+    return scan_sampler._decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, mesh=mesh,
+                                      lm_head_float32=lm_head_float32)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
@@ -111,14 +112,14 @@ _outputs = jax.jit(scan_sampler._outputs)
 
 
 def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-             *, n: int, max_new: int, mesh):
+             *, n: int, max_new: int, mesh, lm_head_float32: bool = False):
     """One device call of the scan sampler in chunks of `swaps.every_tokens` steps, swapping weights
     between chunks. Returns what `sampler._generate` returns, plus int64 [max_new]: the weight step of
     the weights that sampled token t (the same for every row)."""
     swaps.check()  # before the prefill: a call (a turn of a multi-turn episode) starts with the newest weights
     steps_by_token = np.full((max_new,), swaps.step, dtype=np.int64)
     state = _start(swaps.model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                   n=n, max_new=max_new, mesh=mesh)
+                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
     t = 1  # the prefill sampled token 0
     while t < max_new:
         if t % swaps.every_tokens == 0 and swaps.check():  # chunks end at multiples of every_tokens
@@ -127,7 +128,7 @@ def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, t
                 state = _recompute(swaps.model, state, stops, mesh=mesh)
         t_stop = (t // swaps.every_tokens + 1) * swaps.every_tokens
         state = _decode(swaps.model, state, stops, stop_valid, budget, temperature, jnp.asarray(t_stop, jnp.int32),
-                        mesh=mesh)
+                        mesh=mesh, lm_head_float32=lm_head_float32)
         t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
         t = int(t)
         if finished:

@@ -9,6 +9,8 @@ What this adds to the engine, and why:
 - Stop sequences. The engine would match a multi-token stop sequence across the prompt/response
   boundary, and it has a fixed stop capacity. It gets EOS and single-token stops only; multi-token
   ones are matched here, in the response only, truncating after the first match.
+- A float32 LM head (`lm_head_float32`): the engine runs the model's own `decode`, which ends in the model's
+  `lm_head` (or the tied embeddings); the engine's copy of the model gets a `Float32Head` there instead.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import threading
 from typing import Optional, Sequence
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -59,6 +62,28 @@ def resolved_engine_config(config: EngineConfig) -> InferenceEngineConfig:
     )
 
 
+class Float32Head(eqx.Module):
+    """An LM head of the same weights whose logits are float32: the hidden state and the weights multiplied with
+    float32 sums (`decoder.head_logits`, the scan sampler's, on named axes). Levanter's Llama-family
+    `decode` calls `model.lm_head(x, key=None)` when the model has one; a tied model gets one here too,
+    holding the embedding matrix itself (the same array: no copy)."""
+
+    weight: hax.NamedArray
+    Embed: hax.Axis = eqx.field(static=True)
+
+    def __call__(self, x: hax.NamedArray, *, key=None) -> hax.NamedArray:
+        del key
+        return hax.dot(x, self.weight, axis=self.Embed, precision=jax.lax.Precision.HIGHEST,
+                       preferred_element_type=jnp.float32)
+
+
+def with_float32_head(model):
+    """The engine's copy of `model` with a `Float32Head` of its head weights (the served model is untouched:
+    weight versions keep arriving in its structure)."""
+    head = Float32Head(model.get_lm_head(), model.Embed)
+    return eqx.tree_at(lambda m: m.lm_head, model, head, is_leaf=lambda x: x is None)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineJob:
     """One prompt's request: `n` samples with their own stop rules."""
@@ -95,10 +120,13 @@ class LevanterEngine:
 
     Thread-safe: one engine call runs at a time."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig, weight_step: Optional[int] = None):
+    def __init__(self, model, tokenizer, config: EngineConfig, weight_step: Optional[int] = None, *,
+                 lm_head_float32: bool = False):
         self.config = config
         self.weight_step = weight_step
         """The weight step of the served weights, stamped on each sample (`set_model` changes both)."""
+        self.lm_head_float32 = lm_head_float32
+        model = self._engine_model(model)
         self.engine_config = resolved_engine_config(config)
         self._lock = threading.Lock()
         self.engine = InferenceEngine.from_model_with_config(model, tokenizer, self.engine_config)
@@ -108,9 +136,13 @@ class LevanterEngine:
 
     def set_model(self, model, weight_step: Optional[int] = None) -> None:
         """Swap the weights (same shapes and dtypes: no recompile), as `weight_step`. Waits for a running call."""
+        model = self._engine_model(model)
         with self._lock:
             self.engine.model = model
             self.weight_step = weight_step
+
+    def _engine_model(self, model):
+        return with_float32_head(model) if self.lm_head_float32 else model
 
     def validate(self, job: EngineJob) -> None:
         """Raise ValueError, saying why, if `job` cannot fit the engine."""

@@ -89,6 +89,7 @@ def sample(
     mesh: Optional[Mesh] = None,
     dry_run: bool = False,
     swaps=None,
+    lm_head_float32: bool = False,
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -111,7 +112,10 @@ def sample(
 
     `swaps` (`inflight.WeightSwaps`): in-flight weight updates. Generation runs in chunks of decode
     steps and takes newer weights between them (`model` is then ignored: `swaps.model` is used, and
-    left at the newest weights); `weight_steps` says which weights sampled each token."""
+    left at the newest weights); `weight_steps` says which weights sampled each token.
+
+    `lm_head_float32`: the LM head's logits in float32 (`decoder.head_logits`), as a trainer with
+    `model.lm_head_float32` computes its own."""
     check_supported(model)
     n_prompts = len(prompts)
     if prompt_keys is None:
@@ -166,10 +170,11 @@ def sample(
                 jnp.asarray(part_seeds), jnp.asarray(part_index))
         rows = len(part) * n
         if swaps is None:
-            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh)
+            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32)
             steps = None
         else:
-            *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh)  # inflight.py builds on this module
+            *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh,  # inflight.py builds on this module
+                                            lm_head_float32=lm_head_float32)
             steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
@@ -227,13 +232,13 @@ def _pick(logits, temperature, u):
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh"))
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32"))
 def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
-              max_new, mesh):
+              max_new, mesh, lm_head_float32=False):
     state = _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                   n=n, max_new=max_new, mesh=mesh)
+                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
     state = _decode_until(model, state, stops, stop_valid, budget, temperature, jnp.asarray(max_new, jnp.int32),
-                          mesh=mesh)
+                          mesh=mesh, lm_head_float32=lm_head_float32)
     return _outputs(state, stops)
 
 
@@ -259,7 +264,7 @@ def _record(state, t, tok, lp, stops, stop_valid, budget):
 
 
 def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
-           mesh):
+           mesh, lm_head_float32=False):
     """Prefills the prompts, copies their caches to `n` rows each and samples token 0: the decode state
     (a dict of arrays) that `_decode_until` advances."""
     b_prompts, p_len = ids.shape
@@ -282,7 +287,7 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
     key_ok = key_ok | (kslots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
     empty = jnp.zeros((b_prompts, kv_heads, s_len, head), dtype)
     caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
-    logits, caches = forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
+    logits, caches = forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok, lm_head_float32)
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
@@ -306,7 +311,7 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
     return dict(_record(state, 0, tok, lp, stops, stop_valid, budget), tok=tok)
 
 
-def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh):
+def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False):
     """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached."""
     p_len = state["row_ids"].shape[1]
     s_len = state["caches"][0][0].shape[2]
@@ -327,7 +332,7 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
         key_ok = (jnp.arange(s_len)[None, :] >= pad[:, None]) & (jnp.arange(s_len)[None, :] <= write_at)
         logits, caches = forward(
             model, layers, packed, lm_head, state["tok"][:, None], step_pos, state["caches"], write_at,
-            key_ok[:, None, :]
+            key_ok[:, None, :], lm_head_float32
         )
         caches, logits = cache_layout(caches, mesh), constrain(logits, mesh, DATA, None)
         tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False))

@@ -97,7 +97,8 @@ class InferenceServer:
             if engine.compute_dtype is None and self.config.dtype is not None:  # its KV cache in the serving dtype
                 engine = dataclasses.replace(engine, compute_dtype=self.config.dtype)
             with sharding.using(self._mesh), self._lock:
-                self._engine = LevanterEngine(self._model, self._tokenizer, engine, weight_step=self._weight_step)
+                self._engine = LevanterEngine(self._model, self._tokenizer, engine, weight_step=self._weight_step,
+                                              lm_head_float32=self.config.lm_head_float32)
         if http:
             backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
@@ -319,6 +320,7 @@ class InferenceServer:
             mesh=None if self._mesh is None else self._mesh.mesh,
             dry_run=dry_run,
             swaps=swaps,
+            lm_head_float32=self.config.lm_head_float32,
         )
         result = []
         for i in range(len(requests)):

@@ -113,7 +113,9 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupCloc
     weights = [load_served_model(m.job.model, inference, dtype=m.job.rollout_dtype()) for m in models]
     if clock is not None:
         clock.mark("model")
-    servers = {m.name: serve(inference if k == 0 else dataclasses.replace(inference, serve_http=False), w, tokenizer)
+    # each server's head as its model's trainer computes it (`model.lm_head_float32` sets both sides)
+    servers = {m.name: serve(dataclasses.replace(inference, serve_http=inference.serve_http and k == 0,
+                                                 lm_head_float32=m.job.model.lm_head_float32), w, tokenizer)
                for k, (m, w) in enumerate(zip(models, weights))}
     server = (servers[models[0].name] if len(models) == 1
               else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))

@@ -378,6 +378,7 @@ def rl_loss(
     reference_logprobs: NamedArray | None = None,
     old_logprobs: NamedArray | None = None,
     key=None,
+    lm_head_float32: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The configured GRPO-family loss of `model` on `batch`: `loss_from_logprobs` on `token_logprobs`.
 
@@ -385,8 +386,9 @@ def rl_loss(
     recomputed anchor) are `token_logprobs` of those models on the same batch. Jittable; as a Levanter
     Trainer loss: `functools.partial(rl_loss, config=config)`. Metrics are those of `loss_from_logprobs`
     plus `entropy`, the mean entropy of π_θ (at the sampling temperature) on trained tokens.
+    `lm_head_float32`: the head in float32 (`ModelConfig.lm_head_float32`, `policy_forward`).
     """
-    logprobs, entropy, aux = policy_forward(model, batch, key=key, with_entropy=True)
+    logprobs, entropy, aux = policy_forward(model, batch, key=key, with_entropy=True, lm_head_float32=lm_head_float32)
     loss, metrics = loss_from_logprobs(
         logprobs,
         sampler_logprobs=batch.sampler_logprobs,

@@ -9,6 +9,8 @@ prompt's last position, computed once and gathered for each response.
 
 from __future__ import annotations
 
+import contextlib
+
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -97,9 +99,16 @@ def lm_head_weight(model: LmHeadModel) -> NamedArray:
 
 
 def policy_forward(
-    model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool
+    model: LmHeadModel, batch: TrainingBatch, *, key, with_entropy: bool, lm_head_float32: bool = False
 ) -> tuple[NamedArray, NamedArray | None, jax.Array | float]:
-    """(log π(target_ids) at the batch temperature, entropy or None, auxiliary model loss)."""
+    """(log π(target_ids) at the batch temperature, entropy or None, auxiliary model loss).
+
+    `lm_head_float32` (`ModelConfig.lm_head_float32`): the head in float32, as the sampler's
+    (`inference/decoder.head_logits`): the hidden state cast to float32 before it is divided by the
+    temperature, the head's weights (in their dtype) promoted to float32 block by block, float32 sums at
+    `HIGHEST` precision (an accelerator's default would round float32 operands to bfloat16 passes). The
+    backward of Levanter's blockwise loss is traced outside this precision scope and runs at the default:
+    the gradients' rounding is the compute dtype's either way."""
     model = flat_token_dots(model)  # 2-D projections on the CPU: docs/performance.md, "The update"
     out = model.activations(batch.input_ids, attention_mask(batch), key=key, pos_ids=batch.position_ids)
     aux: jax.Array | float = 0.0
@@ -109,37 +118,39 @@ def policy_forward(
     # logits / T = (h / T) · W: scaling the activations keeps the lm head blockwise. A temperature of 0
     # (greedy) has no logprobs; such tokens are scored at T = 1 and should not be trained on.
     temperature = hax.where(batch.temperature > 0, batch.temperature, 1.0)
-    h = (out / temperature).astype(out.dtype)
+    h = out.astype(jnp.float32) / temperature if lm_head_float32 else (out / temperature).astype(out.dtype)
     lm_head = lm_head_weight(model)
     Vocab = lm_head.resolve_axis(model.Vocab.name)
     block_size = lm_head_block(model.config.cross_entropy_block_size, Vocab.size)
     # Levanter's blockwise cross-entropy has a custom VJP that recomputes each logits block in the
     # backward pass, so neither pass holds [batch, position, vocab] beyond one block.
-    nll = fused_cross_entropy_loss_and_logsumexp_penalty(
-        h,
-        lm_head,
-        Contract=model.Embed,
-        Label=Vocab,
-        target_y=batch.target_ids,
-        reduction=None,
-        where=None,
-        logsumexp_weight=0.0,
-        block_size=block_size,
-        dtype=jnp.float32,
-    )
-    entropy = _vocab_entropy(_stop(h), _stop(lm_head), model.Embed, Vocab, block_size) if with_entropy else None
+    with jax.default_matmul_precision("highest") if lm_head_float32 else contextlib.nullcontext():
+        nll = fused_cross_entropy_loss_and_logsumexp_penalty(
+            h,
+            lm_head,
+            Contract=model.Embed,
+            Label=Vocab,
+            target_y=batch.target_ids,
+            reduction=None,
+            where=None,
+            logsumexp_weight=0.0,
+            block_size=block_size,
+            dtype=jnp.float32,
+        )
+        entropy = _vocab_entropy(_stop(h), _stop(lm_head), model.Embed, Vocab, block_size) if with_entropy else None
     return -nll, entropy, aux
 
 
-def token_logprobs(model: LmHeadModel, batch: TrainingBatch, *, key=None) -> NamedArray:
+def token_logprobs(model: LmHeadModel, batch: TrainingBatch, *, key=None, lm_head_float32: bool = False) -> NamedArray:
     """log π(target_ids[t] | input_ids[..t]) under `model`, shape [batch, position], float32.
 
         log π(o_t) = z_t[o_t] − log Σ_v exp z_t[v],     z_t = logits_t / T_row
 
     Logits are divided by each row's sampling temperature, so at the sampler's weights this equals the
     sampler's logprobs. Used for the policy (inside `rl_loss`), the frozen reference and π_old.
-    Positions outside the loss mask hold whatever the model says; callers mask them.
+    Positions outside the loss mask hold whatever the model says; callers mask them. `lm_head_float32`: the
+    head in float32 (`policy_forward`).
     """
-    return policy_forward(model, batch, key=key, with_entropy=False)[0]
+    return policy_forward(model, batch, key=key, with_entropy=False, lm_head_float32=lm_head_float32)[0]
 
 

@@ -94,8 +94,9 @@ class StepInput(eqx.Module):
     reference_logprobs: Optional[hax.NamedArray] = None
 
 
-def _step_loss(model, inp: StepInput, *, config: LossConfig, key=None):
-    loss, metrics = rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key)
+def _step_loss(model, inp: StepInput, *, config: LossConfig, lm_head_float32: bool = False, key=None):
+    loss, metrics = rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key,
+                            lm_head_float32=lm_head_float32)
     return loss, {k: Metric.from_value(v, _reduction(k)) for k, v in metrics.items()}
 
 
@@ -180,8 +181,8 @@ class TrainWorker:
         cohort = multihost.current_cohort()  # several processes: only process 0 reads, clocks, writes the sidecar
         if not cohort.is_leader:
             self._curriculum = None
-        with Trainer(trainer_cfg, optimizer, functools.partial(_step_loss, config=cfg.loss),
-                     add_default_hooks=False) as trainer:
+        step_loss = functools.partial(_step_loss, config=cfg.loss, lm_head_float32=cfg.model.lm_head_float32)
+        with Trainer(trainer_cfg, optimizer, step_loss, add_default_hooks=False) as trainer:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
             rss_before_model = psutil.Process().memory_info().rss
             source = CheckpointWeights(cfg.model, trainer)  # read at most once in this process
@@ -204,7 +205,8 @@ class TrainWorker:
                 reference = build_reference(source, trainer, initial_policy=state.model if fresh else None)
             source.release()
             clock.mark("reference")
-            ref_fn = hax.named_jit(token_logprobs, axis_resources=trainer.compute_axis_mapping)
+            ref_fn = hax.named_jit(functools.partial(token_logprobs, lm_head_float32=cfg.model.lm_head_float32),
+                                   axis_resources=trainer.compute_axis_mapping)
             server = build_server(cfg.weights)
             if cfg.lora is not None:
                 print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}", flush=True)
