@@ -22,7 +22,7 @@ $(VF_STAMP): constraints-verifiers.txt tests/verifiers_envs/pyproject.toml tests
 	rm -rf $(VF_VENV)
 	$(PYTHON) -m venv $(VF_VENV)
 	$(VF_VENV)/bin/python -m pip install --quiet -c constraints-verifiers.txt verifiers
-	$(VF_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation ./tests/verifiers_envs
+	$(VF_VENV)/bin/python -m pip install --quiet --no-deps ./tests/verifiers_envs
 	touch $(VF_STAMP)
 
 verifiers-venv: $(VF_STAMP)

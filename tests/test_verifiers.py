@@ -1,0 +1,127 @@
+"""The `verifiers` environment against the real verifiers 0.4 package in its own virtualenv (`.venv-verifiers`,
+which `make test` builds; the `verifiers_python` fixture): two environments written against verifiers' public API
+in tests/verifiers_envs/ and installed into that virtualenv as a package (`vf_letter`, single-turn; `vf_calc`, a
+multi-turn tool environment), each loaded by its id; EnvServers started and restarted by the environment; the
+episodes sampled by our inference server's token endpoint; and a short job end to end.
+
+Starting verifiers costs seconds (its import), so one environment of each kind serves the whole module."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from levanter.models.llama import LlamaConfig
+
+from marinrl.config.curriculum import CurriculumConfig, LessonConfig
+from marinrl.config.errors import ConfigError
+from marinrl.envs import EnvConfig, safe_sample
+from marinrl.envs.base import make_env
+from marinrl.inference.context import SamplingParams
+from marinrl.inference.server import InferenceServer, InferenceServerConfig
+from marinrl.models.policy_model import ModelConfig, build_model
+from marinrl.models.tokenizers import byte_tokenizer
+from marinrl.types import RolloutMetadata
+
+SUBPROCESS = {"agent": {"runtime": {"type": "subprocess"}}}
+"""The harnesses of tests/verifiers_envs run in the EnvServer's process: no container or cloud box."""
+
+
+def _args(python, env_id, **kw):
+    return {"env_id": env_id, "python": python, "env_args": SUBPROCESS, "episode_timeout": 120.0, **kw}
+
+
+@pytest.fixture(scope="module")
+def server():
+    arch = LlamaConfig(seq_len=128, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                       gradient_checkpointing=False)
+    with InferenceServer(InferenceServerConfig(serve_http=True), build_model(ModelConfig(model=arch, vocab_size=512)),
+                         byte_tokenizer(512)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def calc_env(verifiers_python):
+    env = make_env(EnvConfig("verifiers", _args(verifiers_python, "vf_calc", max_concurrency=8)))
+    yield env
+    env.close()
+
+
+def _sample(env, server, n_examples=2, n_generations=4, max_tokens=2):
+    return safe_sample(env, server, lesson_id="calc", n_examples=n_examples, n_generations=n_generations,
+                       sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens), rng=np.random.default_rng(0),
+                       mode="train", metadata=RolloutMetadata(worker_id="test", weight_step=0))
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"python": sys.executable}, "env_id"),
+    ({"env_id": "x"}, "give python"),
+    ({"env_id": "x", "server_address": "tcp://127.0.0.1:1"}, "give python too"),
+    ({"env_id": "x", "python": sys.executable, "server_address": "http://x"}, "tcp://host:port"),
+    ({"env_id": "x", "python": "/nonexistent/bin/python"}, "/nonexistent/bin/python is not an executable file"),
+    ({"env_id": "x", "python": sys.executable, "max_concurrency": 0}, "max_concurrency"),
+    ({"env_id": "x", "python": sys.executable, "bogus": 1}, "^verifiers: unknown setting bogus; the settings are "),
+])
+def test_bad_settings_are_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        make_env(EnvConfig("verifiers", args))
+
+
+def test_an_interpreter_without_verifiers_or_an_unknown_id_is_refused_before_a_job(verifiers_python):
+    from marinrl.job.preflight import check_environments
+
+    def lesson(args):
+        return CurriculumConfig(lessons=(LessonConfig("vf", EnvConfig("verifiers", args)),))
+
+    with pytest.raises(ConfigError, match=r"lessons\[vf\]\.env\.args: verifiers environment 'vf_letter' does not "
+                                          r"load with .*: verifiers is not installed there"):
+        check_environments(lesson(_args(sys.executable, "vf_letter")))  # marinrl's own venv: no verifiers
+    with pytest.raises(ConfigError, match=r"verifiers environment 'no_such_env' does not load with .*"
+                                          r"taskset 'no_such_env' not found"):
+        check_environments(lesson(_args(verifiers_python, "no_such_env")))
+
+
+def test_a_multi_turn_tool_episode_trains_the_model_turns_and_masks_the_tool(calc_env, server):
+    groups, metrics = _sample(calc_env, server)
+    assert metrics["calc/env_failures"] == 0 and metrics["calc/episodes_ok"] == 8
+    assert len(groups) == 2 and all(len(g) == 4 for g in groups)
+    tok = byte_tokenizer(512)
+    for group in groups:
+        for r in group.rollouts:
+            prompt = tok.decode(r.prompt_tokens.tolist())
+            assert prompt.startswith("<|bos|><|user|>") and prompt.endswith("=<|eos|><|assistant|>")  # `3+1=`
+            assert r.loss_mask[0] and r.loss_mask[-1]  # the model's first and last tokens
+            assert np.all(r.response_logprobs[~r.loss_mask] == 0) and np.all(r.response_logprobs[r.loss_mask] <= 0)
+            assert r.token_rewards[-1] == r.episode_reward
+    # an episode that called the tool: its answer (`=<sum>`) sits between two model turns, masked out
+    called = [r for g in groups for r in g.rollouts if not r.loss_mask.all()]
+    for r in called:
+        text = tok.decode(r.response_tokens[~r.loss_mask].tolist())
+        assert "<|user|>=" in text
+    assert {"calc/reward/correct_mean", "calc/reward/used_tool_mean", "calc/metric/turns_mean"} <= set(metrics)
+    rewards = np.concatenate([g.rewards for g in groups])
+    assert np.all((rewards >= 0) & (rewards <= 1.2))
+
+
+def test_an_env_server_that_dies_is_restarted_and_its_episodes_run_again(calc_env, server):
+    _sample(calc_env, server, n_examples=1, n_generations=2)  # started
+    calc_env._server.proc.kill()
+    calc_env._server.proc.wait()
+    groups, metrics = _sample(calc_env, server, n_examples=1, n_generations=2)
+    assert metrics["calc/server_restarts"] == 1 and metrics["calc/env_failures"] == 0
+    assert metrics["calc/episodes_ok"] == 2 and len(groups) == 1
+
+
+@pytest.mark.timeout(1200)
+def test_a_short_job_trains_on_a_verifiers_environment(tmp_path, ray_session, verifiers_python):
+    from test_job import _run
+
+    env = EnvConfig("verifiers", _args(verifiers_python, "vf_letter"))
+    lesson = LessonConfig("letters", env, max_tokens=2, graduate_at=None)
+    cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=2,
+                       eval_every=2)
+    assert result.train["final_step"] == 2 and all(np.isfinite(h["loss"]) for h in result.train["history"])
+    evals = [e["metrics"] for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
+    assert np.isfinite(evals[-1]["eval/letters/reward_mean"])
+    assert result.rollouts[0]["sample_failures"] == 0
