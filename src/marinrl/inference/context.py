@@ -43,7 +43,8 @@ class Generation:
     finish_reason: Literal["stop", "length"]
     weight_steps: Optional[np.ndarray] = None
     """int64 weight step of the weights that sampled each new token, when the server swapped weights in
-    flight (`InferenceServer.inflight_updates`); None: all by the weights the call began with."""
+    flight (`InferenceServer.inflight_updates`) or the caller asked for them (`stamp_weight_steps`, as the
+    HTTP endpoint does); None: all by the weights the call began with."""
 
     def truncated(self, k: int) -> Generation:
         """The first `k` tokens, finish_reason "length" (a prefix's logprobs do not depend on what follows)."""

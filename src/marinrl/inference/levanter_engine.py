@@ -77,6 +77,8 @@ class EngineSample:
     tokens: list[int]
     logprobs: list[float]
     stopped: bool
+    weight_step: Optional[int] = None
+    """The weight step of the weights that sampled it (as given to the engine; None: not given)."""
 
 
 def find_stop(tokens: Sequence[int], stop_sequences: Sequence[Sequence[int]]) -> Optional[int]:
@@ -93,8 +95,10 @@ class LevanterEngine:
 
     Thread-safe: one engine call runs at a time."""
 
-    def __init__(self, model, tokenizer, config: EngineConfig):
+    def __init__(self, model, tokenizer, config: EngineConfig, weight_step: Optional[int] = None):
         self.config = config
+        self.weight_step = weight_step
+        """The weight step of the served weights, stamped on each sample (`set_model` changes both)."""
         self.engine_config = resolved_engine_config(config)
         self._lock = threading.Lock()
         self.engine = InferenceEngine.from_model_with_config(model, tokenizer, self.engine_config)
@@ -102,10 +106,11 @@ class LevanterEngine:
         self._max_pages = int(cfg.max_pages)
         self._page_size = int(cfg.page_size)
 
-    def set_model(self, model) -> None:
-        """Swap the weights (same shapes and dtypes: no recompile). Waits for a running call."""
+    def set_model(self, model, weight_step: Optional[int] = None) -> None:
+        """Swap the weights (same shapes and dtypes: no recompile), as `weight_step`. Waits for a running call."""
         with self._lock:
             self.engine.model = model
+            self.weight_step = weight_step
 
     def validate(self, job: EngineJob) -> None:
         """Raise ValueError, saying why, if `job` cannot fit the engine."""
@@ -133,7 +138,7 @@ class LevanterEngine:
         results: list[list[EngineSample]] = []
         for chunk in self._chunks(jobs):
             with self._lock:
-                results.extend(self._generate_chunk(chunk))
+                results.extend(self._generate_chunk(chunk, self.weight_step))
         return results
 
     def _pages(self, job: EngineJob) -> int:
@@ -156,7 +161,7 @@ class LevanterEngine:
         if chunk:
             yield chunk
 
-    def _generate_chunk(self, jobs: Sequence[EngineJob]) -> list[list[EngineSample]]:
+    def _generate_chunk(self, jobs: Sequence[EngineJob], weight_step: Optional[int]) -> list[list[EngineSample]]:
         requests = []
         for i, job in enumerate(jobs):
             single = [s[0] for s in job.stop_sequences if len(s) == 1][: self.config.max_stop_tokens]
@@ -188,9 +193,10 @@ class LevanterEngine:
                 row += 1
                 end = find_stop(tokens, job.stop_sequences)
                 if end is not None:
-                    samples.append(EngineSample(tokens[:end], logprobs[:end], True))
+                    samples.append(EngineSample(tokens[:end], logprobs[:end], True, weight_step))
                 elif len(tokens) >= job.max_tokens:
-                    samples.append(EngineSample(tokens[: job.max_tokens], logprobs[: job.max_tokens], False))
+                    samples.append(EngineSample(tokens[: job.max_tokens], logprobs[: job.max_tokens], False,
+                                                weight_step))
                 else:
                     raise RuntimeError(
                         f"Levanter engine returned {len(tokens)} of {job.max_tokens} tokens with no stop: "

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP endpoint (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-`/health`), for environments and evaluators that speak that protocol.
+`/health`), for environments and evaluators that speak that protocol, and the token endpoint beside it
+(`/inference/v1/generate`, vLLM's token-in/token-out route: `token_endpoint.py`).
 
 The endpoint needs one thing from the server behind it: a function that generates for token prompts,
 `generate(list[TokenRequest]) -> list[list[Generation]]` (`InferenceServer.generate_requests`, over
@@ -46,6 +47,7 @@ from openai.types.completion_choice import Logprobs
 from pydantic import BaseModel, ConfigDict
 
 from marinrl.config.checks import check_api_key
+from marinrl.inference import token_endpoint
 from marinrl.inference.api_auth import RequireApiKey, new_api_key, openai_error
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens
 
@@ -189,8 +191,15 @@ class OpenAIEndpoint:
         model_name: str = "marinrl-policy",
         default_max_tokens: int = 256,
         api_key: Optional[str] = None,
+        max_model_len: Optional[int] = None,
+        vocab_size: Optional[int] = None,
     ):
+        """`max_model_len`: the longest prompt + generation the generate function serves (None: no
+        limit known), which `/v1/models` reports as vLLM does; `vocab_size`: the model's (default: the
+        tokenizer's length), against which the token endpoint checks token ids."""
         self._api_key = new_api_key() if api_key is None else check_api_key(api_key)
+        self.max_model_len = max_model_len
+        self.vocab_size = len(tokenizer) if vocab_size is None else vocab_size
         self.generate = generate
         self.tokenizer = tokenizer
         self.host = host
@@ -323,16 +332,17 @@ class OpenAIEndpoint:
             logger.exception("generation failed")
             raise HTTPException(status_code=500, detail=f"generation failed: {e}") from e
 
-    def _requests_for(self, prompts: list[list[int]], req: _Request, max_tokens: int,
-                      stops: list[str]) -> list[TokenRequest]:
+    def _requests_for(self, prompts: list[list[int]], *, n: int, temperature: float, seed: Optional[int],
+                      max_tokens: int, stops: list[str], stop_token_ids: Sequence[int] = ()) -> list[TokenRequest]:
         stop_seqs = [tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops]
+        stop_seqs += [(int(t),) for t in stop_token_ids]
         try:
-            sampling = SamplingParams(temperature=req.temperature, max_tokens=max_tokens,
-                                      stop_sequences=tuple(s for s in stop_seqs if len(s) > 0))
+            sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                      stop_sequences=tuple(dict.fromkeys(s for s in stop_seqs if len(s) > 0)))
         except ValueError as e:
             raise HTTPException(status_code=400, detail=str(e)) from e
-        seed = req.seed if req.seed is not None else random.getrandbits(31)
-        return [TokenRequest(p, req.n, sampling, seed, i) for i, p in enumerate(prompts)]
+        seed = seed if seed is not None else random.getrandbits(31)
+        return [TokenRequest(p, n, sampling, seed, i) for i, p in enumerate(prompts)]
 
     # ------------------------------------------------------------------ routes
 
@@ -350,7 +360,28 @@ class OpenAIEndpoint:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "marinrl"}]}
+            card = {"id": self.model_name, "object": "model", "owned_by": "marinrl"}
+            if self.max_model_len is not None:
+                card["max_model_len"] = self.max_model_len  # vLLM's extension: clients check prompts against it
+            return {"object": "list", "data": [card]}
+
+        @app.post(token_endpoint.PATH)
+        async def generate(req: token_endpoint.GenerateRequest) -> dict:
+            token_endpoint.check(req, self.vocab_size)
+            sp = req.sampling_params
+            stops = _stop_list(sp.stop)
+            max_tokens = sp.max_tokens if sp.max_tokens is not None else self.default_max_tokens
+            (request,) = self._requests_for([list(req.token_ids)], n=sp.n, temperature=sp.temperature,
+                                            seed=sp.seed, max_tokens=max_tokens, stops=stops,
+                                            stop_token_ids=sp.stop_token_ids or ())
+            (samples,) = await self._run([request])
+            choices = []
+            for sample in samples:
+                done = _Finished(self.tokenizer, sample, stops)
+                steps = sample.weight_steps
+                steps = None if steps is None else [int(w) for w in steps[:len(done.tokens)]]
+                choices.append((done.tokens, done.logprobs, done.finish_reason, steps))
+            return token_endpoint.response_body(req, choices)
 
         @app.post("/v1/completions")
         async def completions(req: CompletionRequest) -> Completion:
@@ -358,7 +389,8 @@ class OpenAIEndpoint:
             prompts = self._completion_prompts(req.prompt)
             max_tokens = req.max_tokens if req.max_tokens is not None else self.default_max_tokens
             stops = _stop_list(req.stop)
-            results = await self._run(self._requests_for(prompts, req, max_tokens, stops))
+            results = await self._run(self._requests_for(prompts, n=req.n, temperature=req.temperature, seed=req.seed,
+                                                         max_tokens=max_tokens, stops=stops))
             choices, n_out = [], 0
             for prompt, samples in zip(prompts, results):
                 for sample in samples:
@@ -396,7 +428,8 @@ class OpenAIEndpoint:
                 raise HTTPException(status_code=400, detail=f"chat template failed: {e}") from e
             max_tokens = req.max_completion_tokens or req.max_tokens or self.default_max_tokens
             stops = _stop_list(req.stop)
-            (samples,) = await self._run(self._requests_for([prompt], req, max_tokens, stops))
+            (samples,) = await self._run(self._requests_for([prompt], n=req.n, temperature=req.temperature,
+                                                            seed=req.seed, max_tokens=max_tokens, stops=stops))
             choices, n_out = [], 0
             for sample in samples:
                 done = _Finished(self.tokenizer, sample, stops)

@@ -95,18 +95,21 @@ class InferenceServer:
             engine = self.config.engine
             if engine.compute_dtype is None and self.config.dtype is not None:  # its KV cache in the serving dtype
                 engine = dataclasses.replace(engine, compute_dtype=self.config.dtype)
-            with sharding.using(self._mesh):
-                self._engine = LevanterEngine(self._model, self._tokenizer, engine)
+            with sharding.using(self._mesh), self._lock:
+                self._engine = LevanterEngine(self._model, self._tokenizer, engine, weight_step=self._weight_step)
         if http:
             backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
-                lambda requests: self.generate_requests(requests, backend=backend, min_batch=min_batch),
+                lambda requests: self.generate_requests(requests, backend=backend, min_batch=min_batch,
+                                                        stamp_weight_steps=True),
                 self._tokenizer,
                 host=self.config.host,
                 port=self.config.port,
                 model_name=self.config.model_name,
                 default_max_tokens=self.config.default_max_tokens,
                 api_key=self.config.api_key,
+                max_model_len=self.config.engine.max_seq_len if backend == "engine" else None,
+                vocab_size=self._vocab,
             ).start()
         self._started = True
         return self
@@ -162,7 +165,7 @@ class InferenceServer:
             self._model = model
             self._weight_step = int(weight_step)
             if self._engine is not None:
-                self._engine.set_model(model)
+                self._engine.set_model(model, self._weight_step)
 
     @contextlib.contextmanager
     def inflight_updates(self, poll: Callable[[], Any], config: InflightConfig) -> Iterator[None]:
@@ -251,12 +254,14 @@ class InferenceServer:
 
     def generate_requests(
         self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1,
-        dry_run: bool = False, inflight: bool = False,
+        dry_run: bool = False, inflight: bool = False, stamp_weight_steps: bool = False,
     ) -> list[list[Generation]]:
         """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
         with equal sampling settings share one device call; sample j of a request depends only on
         (its seed, its index, j), its prompt and the weights. ValueError names a bad request. The scan
-        sampler pads a device call to at least `min_batch` prompts (fewer compiled shapes)."""
+        sampler pads a device call to at least `min_batch` prompts (fewer compiled shapes).
+        `stamp_weight_steps`: every Generation's `weight_steps` is filled (the step of the weights that
+        sampled each token), never None, as the HTTP endpoint reports it."""
         if not self._started:
             raise RuntimeError("InferenceServer.start() was not called")
         requests = [
@@ -268,9 +273,9 @@ class InferenceServer:
         if not requests:
             return []
         if (backend or self.config.backend) == "engine":
-            return self._generate_engine(requests)
+            return self._generate_engine(requests, stamp_weight_steps)
         with self._lock:
-            model = self._model
+            model, step = self._model, self._weight_step
         swaps = self._swaps(model) if inflight and not dry_run else None  # `inflight`: `generate`, not HTTP
         by_settings: dict = {}
         for k, r in enumerate(requests):
@@ -280,6 +285,8 @@ class InferenceServer:
             rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run, swaps)
             for k, row in zip(ks, rows):
                 out[k] = row
+        if stamp_weight_steps:
+            out = [[_stamped(g, step) for g in row] for row in out]
         return out
 
     def _stops(self, sampling: SamplingParams) -> tuple[tuple[int, ...], ...]:
@@ -329,7 +336,7 @@ class InferenceServer:
             result.append(row)
         return result
 
-    def _generate_engine(self, requests):
+    def _generate_engine(self, requests, stamp_weight_steps: bool = False):
         if self._engine is None:
             raise RuntimeError("the Levanter engine is not built (backend and http_backend are 'scan')")
         jobs = [
@@ -343,6 +350,8 @@ class InferenceServer:
                     tokens=np.asarray(s.tokens, dtype=np.int32),
                     logprobs=np.asarray(s.logprobs, dtype=np.float32),
                     finish_reason="stop" if s.stopped else "length",
+                    weight_steps=(np.full(len(s.tokens), s.weight_step, np.int64)
+                                  if stamp_weight_steps and s.weight_step is not None else None),
                 )
                 for s in samples
             ]
@@ -381,6 +390,14 @@ def _cast_floating(model, dtype: str):
     if all(x.dtype == dtype for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))):
         return model
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
+
+
+def _stamped(generation: Generation, step: int) -> Generation:
+    """`generation` with `weight_steps` filled: `step` on every token when it has none (sampled by the
+    weights the call began with)."""
+    if generation.weight_steps is not None:
+        return generation
+    return dataclasses.replace(generation, weight_steps=np.full(len(generation.tokens), step, np.int64))
 
 
 def _check_same_structure(old, new) -> None:
