@@ -8,6 +8,7 @@ Starting verifiers costs seconds (its import), so one environment of each kind s
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -28,6 +29,12 @@ SUBPROCESS = {"agent": {"runtime": {"type": "subprocess"}}}
 """The harnesses of tests/verifiers_envs run in the EnvServer's process: no container or cloud box."""
 
 
+BYTE_RENDERER = {"name": "custom", "import_path": "vf_byte_renderer.ByteChatRenderer"}
+"""The default renderer with a bridge (tests/verifiers_envs/vf_byte_renderer.py): turn k+1's prompt extends the tokens
+sampled so far, as a model-specific renderer's does; without one, verifiers re-renders the conversation from text, in
+which a random model's bytes do not survive, and starts a new branch."""
+
+
 def _args(python, env_id, **kw):
     return {"env_id": env_id, "python": python, "env_args": SUBPROCESS, "episode_timeout": 120.0, **kw}
 
@@ -42,10 +49,19 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def calc_env(verifiers_python):
-    env = make_env(EnvConfig("verifiers", _args(verifiers_python, "vf_calc", max_concurrency=8)))
+def kill_file(tmp_path_factory):
+    """While this file exists, the next vf_calc episode deletes it and ends its EnvServer's process (os._exit)."""
+    return tmp_path_factory.mktemp("vf") / "kill"
+
+
+@pytest.fixture(scope="module")
+def calc_env(verifiers_python, kill_file):
+    os.environ["VF_CALC_KILL_FILE"] = str(kill_file)  # the EnvServer, started at the first sample, inherits it
+    args = _args(verifiers_python, "vf_calc", max_concurrency=8, renderer=BYTE_RENDERER)
+    env = make_env(EnvConfig("verifiers", args))
     yield env
     env.close()
+    os.environ.pop("VF_CALC_KILL_FILE", None)
 
 
 def _sample(env, server, n_examples=2, n_generations=4, max_tokens=2):
@@ -94,23 +110,24 @@ def test_a_multi_turn_tool_episode_trains_the_model_turns_and_masks_the_tool(cal
             assert r.loss_mask[0] and r.loss_mask[-1]  # the model's first and last tokens
             assert np.all(r.response_logprobs[~r.loss_mask] == 0) and np.all(r.response_logprobs[r.loss_mask] <= 0)
             assert r.token_rewards[-1] == r.episode_reward
-    # an episode that called the tool: its answer (`=<sum>`) sits between two model turns, masked out
-    called = [r for g in groups for r in g.rollouts if not r.loss_mask.all()]
-    for r in called:
-        text = tok.decode(r.response_tokens[~r.loss_mask].tolist())
-        assert "<|user|>=" in text
-    assert {"calc/reward/correct_mean", "calc/reward/used_tool_mean", "calc/metric/turns_mean"} <= set(metrics)
+    for r in (r for g in groups for r in g.rollouts):  # the calculator's answer between the two turns: masked
+        between = tok.decode(r.response_tokens[~r.loss_mask].tolist())
+        a, b = tok.decode(r.prompt_tokens.tolist()).split("<|user|>")[1].split("=")[0].split("+")  # `3+1=`
+        assert between.endswith(f"<|user|>={int(a) + int(b)}<|eos|><|assistant|>") and not r.loss_mask.all()
+        assert r.loss_mask.sum() <= 4  # two turns of at most 2 tokens: one sequence per episode
+    assert {"calc/reward/correct_mean", "calc/reward/called_mean", "calc/metric/turns_mean"} <= set(metrics)
+    assert metrics["calc/metric/turns_mean"] == 2
     rewards = np.concatenate([g.rewards for g in groups])
     assert np.all((rewards >= 0) & (rewards <= 1.2))
 
 
-def test_an_env_server_that_dies_is_restarted_and_its_episodes_run_again(calc_env, server):
-    _sample(calc_env, server, n_examples=1, n_generations=2)  # started
-    calc_env._server.proc.kill()
-    calc_env._server.proc.wait()
-    groups, metrics = _sample(calc_env, server, n_examples=1, n_generations=2)
-    assert metrics["calc/server_restarts"] == 1 and metrics["calc/env_failures"] == 0
-    assert metrics["calc/episodes_ok"] == 2 and len(groups) == 1
+def test_an_env_server_that_dies_is_restarted_and_its_episodes_run_again(calc_env, server, kill_file):
+    _sample(calc_env, server, n_examples=1, n_generations=1)  # started
+    kill_file.touch()  # the next episode kills its server while the others of its call are in flight
+    groups, metrics = _sample(calc_env, server, n_examples=2, n_generations=2)
+    assert not kill_file.exists()
+    assert metrics["calc/server_restarts"] == 1 and metrics["calc/episodes_retried"] >= 1
+    assert metrics["calc/env_failures"] == 0 and metrics["calc/episodes_ok"] == 4 and len(groups) == 2
 
 
 @pytest.mark.timeout(1200)

@@ -1,12 +1,12 @@
-"""A multi-turn tool environment: `3+1=` asks for the sum; the model may call the calculator with a reply that
-starts with `@`, and the harness answers in the conversation with the tool's result (`=4`), then asks again, up
-to three model turns. Rewards: `correct` (the last reply is the sum) and `used_tool` (weight 0.2). The tool's
-answers are environment tokens: verifiers' sampled mask keeps them out of training."""
+"""A multi-turn tool environment: `3+1=` asks for the sum. The model's first turn is a call to the calculator
+(`@` is the well-formed call, rewarded by `called`, weight 0.2); the harness answers in the conversation with the
+tool's result (`=4`), and the model's second turn is its answer (`correct`). The tool's answer is environment
+text: verifiers' sampled mask keeps its tokens out of training."""
+
+import os
 
 import openai
 import verifiers.v1 as vf
-
-MAX_TURNS = 3
 
 
 class CalcData(vf.TaskData):
@@ -14,14 +14,14 @@ class CalcData(vf.TaskData):
     b: int = 0
 
 
-class CalcTask(vf.Task):
+class CalcTask(vf.Task[CalcData]):
     @vf.reward
     async def correct(self, trace) -> float:
         return float(trace.last_reply.strip() == str(self.data.a + self.data.b))
 
     @vf.reward(weight=0.2)
-    async def used_tool(self, trace) -> float:
-        return float(trace.info.get("tool_calls", 0) > 0)
+    async def called(self, trace) -> float:
+        return float(trace.info.get("call", "").startswith("@"))
 
     @vf.metric
     async def turns(self, trace) -> float:
@@ -40,18 +40,21 @@ class CalcHarness(vf.Harness[vf.HarnessConfig]):
     EXECUTES_CODE = False
 
     async def launch(self, ctx, trace, runtime, endpoint, secret, mcp_urls, data, **kwargs):
+        kill = os.environ.get("VF_CALC_KILL_FILE")  # the tests' server death: the first episode to see the file
+        if kill:
+            try:
+                os.remove(kill)
+                os._exit(1)
+            except FileNotFoundError:
+                pass
         client = openai.AsyncOpenAI(base_url=endpoint, api_key=secret)
         messages = [{"role": "user", "content": data.prompt}]
-        trace.info["tool_calls"] = 0
         try:
-            for _ in range(MAX_TURNS):
-                reply = await client.chat.completions.create(model=ctx.model, messages=messages)
-                text = reply.choices[0].message.content or ""
-                messages.append({"role": "assistant", "content": text})
-                if not text.startswith("@"):
-                    break
-                trace.info["tool_calls"] += 1  # the calculator: the task's sum, as the next message
-                messages.append({"role": "user", "content": f"={data.a + data.b}"})
+            call = await client.chat.completions.create(model=ctx.model, messages=messages)
+            trace.info["call"] = call.choices[0].message.content or ""
+            messages += [{"role": "assistant", "content": trace.info["call"]},
+                         {"role": "user", "content": f"={data.a + data.b}"}]  # the calculator's result
+            await client.chat.completions.create(model=ctx.model, messages=messages)
         finally:
             await client.close()
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")

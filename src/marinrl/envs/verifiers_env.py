@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import pathlib
+import socket
 import subprocess
 import tempfile
 import threading
@@ -63,6 +64,12 @@ PROTOCOL = 1
 SUPPORTED_VERIFIERS = ("0.4.",)
 """verifiers versions whose serve protocol and trace format this adapter speaks."""
 PREFLIGHT_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 class BridgeDied(RuntimeError):
@@ -325,16 +332,18 @@ class VerifiersEnv:
         address = self.config.server_address
         with WAITS.waiting(f"{self.label}: starting its EnvServer and task client (up to "
                            f"{self.config.start_timeout:g} s)"):
-            if address is None:
-                self._server = _Process(self._argv("serve"), env, os.path.join(tmp, "server.log"), "EnvServer")
-                line = self._server.first_line(self.config.start_timeout)
-                if not line.startswith("address "):
-                    raise RuntimeError(f"{self.label}: the EnvServer said {line!r}: {_tail(self._server.log_path)}")
-                address = line.split(" ", 1)[1]
+            if address is None:  # both start at once (each imports verifiers: seconds); ZeroMQ connects before a bind
+                address = f"tcp://127.0.0.1:{_free_port()}"
+                self._server = _Process(self._argv("serve", bind=address), env, os.path.join(tmp, "server.log"),
+                                        "EnvServer")
             self._client = _Process(self._argv("client", address=address, base_url=url,
                                                api_key_var=self.config.api_key_var,
                                                renderer_model=self._renderer_model, renderer=self.config.renderer),
                                     env, os.path.join(tmp, "client.log"), "task client")
+            if self._server is not None:
+                line = self._server.first_line(self.config.start_timeout)
+                if not line.startswith("address "):
+                    raise RuntimeError(f"{self.label}: the EnvServer said {line!r}: {_tail(self._server.log_path)}")
             ready = json.loads(self._client.first_line(self.config.start_timeout))
             self._check_versions(ready)
             if self.config.server_address is not None:
@@ -371,6 +380,7 @@ class VerifiersEnv:
 
     def _sample(self, ctx, n_examples, n_generations, sampling, rng, mode):
         cfg = self.config
+        restarts_before = self.server_restarts
         self._ensure_started(ctx)
         split = "eval" if mode == "eval" else "train"
         n_tasks = self._tasks[split]
@@ -380,7 +390,6 @@ class VerifiersEnv:
         episodes = [_Episode(i, t, int(rng.integers(0, 2**31 - 1))) for i, t in enumerate(tasks)
                     for _ in range(n_generations)]
         counts = collections.Counter()
-        restarts_before = self.server_restarts
         queue = collections.deque(episodes)
         running: dict[concurrent.futures.Future, _Episode] = {}
         started: dict[concurrent.futures.Future, float] = {}
@@ -419,7 +428,8 @@ class VerifiersEnv:
                         e = running.pop(future)
                         started.pop(future)
                         e.status, e.error = "timed_out", f"no answer within {cfg.episode_timeout:g} s"
-                if died or (running and not self._client.alive()):
+                server_dead = self._server is not None and not self._server.alive()
+                if died or server_dead or (running and not self._client.alive()):
                     for future, e in list(running.items()):  # the others of the dead process: run again
                         running.pop(future)
                         started.pop(future)

@@ -8,7 +8,11 @@ import verifiers.v1 as vf
 LETTERS = "abcd"
 
 
-class LetterTask(vf.Task):
+class LetterData(vf.TaskData):
+    answer: str = ""
+
+
+class LetterTask(vf.Task[LetterData]):
     @vf.reward
     async def correct(self, trace) -> float:
         return float(trace.last_reply.strip() == self.data.answer)
@@ -16,10 +20,6 @@ class LetterTask(vf.Task):
     @vf.metric
     async def one_char(self, trace) -> float:
         return float(len(trace.last_reply) == 1)
-
-
-class LetterData(vf.TaskData):
-    answer: str = ""
 
 
 class LetterTaskset(vf.Taskset[LetterTask]):
