@@ -131,14 +131,19 @@ def test_an_env_server_that_dies_is_restarted_and_its_episodes_run_again(calc_en
 
 
 @pytest.mark.timeout(1200)
-def test_a_short_job_trains_on_a_verifiers_environment(tmp_path, ray_session, verifiers_python):
+def test_a_short_job_trains_on_a_single_turn_and_a_multi_turn_verifiers_environment(tmp_path, ray_session,
+                                                                                      verifiers_python):
     from test_job import _run
 
-    env = EnvConfig("verifiers", _args(verifiers_python, "vf_letter"))
-    lesson = LessonConfig("letters", env, max_tokens=2, graduate_at=None)
-    cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=(lesson,)), num_train_steps=2,
+    letters = EnvConfig("verifiers", _args(verifiers_python, "vf_letter"))
+    calc = EnvConfig("verifiers", _args(verifiers_python, "vf_calc", renderer=BYTE_RENDERER))
+    lessons = (LessonConfig("letters", letters, max_tokens=2, graduate_at=None),
+               LessonConfig("calc", calc, max_tokens=2, graduate_at=None))
+    cfg, result = _run(tmp_path, ray_session, curriculum=CurriculumConfig(lessons=lessons), num_train_steps=2,
                        eval_every=2)
     assert result.train["final_step"] == 2 and all(np.isfinite(h["loss"]) for h in result.train["history"])
-    evals = [e["metrics"] for e in result.rollouts[0]["evals"] if e["kind"] == "eval"]
-    assert np.isfinite(evals[-1]["eval/letters/reward_mean"])
-    assert result.rollouts[0]["sample_failures"] == 0
+    (rollouts,) = result.rollouts
+    assert rollouts["sample_failures"] == 0
+    evals = [e["metrics"] for e in rollouts["evals"] if e["kind"] == "eval"]
+    assert np.isfinite(evals[-1]["eval/letters/reward_mean"]) and np.isfinite(evals[-1]["eval/calc/reward_mean"])
+    assert evals[-1]["eval/calc/metric/turns_mean"] == 2

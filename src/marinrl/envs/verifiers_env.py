@@ -464,7 +464,7 @@ class VerifiersEnv:
                 ENV_ERRORS.report(logger, f"{self.label}: an episode {e.status.replace('_', ' ')}: {e.error}",
                                   level=logging.WARNING, traceback=False)
         if episodes and not ok:
-            last = next(e.error for e in reversed(episodes) if e.error)
+            last = next((e.error for e in reversed(episodes) if e.error), "no error recorded")
             raise RuntimeError(f"{self.label}: no episode finished ({len(episodes)} tried: "
                                f"{sum(e.status == 'failed' for e in episodes)} failed, "
                                f"{sum(e.status == 'timed_out' for e in episodes)} timed out); last error: {last}")
