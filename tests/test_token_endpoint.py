@@ -2,7 +2,7 @@
 the tokens we sampled, their logprobs and weight steps out, in vLLM's shapes; every field we do not serve
 refused with 400 naming it; the API key as on the OpenAI routes. Called with httpx, with the `openai` client
 (as the `renderers` package calls it) and with verifiers 0.4's own `TrainClient`, which runs in the verifiers
-virtualenv's interpreter (`verifiers_python`).
+virtualenv's interpreter (tests/conftest.py's `verifiers_python`: `.venv-verifiers`, which `make test` builds).
 
 Real server on loopback (the tiny random Llama of tests/test_endpoint_auth.py: compiled shapes come from the
 persistent cache), real HTTP, the real verifiers package.
@@ -37,19 +37,6 @@ VOCAB = 512
 WEIGHT_STEP = 5
 PROMPT = [256, 104, 105]  # BOS "hi"
 CLIENT_SCRIPT = pathlib.Path(__file__).with_name("verifiers_train_client.py")
-
-
-@pytest.fixture(scope="session")
-def verifiers_python() -> str:
-    """The interpreter of a virtualenv with verifiers 0.4.0 (`MARINRL_VERIFIERS_PYTHON`). Missing, the
-    tests that need it fail: they are what checks the endpoint against the real client."""
-    path = os.environ.get("MARINRL_VERIFIERS_PYTHON")
-    if not path:
-        pytest.fail("MARINRL_VERIFIERS_PYTHON is not set: point it at the python of a virtualenv with verifiers "
-                    "0.4.0 installed")
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"MARINRL_VERIFIERS_PYTHON={path}: not an executable")
-    return path
 
 
 @pytest.fixture(scope="module")
