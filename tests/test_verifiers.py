@@ -130,6 +130,32 @@ def test_an_env_server_that_dies_is_restarted_and_its_episodes_run_again(calc_en
     assert metrics["calc/env_failures"] == 0 and metrics["calc/episodes_ok"] == 4 and len(groups) == 2
 
 
+def test_episodes_run_on_a_running_env_server_by_address(verifiers_python, server, tmp_path):
+    """A user's EnvServer (verifiers' own `serve_env`, here through the bridge's `serve`), holding our endpoint's key
+    in `MARINRL_API_KEY`: checked before a job, sampled on; once it is gone, the check names its address."""
+    import json
+    import subprocess
+
+    from marinrl.envs.verifiers_env import BRIDGE, _free_port
+
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    config = json.dumps({"env": {"taskset": {"id": "vf_letter"}, **SUBPROCESS}, "bind": address})
+    proc = subprocess.Popen([verifiers_python, "-P", str(BRIDGE), "serve", config], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env={**os.environ, "MARINRL_API_KEY": server.api_key})
+    env = make_env(EnvConfig("verifiers", _args(verifiers_python, "vf_letter", server_address=address)))
+    try:
+        assert proc.stdout.readline().decode().strip() == f"address {address}"
+        env.check_reachable()
+        groups, metrics = _sample(env, server, n_examples=1, n_generations=2)
+        assert metrics["calc/episodes_ok"] == 2 and len(groups) == 1 and env._server is None  # none of its own
+    finally:
+        env.close()
+        proc.stdin.close()  # the bridge's server ends with its stdin
+        proc.wait(timeout=60)
+    with pytest.raises(ValueError, match=f"no EnvServer answers at {address}"):
+        env.check_reachable()
+
+
 @pytest.mark.timeout(1200)
 def test_a_short_job_trains_on_a_single_turn_and_a_multi_turn_verifiers_environment(tmp_path, ray_session,
                                                                                       verifiers_python):

@@ -280,8 +280,9 @@ class VerifiersEnv:
 
     def _check_server(self, timeout: float) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            client = self._start_client("tcp://unused", "", tmp, address=self.config.server_address)
+            client = self._spawn_client(tmp, self.config.server_address)
             try:
+                self._wait_ready(client)
                 self._expect_healthy(client, timeout)
             finally:
                 client.stop()
@@ -295,15 +296,14 @@ class VerifiersEnv:
 
     # ------------------------------------------------------------------ the processes
 
-    def _start_client(self, base_url: str, api_key: str, tmp: str, address: str) -> _Process:
-        env = dict(os.environ)
-        env.pop("PYTHONHOME", None)
+    def _spawn_client(self, tmp: str, address: str, base_url: str = "", env: Optional[dict] = None) -> _Process:
         argv = self._argv("client", address=address, base_url=base_url, api_key_var=self.config.api_key_var,
                           renderer_model=self._renderer_model, renderer=self.config.renderer)
-        client = _Process(argv, env, os.path.join(tmp, "client.log"), "task client")
-        ready = json.loads(client.first_line(self.config.start_timeout))
-        self._check_versions(ready)
-        return client
+        return _Process(argv, dict(os.environ) if env is None else env, os.path.join(tmp, "client.log"),
+                        "task client")
+
+    def _wait_ready(self, client: _Process) -> None:
+        self._check_versions(json.loads(client.first_line(self.config.start_timeout)))
 
     _renderer_model: Optional[str] = None
 
@@ -336,16 +336,12 @@ class VerifiersEnv:
                 address = f"tcp://127.0.0.1:{_free_port()}"
                 self._server = _Process(self._argv("serve", bind=address), env, os.path.join(tmp, "server.log"),
                                         "EnvServer")
-            self._client = _Process(self._argv("client", address=address, base_url=url,
-                                               api_key_var=self.config.api_key_var,
-                                               renderer_model=self._renderer_model, renderer=self.config.renderer),
-                                    env, os.path.join(tmp, "client.log"), "task client")
+            self._client = self._spawn_client(tmp, address, url, env)
             if self._server is not None:
                 line = self._server.first_line(self.config.start_timeout)
                 if not line.startswith("address "):
                     raise RuntimeError(f"{self.label}: the EnvServer said {line!r}: {_tail(self._server.log_path)}")
-            ready = json.loads(self._client.first_line(self.config.start_timeout))
-            self._check_versions(ready)
+            self._wait_ready(self._client)
             if self.config.server_address is not None:
                 self._expect_healthy(self._client, self.config.start_timeout)
             hello = self._client.request(op="hello").result(self.config.start_timeout)
