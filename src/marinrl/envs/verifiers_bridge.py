@@ -15,8 +15,8 @@ order runs finish): `{"op": "hello"}` -> the protocol and verifiers' version and
 `{"op": "run", "split": "train"|"eval", "index": i, "model": m, "sampling": {...}, "timeout": s}` -> the episode
 run on the EnvServer by verifiers' own `EnvClient` (task i of the split's taskset, a `TrainClientConfig` pointing
 at marinrl's token endpoint), as token sequences: per trace its branches' prompt and completion tokens, the
-sampled mask and logprobs, the reward, the per-function scores and metrics; `{"op": "health"}` -> whether the
-EnvServer answers. Errors are answers (`{"id": .., "error": "..."}`), never a crash.
+sampled mask and logprobs, the reward, the per-function scores and metrics; `{"op": "health", "timeout": s}` -> whether
+the EnvServer answers within s seconds (polled). Errors are answers (`{"id": .., "error": "..."}`), never a crash.
 """
 
 from __future__ import annotations
@@ -57,7 +57,26 @@ def check(config: dict) -> dict:
     load_environment(_env_config(config["env"]))  # the env, its taskset and harness classes resolve
     counts = {"train": len(_tasks(config["env"], config["max_tasks"])),
               "eval": len(_tasks(config["eval_env"], config["max_tasks"]))}
-    return {"protocol": PROTOCOL, "verifiers": _version(), "tasks": counts}
+    answer = {"protocol": PROTOCOL, "verifiers": _version(), "tasks": counts}
+    if config.get("address"):  # a running EnvServer: does it answer verifiers' health request?
+        answer["healthy"] = asyncio.run(_healthy(config["address"], float(config.get("health_timeout", 10.0))))
+    return answer
+
+
+async def _healthy(address: str, timeout: float, client=None) -> bool:
+    """Whether the EnvServer at `address` answers a health request within `timeout` seconds (polled)."""
+    from verifiers.v1.serve import EnvClient
+
+    own = client is None
+    client = client or EnvClient(address)
+    try:
+        await client.wait_for_server_startup(timeout=timeout, interval=0.5)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        if own:
+            await client.close()
 
 
 def serve(config: dict) -> None:
@@ -149,7 +168,8 @@ class _Client:
                 result = {"protocol": PROTOCOL, "verifiers": _version(),
                           "tasks": {k: len(v) for k, v in self.tasks.items()}}
             elif op == "health":
-                result = {"healthy": await self.env_client.health(timeout=float(request.get("timeout", 5.0)))}
+                result = {"healthy": await _healthy(self.config["address"], float(request.get("timeout", 10.0)),
+                                                    self.env_client)}
             elif op == "run":
                 task_data = self.tasks[request["split"]][int(request["index"])]
                 run = self.env_client.run(client=self.client_config, model=request["model"],

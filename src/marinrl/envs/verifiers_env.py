@@ -64,6 +64,8 @@ PROTOCOL = 1
 SUPPORTED_VERIFIERS = ("0.4.",)
 """verifiers versions whose serve protocol and trace format this adapter speaks."""
 PREFLIGHT_TIMEOUT_S = 120.0
+HEALTH_TIMEOUT_S = 10.0
+"""Seconds the check before a job waits for a `server_address` EnvServer to answer a health request."""
 
 
 def _free_port() -> int:
@@ -245,8 +247,9 @@ class VerifiersEnv:
         and its taskset yields tasks (both splits); a `server_address` answers verifiers' health request.
         ValueError naming the environment and the cause."""
         timeout = min(timeout_s, self.config.start_timeout)
+        extra = {"address": self.config.server_address, "health_timeout": HEALTH_TIMEOUT_S}
         try:
-            done = subprocess.run(self._argv("check"), capture_output=True, timeout=timeout)
+            done = subprocess.run(self._argv("check", **extra), capture_output=True, timeout=timeout + HEALTH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             raise ValueError(f"{self.label}: {self.config.python} did not load it within {timeout:g} s") from None
         lines = done.stdout.decode(errors="replace").strip().splitlines()
@@ -265,8 +268,12 @@ class VerifiersEnv:
         empty = [split for split, n in answer["tasks"].items() if n == 0]
         if empty:
             raise ValueError(f"{self.label}: its taskset yields no {' and no '.join(empty)} tasks")
-        if self.config.server_address is not None:
-            self._check_server(timeout)
+        if self.config.server_address is not None and not answer.get("healthy"):
+            raise ValueError(self._unhealthy(HEALTH_TIMEOUT_S))
+
+    def _unhealthy(self, timeout: float) -> str:
+        return (f"{self.label}: no EnvServer answers at {self.config.server_address} (verifiers' health request, "
+                f"{timeout:g} s): start it there, or fix args.server_address")
 
     def _check_versions(self, answer: dict) -> None:
         if answer.get("protocol") != PROTOCOL:
@@ -278,21 +285,10 @@ class VerifiersEnv:
                              f"protocol of verifiers {', '.join(v + 'x' for v in SUPPORTED_VERIFIERS)} "
                              "(pip install verifiers==0.4.0 there)")
 
-    def _check_server(self, timeout: float) -> None:
-        with tempfile.TemporaryDirectory() as tmp:
-            client = self._spawn_client(tmp, self.config.server_address)
-            try:
-                self._wait_ready(client)
-                self._expect_healthy(client, timeout)
-            finally:
-                client.stop()
-
     def _expect_healthy(self, client: _Process, timeout: float) -> None:
-        address = self.config.server_address
-        answer = client.request(op="health", timeout=min(timeout, 10.0)).result(timeout + 5)
+        answer = client.request(op="health", timeout=timeout).result(timeout + 30)
         if not answer.get("healthy"):
-            raise ValueError(f"{self.label}: no EnvServer answers at {address} (verifiers' health request, "
-                             f"{min(timeout, 10.0):g} s): start it there, or fix args.server_address")
+            raise ValueError(self._unhealthy(timeout))
 
     # ------------------------------------------------------------------ the processes
 
