@@ -192,17 +192,11 @@ def tiny_server():
         yield server
 
 
-VERIFIERS_PYTHON_VAR = "MARINRL_VERIFIERS_PYTHON"
-
-
 @pytest.fixture(scope="session")
 def verifiers_python() -> str:
     """The interpreter of the virtualenv with verifiers 0.4 and tests/verifiers_envs installed: `.venv-verifiers`,
     which `make test` builds (`make verifiers-venv`), or the one `MARINRL_VERIFIERS_PYTHON` names. Missing, the tests
-    that need it fail (they are not skipped: CI must run them)."""
-    path = os.environ.get(VERIFIERS_PYTHON_VAR) or str(_REPO / ".venv-verifiers" / "bin" / "python")
-    if not os.path.exists(path):
-        pytest.fail(f"no verifiers virtualenv: {path} does not exist; build it with `make verifiers-venv` "
-                    f"(or set {VERIFIERS_PYTHON_VAR} to the python of a virtualenv with verifiers 0.4 and "
-                    "tests/verifiers_envs installed)", pytrace=False)
-    return path
+    that need it fail (they are not skipped: CI must run them). tests/verifiers_support.py finds it."""
+    from verifiers_support import verifiers_interpreter
+
+    return verifiers_interpreter()

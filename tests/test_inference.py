@@ -7,11 +7,14 @@ One small model and one server per module: every distinct shape is a compile of 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import socket
 import threading
 
 import equinox as eqx
 import haliax as hax
+import httpx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -382,7 +385,28 @@ def test_http_health_and_models(server):
     base = server.url.removesuffix("/v1")
     assert b"ok" in urllib.request.urlopen(f"{base}/health").read()
     models = urllib.request.Request(f"{server.url}/models", headers={"Authorization": f"Bearer {server.api_key}"})
-    assert b"marinrl-policy" in urllib.request.urlopen(models).read()
+    (card,) = json.loads(urllib.request.urlopen(models).read())["data"]
+    assert card["id"] == "marinrl-policy" and card["max_model_len"] == ENGINE.max_seq_len  # vLLM's extension
+
+
+def test_http_token_endpoint_through_the_engine(server, client):
+    """/inference/v1/generate (tests/test_token_endpoint.py covers it through the scan sampler): the tokens
+    /v1/completions samples for the same prompt and seed, each stamped with the engine's weight step."""
+    prompt = [256, 104, 105]
+    ref = client.completions.create(model="m", prompt=prompt, max_tokens=4, seed=5, logprobs=0).choices[0]
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "seed": 5, "logprobs": 1}}
+    post = functools.partial(client.post, server.url.removesuffix("/v1") + "/inference/v1/generate",
+                             cast_to=httpx.Response)
+    (choice,) = post(body=body).json()["choices"]
+    assert choice["token_ids"] == ref.token_ids and choice["weight_steps"] == [0] * len(ref.token_ids)
+    np.testing.assert_allclose([c["logprob"] for c in choice["logprobs"]["content"]], ref.logprobs.token_logprobs,
+                               rtol=1e-6, atol=1e-6)
+    try:
+        server.reload(server.model, weight_step=3)
+        (choice,) = post(body=body).json()["choices"]
+        assert choice["token_ids"] == ref.token_ids and choice["weight_steps"] == [3] * len(ref.token_ids)
+    finally:
+        server.reload(server.model, weight_step=0)
 
 
 # ------------------------------------------------------------------------------------- lifecycle

@@ -2,7 +2,8 @@
 the tokens we sampled, their logprobs and weight steps out, in vLLM's shapes; every field we do not serve
 refused with 400 naming it; the API key as on the OpenAI routes. Called with httpx, with the `openai` client
 (as the `renderers` package calls it) and with verifiers 0.4's own `TrainClient`, which runs in the verifiers
-virtualenv's interpreter (tests/conftest.py's `verifiers_python`: `.venv-verifiers`, which `make test` builds).
+virtualenv's interpreter (tests/conftest.py's `verifiers_python`: `.venv-verifiers`, which `make test` builds;
+tests/verifiers_support.py).
 
 Real server on loopback (the tiny random Llama of tests/test_endpoint_auth.py: compiled shapes come from the
 persistent cache), real HTTP, the real verifiers package.
@@ -10,16 +11,12 @@ persistent cache), real HTTP, the real verifiers package.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-
 import httpx
 import numpy as np
 import openai
 import pytest
 from levanter.models.llama import LlamaConfig
+from verifiers_support import run_verifiers_client
 
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
@@ -36,7 +33,6 @@ ARCH = LlamaConfig(
 VOCAB = 512
 WEIGHT_STEP = 5
 PROMPT = [256, 104, 105]  # BOS "hi"
-CLIENT_SCRIPT = pathlib.Path(__file__).with_name("verifiers_train_client.py")
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +156,9 @@ def test_unsupported_fields_are_refused_by_name(server, extra, named):
     ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens must be >= 1"),
     ({"token_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n must be >= 1"),
     ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature must be >= 0"),
+    ({"token_ids": []}, "invalid request: token_ids: List should have at least 1 item"),
+    ({"prompt": "hi"}, "invalid request: token_ids: Field required"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": "many"}}, "invalid request: sampling_params.max_tokens: "),
 ])
 def test_values_out_of_range_are_refused_by_name(server, body, named):
     r = _generate(server, body)
@@ -200,20 +199,10 @@ def test_the_openai_client_posts_to_it_as_renderers_does(server):
 # ------------------------------------------------------------------------------ verifiers' own client
 
 
-def run_verifiers_client(python: str, server, tokenizer_dir: str, turns: list) -> list[dict]:
-    """Each turn (messages, sampling) through verifiers' `TrainClient` in its own interpreter."""
-    args = {"base_url": server.url, "api_key": server.api_key, "tokenizer": tokenizer_dir, "model": "marinrl-policy",
-            "turns": turns}
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    done = subprocess.run([python, str(CLIENT_SCRIPT), json.dumps(args)], capture_output=True, text=True,
-                          timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
 def test_verifiers_train_client_gets_the_tokens_we_sampled(server, tokenizer, tokenizer_dir, verifiers_python):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    ok, refused = run_verifiers_client(verifiers_python, server, tokenizer_dir, [
+    ok, refused = run_verifiers_client(verifiers_python, base_url=server.url, api_key=server.api_key,
+                                       tokenizer_dir=tokenizer_dir, turns=[
         [messages, {"max_tokens": 6, "temperature": 1.0, "seed": 3}],
         [messages, {"max_tokens": 6, "top_k": 50}],
     ])

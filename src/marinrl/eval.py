@@ -36,6 +36,7 @@ from marinrl.config.curriculum import CurriculumConfig, LessonConfig
 from marinrl.config.env import EnvConfig
 from marinrl.config.eval import EvalConfig
 from marinrl.config.model import ModelConfig
+from marinrl.config.serve import ServeConfig
 from marinrl.envs.base import Env, make_env, with_endpoint_if_needed
 from marinrl.inference.context import lesson_sampling
 from marinrl.models.policy_model import MODEL_CONFIG_FILE
@@ -181,8 +182,17 @@ def _has_model_config(step_dir: str) -> bool:
     return any(fs.exists(f"{d}/{MODEL_CONFIG_FILE}") for d in (plain, os.path.dirname(plain)))
 
 
-def load_policy(checkpoint: Checkpoint, config: EvalConfig):
-    """(model, tokenizer) of a resolved checkpoint, read straight onto the rollout mesh of `config.inference`."""
+def check_architecture(checkpoint: Checkpoint, model: Optional[ModelConfig]) -> None:
+    """ValueError naming the checkpoint when nothing says its architecture: a Levanter checkpoint without
+    model_config.json (a Trainer's) and no `model` given."""
+    if checkpoint.kind == "levanter" and model is None and not _has_model_config(checkpoint.path):
+        raise ValueError(f"{checkpoint.path} has no {MODEL_CONFIG_FILE} (a Trainer's checkpoint): give its "
+                         "architecture with --model-config FILE (a ModelConfig YAML, or the run's job config)")
+
+
+def load_policy(checkpoint: Checkpoint, config: EvalConfig | ServeConfig):
+    """(model, tokenizer) of a resolved checkpoint, read straight onto the rollout mesh of `config.inference`,
+    with `config.model`'s architecture and dtype and `config.tokenizer` where they are given."""
     from marinrl.inference.server import load_served_model
     from marinrl.models.policy_model import build_tokenizer
 
@@ -198,6 +208,17 @@ def load_policy(checkpoint: Checkpoint, config: EvalConfig):
                                            tokenizer=tokenizer)
     model = load_served_model(model_config, config.inference)
     return model, build_tokenizer(dataclasses.replace(model_config, vocab_size=model.Vocab.size))
+
+
+def load_policy_or_explain(checkpoint: Checkpoint, config: EvalConfig | ServeConfig):
+    """`load_policy`, a failure to load (a truncated chunk, a checkpoint of another shape) as one line naming
+    the checkpoint (CheckpointLoadError), not tensorstore's stack."""
+    try:
+        return load_policy(checkpoint, config)
+    except Exception as e:
+        text = " ".join(str(e).split())
+        raise CheckpointLoadError(f"cannot load the weights of {checkpoint.path}: {type(e).__name__}: "
+                                  f"{text[:300]}{'…' if len(text) > 300 else ''}") from e
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -218,9 +239,7 @@ def prepare(config: EvalConfig) -> Prepared:
     """Check the checkpoint, build every lesson's environment (an unknown environment or bad
     arguments fail here) and check that the output directory is free, all before any weights load."""
     checkpoint = resolve_checkpoint(config.checkpoint)
-    if checkpoint.kind == "levanter" and config.model is None and not _has_model_config(checkpoint.path):
-        raise ValueError(f"{checkpoint.path} has no {MODEL_CONFIG_FILE} (a Trainer's checkpoint): give its "
-                         "architecture with --model-config FILE (a ModelConfig YAML, or the run's job config)")
+    check_architecture(checkpoint, config.model)
     envs = {lesson.lesson_id: make_env(lesson.env) for lesson in config.lessons}
     output = None
     if config.output is not None:
@@ -244,12 +263,7 @@ def run(prepared: Prepared) -> dict:
     from marinrl.storage.rollouts import RolloutWriter
 
     config, step = prepared.config, prepared.weight_step
-    try:
-        model, tokenizer = load_policy(prepared.checkpoint, config)
-    except Exception as e:  # a truncated chunk, a checkpoint of another shape: one line, not tensorstore's stack
-        text = " ".join(str(e).split())
-        raise CheckpointLoadError(f"cannot load the weights of {prepared.checkpoint.path}: {type(e).__name__}: "
-                                  f"{text[:300]}{'…' if len(text) > 300 else ''}") from e
+    model, tokenizer = load_policy_or_explain(prepared.checkpoint, config)
 
     def sampling(lesson: LessonConfig):
         return dataclasses.replace(lesson_sampling(lesson, tokenizer, "eval"),

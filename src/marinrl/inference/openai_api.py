@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
 from openai.types import Completion, CompletionChoice, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionMessage, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import Choice as ChatChoice
@@ -353,6 +354,13 @@ class OpenAIEndpoint:
         @app.exception_handler(HTTPException)
         async def openai_style_error(request, exc: HTTPException):
             return openai_error(exc.status_code, str(exc.detail))
+
+        @app.exception_handler(RequestValidationError)
+        async def invalid_request(request, exc: RequestValidationError):
+            # a body that does not parse (a missing or mistyped field): 400 naming each field, as OpenAI answers
+            problems = [f"{'.'.join(str(part) for part in e['loc'] if part != 'body') or 'body'}: {e['msg']}"
+                        for e in exc.errors()]
+            return openai_error(400, f"invalid request: {'; '.join(problems)}")
 
         @app.get("/health")
         async def health():

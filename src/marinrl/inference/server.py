@@ -1,5 +1,6 @@
 """The inference server a RolloutManager owns: the policy's current weights and weight step, the
-`InferenceContext` environments call (`generate`), and the OpenAI-compatible endpoint.
+`InferenceContext` environments call (`generate`), and the OpenAI-compatible endpoint with the token
+endpoint beside it (`/inference/v1/generate`, whose tokens carry the weight step that sampled them).
 
     server = InferenceServer(InferenceServerConfig(serve_http=True), model, tokenizer, weight_step=0).start()
     server.wait_until_ready()
