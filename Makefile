@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-slow quickstart bench rehearsal device-check clean lock
+.PHONY: install lint test test-slow quickstart bench rehearsal device-check clean lock verifiers-venv lock-verifiers
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -13,12 +13,26 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# verifiers 0.4 cannot install beside our pins (openai 2 vs 3, mcp): it gets a virtualenv of its own, which the
+# `verifiers` environment runs its EnvServer from (docs/environments.md, "verifiers"), with the two environments
+# of tests/test_verifiers.py installed as a package. Rebuilt only when its pins or that package change.
+VF_VENV := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
+$(VF_STAMP): constraints-verifiers.txt tests/verifiers_envs/pyproject.toml tests/verifiers_envs/*.py
+	rm -rf $(VF_VENV)
+	$(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install --quiet -c constraints-verifiers.txt verifiers
+	$(VF_VENV)/bin/python -m pip install --quiet --no-deps ./tests/verifiers_envs
+	touch $(VF_STAMP)
+
+verifiers-venv: $(VF_STAMP)
+
 # ruff's rules and line length are in pyproject.toml ([tool.ruff]); CI runs this before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects nothing: that is a failure here too.
-test: $(STAMP)
+test: $(STAMP) $(VF_STAMP)
 	$(PY) -m pytest -q
 
 # The learning jobs of minutes that `make test` leaves out (pytest's `slow` marker).
@@ -42,10 +56,17 @@ device-check: $(STAMP)
 	$(PY) bench/device_check.py --out device_check.json
 
 clean:
-	rm -rf $(VENV) .jax_cache
+	rm -rf $(VENV) $(VF_VENV) .jax_cache
 
 # Re-resolve and re-pin every package after a change to pyproject.toml's dependencies.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet -e ".[dev]"
 	{ head -2 constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -v '^marinrl'; } > constraints.new
 	mv constraints.new constraints.txt && rm -rf .venv-lock
+
+# Re-pin verifiers' virtualenv (constraints-verifiers.txt) from a clean install of the version named here.
+VERIFIERS_VERSION ?= 0.4.0
+lock-verifiers:
+	rm -rf .venv-vf-lock && $(PYTHON) -m venv .venv-vf-lock && .venv-vf-lock/bin/pip install --quiet verifiers==$(VERIFIERS_VERSION)
+	{ head -2 constraints-verifiers.txt; .venv-vf-lock/bin/pip freeze --exclude-editable; } > constraints-verifiers.new
+	mv constraints-verifiers.new constraints-verifiers.txt && rm -rf .venv-vf-lock

@@ -190,3 +190,13 @@ def tiny_server():
     with InferenceServer(InferenceServerConfig(serve_http=False), model, byte_tokenizer(512)) as server:
         server.wait_until_ready()
         yield server
+
+
+@pytest.fixture(scope="session")
+def verifiers_python() -> str:
+    """The interpreter of the virtualenv with verifiers 0.4 and tests/verifiers_envs installed: `.venv-verifiers`,
+    which `make test` builds (`make verifiers-venv`), or the one `MARINRL_VERIFIERS_PYTHON` names. Missing, the tests
+    that need it fail (they are not skipped: CI must run them). tests/verifiers_support.py finds it."""
+    from verifiers_support import verifiers_interpreter
+
+    return verifiers_interpreter()

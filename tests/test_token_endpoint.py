@@ -2,7 +2,8 @@
 the tokens we sampled, their logprobs and weight steps out, in vLLM's shapes; every field we do not serve
 refused with 400 naming it; the API key as on the OpenAI routes. Called with httpx, with the `openai` client
 (as the `renderers` package calls it) and with verifiers 0.4's own `TrainClient`, which runs in the verifiers
-virtualenv's interpreter (`verifiers_python`, tests/verifiers_support.py).
+virtualenv's interpreter (tests/conftest.py's `verifiers_python`: `.venv-verifiers`, which `make test` builds;
+tests/verifiers_support.py).
 
 Real server on loopback (the tiny random Llama of tests/test_endpoint_auth.py: compiled shapes come from the
 persistent cache), real HTTP, the real verifiers package.
@@ -15,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 from levanter.models.llama import LlamaConfig
-from verifiers_support import run_verifiers_client, verifiers_interpreter
+from verifiers_support import run_verifiers_client
 
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
@@ -32,11 +33,6 @@ ARCH = LlamaConfig(
 VOCAB = 512
 WEIGHT_STEP = 5
 PROMPT = [256, 104, 105]  # BOS "hi"
-
-
-@pytest.fixture(scope="session")
-def verifiers_python() -> str:
-    return verifiers_interpreter()
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,9 @@ def verifiers_interpreter() -> str:
     named `verifiers_python`."""
     path = os.environ.get("MARINRL_VERIFIERS_PYTHON") or str(REPO / ".venv-verifiers" / "bin" / "python")
     if not os.access(path, os.X_OK):
-        pytest.fail(f"no verifiers virtualenv: {path} is not an executable; set MARINRL_VERIFIERS_PYTHON to the "
-                    "python of a virtualenv with verifiers 0.4.0 installed", pytrace=False)
+        pytest.fail(f"no verifiers virtualenv: {path} is not an executable; build it with `make verifiers-venv` (or "
+                    "set MARINRL_VERIFIERS_PYTHON to the python of a virtualenv with verifiers 0.4.0 and "
+                    "tests/verifiers_envs installed)", pytrace=False)
     return path
 
 

@@ -1,7 +1,7 @@
 """Environments: the `Env` protocol and its registry (`base`), toy tasks a tiny model learns on a CPU
 (`toy`), math with verifiable answers (`math`), multi-turn episodes (`episode`, games in `games`),
 multi-agent systems (`multiagent`), agent code over the OpenAI protocol (`openai_env`), and adapters
-to the ecosystem's environments (`reasoning_gym_env`, `textarena_env`, `openenv_env`), whose packages
+to the ecosystem's environments (`reasoning_gym_env`, `textarena_env`, `openenv_env`, `verifiers_env`), whose packages
 load only when a lesson builds one. Importing this package imports no task module: an environment's module
 is imported when a config names it (`base.BUILTIN_ENVS`) or its class is first used from here."""
 
@@ -30,7 +30,8 @@ from marinrl.envs.base import (
 _LAZY = {
     "Feedback": "episode", "MultiTurnEnv": "episode", "CalculatorEnv": "games", "GuessEnv": "games",
     "ArithmeticEnv": "math", "MathDatasetEnv": "math", "OpenAIAgentEnv": "openai_env", "OpenEnvEnv": "openenv_env",
-    "ReasoningGymEnv": "reasoning_gym_env", "TextArenaEnv": "textarena_env", "Agent": "multiagent",
+    "ReasoningGymEnv": "reasoning_gym_env", "TextArenaEnv": "textarena_env", "VerifiersEnv": "verifiers_env",
+    "Agent": "multiagent",
     "MultiAgentEnv": "multiagent", "EchoEnv": "toy", "ParityEnv": "toy",
 }
 """The task modules' classes, imported on first use: `import marinrl.envs` (and every `marinrl.envs.x`) stays
@@ -48,5 +49,5 @@ __all__ = [
     "completion_text", "encode_prompt", "make_env", "make_rollout", "new_group_id", "register_env",
     "registered_envs", "safe_sample", "ArithmeticEnv", "MathDatasetEnv", "EchoEnv", "ParityEnv",
     "Feedback", "MultiTurnEnv", "CalculatorEnv", "GuessEnv", "Agent", "MultiAgentEnv", "OpenAIAgentEnv",
-    "ReasoningGymEnv", "TextArenaEnv", "OpenEnvEnv",
+    "ReasoningGymEnv", "TextArenaEnv", "OpenEnvEnv", "VerifiersEnv",
 ]
