@@ -164,9 +164,8 @@ _RESUME_SCRIPT = textwrap.dedent("""
         return trained
 
     saboteur = _Saboteur(sigkill_trainer_after_first_checkpoint)
-    saboteur.start()
     try:
-        job.run()
+        saboteur.beside(job.run)
         died = None
     except RuntimeError as e:
         died = str(e)

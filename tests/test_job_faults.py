@@ -47,11 +47,16 @@ def _actors_of(job: RLJob, class_name: str) -> list:
 
 
 def _poll(condition: Callable[[], object], what: str, deadline_s: float = WAIT_S):
+    """Polls until `condition()` is true. In a `_Saboteur` whose job has ended it stops at once, naming how the
+    job ended: a job that fails on its own is reported as itself, not as a wait that ran out."""
     end = time.monotonic() + deadline_s
+    me = threading.current_thread()
     while time.monotonic() < end:
         value = condition()
         if value:
             return value
+        if isinstance(me, _Saboteur) and me.job_ended.is_set():
+            raise AssertionError(f"the job ended before {what}: {me.job_outcome}")
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {deadline_s:.0f}s waiting for {what}")
 
@@ -87,6 +92,19 @@ class _Saboteur(threading.Thread):
         self._act = act
         self.value = None
         self.error: BaseException | None = None
+        self.job_ended = threading.Event()
+        self.job_outcome = "it returned"
+
+    def beside(self, run: Callable[[], object]):
+        """Starts the saboteur, then `run()` (the job) here; its waits stop when the job ends."""
+        self.start()
+        try:
+            return run()
+        except BaseException as e:
+            self.job_outcome = f"it raised {type(e).__name__}: {e}"
+            raise
+        finally:
+            self.job_ended.set()
 
     def run(self):
         try:
@@ -113,8 +131,7 @@ def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ra
         return _trainer_step(job)
 
     saboteur = _Saboteur(kill_rollout_worker)
-    saboteur.start()
-    result = job.run()
+    result = saboteur.beside(job.run)
     killed_at = saboteur.result()
 
     assert killed_at < cfg.num_train_steps, "the worker was killed after training had already finished"
@@ -155,9 +172,8 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
         return trained
 
     saboteur = _Saboteur(kill_trainer_after_first_checkpoint)
-    saboteur.start()
     with pytest.raises(RuntimeError) as died:
-        job.run()
+        saboteur.beside(job.run)
     before = dict(saboteur.result())  # step -> group ids, as trained by the killed trainer
     message = str(died.value)
     assert "the trainer died" in message and ckpt_root in message

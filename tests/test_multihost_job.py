@@ -91,9 +91,8 @@ def test_killing_one_trainer_process_ends_the_job_naming_the_checkpoint_and_the_
         return trained
 
     saboteur = _Saboteur(kill_process_1_after_the_first_checkpoint)
-    saboteur.start()
     with pytest.raises(RuntimeError) as died:
-        job.run()
+        saboteur.beside(job.run)
     before = dict(saboteur.result())  # step -> group ids, as process 0 trained them
     message = str(died.value)
     assert message.startswith("the trainer died: trainer process 1 of 2 died: "), message
