@@ -175,3 +175,26 @@ def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hos
         assert all(c.storage_fetches == 0 and c.relay_failures == 0 for c in clients)
     finally:
         ray_session.kill(ray_session.get_actor(relay_name(config)), no_restart=True)
+
+
+def test_auto_fanout_relays_from_the_planners_crossover_on():
+    """`fanout: auto` (the default) is `storage` below `RELAY_FROM_HOSTS` rollout hosts and `relay` from it on;
+    that constant is the planner's crossover under its stated pod assumptions (docs/scaling.md)."""
+    from marinrl.config.job import RLJobConfig
+    from marinrl.config.transfer import RELAY_FROM_HOSTS, FilesystemTransferConfig
+    from marinrl.dry_run.fleet import FleetShape, plan_fleet, relay_crossover
+
+    assert relay_crossover() == RELAY_FROM_HOSTS
+    shape = FleetShape(total_bytes_per_s=25e9, relay_bytes_per_s=3e9)
+    for n, better in ((RELAY_FROM_HOSTS - 1, "storage"), (RELAY_FROM_HOSTS, "relay")):
+        fetch = {f: plan_fleet(FleetShape(**{**shape.__dict__, "fanout": f}), n).parts_s["fetch"]
+                 for f in ("storage", "relay")}
+        assert min(fetch, key=fetch.get) == better
+    config = FilesystemTransferConfig(root="memory://w")
+    assert config.fanout == "auto"
+    assert config.for_fleet(RELAY_FROM_HOSTS - 1).fanout == "storage"
+    assert config.for_fleet(RELAY_FROM_HOSTS).fanout == "relay"
+    assert FilesystemTransferConfig(root="memory://w", fanout="storage").for_fleet(10_000).fanout == "storage"
+    assert RLJobConfig().weights_config().fanout == "storage"  # one rollout worker
+    with pytest.raises(ValueError, match="fanout"):
+        FilesystemTransferConfig(root="memory://w", fanout="tree")

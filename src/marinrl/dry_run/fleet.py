@@ -53,6 +53,12 @@ POINTER_REQUESTS_PER_PUBLISH = 5
 the oldest version, the snapshot-request listing."""
 RELAY_POLL_S = 0.05
 """How often the relay reads the pointer (transfer/relay.py)."""
+POD_STORAGE_BYTES_PER_S = 25e9
+"""An assumption for `relay_crossover`: the pod's total read bandwidth from its bucket, 200 Gbit/s (the order of
+GCS's default per-project, per-region egress quota; check the quota of the project you run in)."""
+HOST_OBJECT_STORE_BYTES_PER_S = 3e9
+"""An assumption for `relay_crossover`: what one host pulls from another's Ray object store, 3 GB/s (a 25 Gbit/s
+host network)."""
 INGEST_TAIL_POLLS = 1.5
 """Polls of the trainer's reader between the last file and the batch (it lists every 10–100 ms while it
 waits, then reads)."""
@@ -144,9 +150,11 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
     # every host fetches every version (its own stream; all of them through the shared link), between batches
     fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
-    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store, a host's share
+    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store
+        # Ray pulls an object from any node that holds a copy, so copies double each round: log2(N + 1) rounds
+        rounds = math.ceil(math.log2(hosts + 1))
         fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
-                   + (s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+                   + (rounds * s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
     cycle_s = host_s + fetch_s
     fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
     if s.max_staleness == 0:
@@ -168,6 +176,23 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
         bytes_per_step={"rollouts": files * file_bytes,
                         "weights": (2 if s.fanout == "relay" else hosts + 1) * s.weight_bytes},
     )
+
+
+def relay_crossover(shape: FleetShape | None = None, max_hosts: int = 4096) -> int | None:
+    """The smallest fleet at which a host holds a new version sooner through the relay than from storage
+    (`FleetPlan.parts_s["fetch"]`), for `shape` (default: the fleet shape) with the pod's storage bandwidth
+    and the object store's as given, else `POD_STORAGE_BYTES_PER_S` and `HOST_OBJECT_STORE_BYTES_PER_S`.
+    Every host reading from storage is no slower until the hosts together reach the pod's storage
+    bandwidth (N·W/total > W/stream); the relay pays one storage read and then log2(N + 1) object-store
+    copies. The version's size cancels: with one stream, N = total·(1/stream + log2(N + 1)/object store)."""
+    shape = shape or FleetShape()
+    shape = dataclasses.replace(shape, total_bytes_per_s=shape.total_bytes_per_s or POD_STORAGE_BYTES_PER_S,
+                                relay_bytes_per_s=shape.relay_bytes_per_s or HOST_OBJECT_STORE_BYTES_PER_S)
+    for n in range(1, max_hosts + 1):
+        relay = plan_fleet(dataclasses.replace(shape, fanout="relay"), n).parts_s["fetch"]
+        if relay < plan_fleet(dataclasses.replace(shape, fanout="storage"), n).parts_s["fetch"]:
+            return n
+    return None
 
 
 def smallest_fleet(shape: FleetShape, max_hosts: int = 4096) -> int | None:
