@@ -122,8 +122,15 @@ def _transfer_s(shape: FleetShape, nbytes: float) -> float:
     return shape.latency_s + nbytes / shape.stream_bytes_per_s
 
 
-def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
-    """The steady-state step of `shape` with `hosts` rollout hosts."""
+MEASURABLE = ("host_s", "fetch_s", "busy_s")
+"""The parts `plan_fleet(measured=…)` takes as measured: a host's batch (generation, write, curriculum), a
+host's fetch of a version, the trainer's work a step (everything but waiting for rollouts)."""
+
+
+def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None = None) -> FleetPlan:
+    """The steady-state step of `shape` with `hosts` rollout hosts. `measured` replaces the model's figure
+    of any of the `MEASURABLE` parts with a measured one, so that the step's composition (the pipelining
+    below) can be checked apart from the parts' costs (`bench/fleet.py` reports both)."""
     if hosts < 1:
         raise ValueError(f"hosts must be >= 1, got {hosts}")
     s = shape
@@ -155,6 +162,11 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
         rounds = math.ceil(math.log2(hosts + 1))
         fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
                    + (rounds * s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+    measured = measured or {}
+    if set(measured) - set(MEASURABLE):
+        raise ValueError(f"measured parts must be among {MEASURABLE}, got {sorted(measured)}")
+    host_s, fetch_s, busy_s = (measured.get(k, v) for k, v in (("host_s", host_s), ("fetch_s", fetch_s),
+                                                                ("busy_s", busy_s)))
     cycle_s = host_s + fetch_s
     fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
     if s.max_staleness == 0:
