@@ -9,9 +9,10 @@ The model (every figure per trainer step; `FleetShape` names the inputs, `plan_f
   writes one file (one request: latency + bytes over a stream), asks the curriculum for a lesson;
 - the trainer reads the step's N files (two listings, then reads `read_concurrency` at a time, each
   a latency plus its bytes over a stream, all of them no faster than the shared link; decoding at
-  `decode_rollouts_per_s`), updates (`train_tokens_per_s`, or the dry run's FLOPs over a chip's
-  peak × MFU: `trainer_tokens_per_s`), publishes a version (its bytes over one stream plus the
-  pointer's and the clean-up's requests);
+  `decode_rollouts_per_s`), builds the batch (`BATCH_ROLLOUTS_PER_S`), updates (`train_tokens_per_s`, or
+  the dry run's FLOPs over a chip's peak × MFU: `trainer_tokens_per_s`), records the step in the audit
+  trail (one write), publishes a version (its bytes over one stream plus the pointer's and the clean-up's
+  requests); checkpoints are not counted (their cost is the model's, every `checkpoint_every` steps);
 - the hosts see it after a pointer read (a waiting host polls every `fleet / pointer_reads_per_s`
   seconds, half that on average) and fetch it: a stream each, N versions through the shared link;
 - with `max_staleness = 0` all of that is one chain per step; with `max_staleness >= 1` a host
@@ -46,6 +47,10 @@ ROLLOUT_FILE_BYTES_PER_TOKEN = 13.5
 `bench/fleet.py` (32k vocabulary, 128 + 384 tokens); a group's prompt is stored with each rollout."""
 DECODE_ROLLOUTS_PER_S = 45_000.0
 """The trainer's decoding speed of rollout files (bench/storage.py on a 2-core AMD EPYC)."""
+BATCH_ROLLOUTS_PER_S = 5_000.0
+"""The trainer's building of a step's `TrainingBatch` from sampled groups (packed rows, on the host), rollouts a
+second: bench/fleet.py's real TrainWorker measured 0.034 s for 128 rollouts and 0.21 s for 1,024 (512 tokens
+each) on a loaded 2-core Xeon (docs/scaling.md)."""
 CURRICULUM_CALL_S = 0.002
 """One waited curriculum call (a lesson) through Ray on one machine."""
 POINTER_REQUESTS_PER_PUBLISH = 5
@@ -153,7 +158,9 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     train_s = step_rollouts * (s.prompt_tokens + response_tokens) / s.train_tokens_per_s
     weight_bps = s.stream_bytes_per_s * s.weight_streams
     publish_s = POINTER_REQUESTS_PER_PUBLISH * s.latency_s + s.weight_bytes / weight_bps
-    busy_s = train_s + publish_s + CURRICULUM_CALL_S
+    batch_s = step_rollouts / BATCH_ROLLOUTS_PER_S
+    # the update, building its batch, the publish, the curriculum's step and the audit trail's record (one write)
+    busy_s = train_s + batch_s + publish_s + CURRICULUM_CALL_S + s.latency_s
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
     # every host fetches every version (its own stream; all of them through the shared link), between batches
     fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
@@ -180,7 +187,7 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     return FleetPlan(
         hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
-                 "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
+                 "batch": batch_s, "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
         requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
                            "weight_reads": 1 if s.fanout == "relay" else hosts,
                            "pointer_reads": (step_s / RELAY_POLL_S if s.fanout == "relay"
