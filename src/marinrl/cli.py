@@ -237,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from marinrl.config.transfer import RELAY_FROM_HOSTS
 
     extra = {"latency_s": args.latency_ms / 1e3, "stream_bytes_per_s": args.stream_mb_s * 1e6,
-             "weight_streams": args.weight_streams,
+             "weight_streams": args.weight_streams, "total_bytes_per_s": args.pod_storage_gb_s * 1e9 or None,
              "relay_bytes_per_s": args.relay_gb_s * 1e9 if args.relay_gb_s else None}
 
     def fanout(n: int) -> str:  # `auto` as the job decides it (FilesystemTransferConfig.for_fleet)
@@ -332,7 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fanout", choices=["auto", "storage", "relay"], default="auto",
                    help="storage: every host reads each version; relay: read once, then Ray's object store; "
                         "auto: the job's default (relay from marinrl.config.transfer.RELAY_FROM_HOSTS hosts)")
-    p.add_argument("--relay_gb_s", type=float, default=None, help="a host's object-store bandwidth with the relay")
+    p.add_argument("--pod_storage_gb_s", type=float, default=25.0,
+                   help="the pod's total read bandwidth from storage, GB/s (default: the planner's assumption, "
+                        "marinrl.dry_run.fleet.POD_STORAGE_BYTES_PER_S; 0: no limit)")
+    p.add_argument("--relay_gb_s", type=float, default=3.0,
+                   help="a host's object-store bandwidth with the relay (default: the planner's assumption, "
+                        "marinrl.dry_run.fleet.HOST_OBJECT_STORE_BYTES_PER_S)")
     p.set_defaults(run=cmd_plan, overrides=[])
 
     p = sub.add_parser("report", help="PNG plots and an HTML page of a run (rewards, evals, staleness, step times)")
