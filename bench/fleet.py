@@ -96,7 +96,9 @@ def parse(argv=None) -> argparse.Namespace:
                         "at least 2 where there are 2 hosts)")
     p.add_argument("--kills", type=int, default=0,
                    help="SIGKILL the trainer and host processes this many times, on a schedule seeded by --seed")
-    p.add_argument("--checkpoint_every", type=int, default=2, help="the trainer's checkpoints (--trainer worker)")
+    p.add_argument("--checkpoint_every", type=int, default=None,
+                   help="the trainer's checkpoints (--trainer worker; default: every 2 steps with --kills, else at the "
+                        "end only, since the planner does not count checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch_interval_ms", type=float, default=0.0,
                    help="Python's GIL switch interval for the one process (0: Python's 5 ms)")
@@ -759,7 +761,8 @@ def run_pod(args) -> dict:
         replay=ReplayConfig(sampling=OffPolicyConfig(staleness=args.max_staleness),
                             max_files_per_poll=max(64, args.hosts), timeout_s=args.timeout_s),
         batching=BatchingConfig(max_length=args.prompt_tokens + 2 * args.response_tokens, layout="packed"),
-        groups_per_step=n_groups, checkpoint_every=args.checkpoint_every, storage_options=options,
+        groups_per_step=n_groups, storage_options=options,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_every is not None else 2 if args.kills else 0,
         publish_dtype="bfloat16", audit_root=f"{root}/trained")
     processes = args.processes or max(min(2, args.hosts), math.ceil(args.hosts / 64))
     shards = [list(range(args.hosts))[k::processes] for k in range(processes)]
