@@ -1,24 +1,29 @@
-"""A pod on one machine: N simulated rollout hosts and one trainer in one process, over storage that costs
-what GCS costs (issue 30; docs/scaling.md, "A fleet of rollout hosts").
+"""A pod on one machine: N simulated rollout hosts and the real trainer, over storage that costs what GCS
+costs (issue 30; docs/scaling.md, "A fleet of rollout hosts").
 
-    python bench/fleet.py --hosts 64 --steps 8 [--max_staleness 1] [--weight_mb 2] [--fanout storage|relay]
+    python bench/fleet.py --hosts 64 --steps 8 [--kills K --seed S] [--fanout auto|storage|relay]
+                          [--processes P] [--checkpoint_every C] [--trainer worker|model]
 
-Real parts, the product's own code: each host's `RolloutWriter` (one Parquet file per host per step), the
-trainer's `RolloutReader` + `ReplayBuffer` (its ingestion thread, staleness window, off-policy sampling),
-the trainer's `FilesystemWeightServer` and each host's `FilesystemWeightClient` (real packed versions of
-`--weight_mb` MB, the pointer polled with `PollBackoff`), the curriculum `CurriculumActor` in a local Ray
-(`sample_lesson` per batch, waited for and timed; `update_from_training` sent without waiting; `set_step`
-per trainer step) and the audit trail (`train/audit.py`: lost and duplicated groups).
+`--trainer worker` (the default): the product's `TrainWorker` in a Ray actor's process (its reader and
+ingestion thread, replay buffer, batching, Levanter checkpoints of a small Llama, weight server, audit
+trail, curriculum client) with `TimedUpdate` for the update's compute; the hosts as threads of `--processes`
+Ray actor processes (`HostGroup`), each with the product's `RolloutWriter`, weight client (`build_client`:
+the job's fan-out) polled with `PollBackoff`, and `CurriculumClient`; rollout files, weight versions, the
+pointer and the audit trail under `simstore://fleet/<run>` whose inner filesystem is gcsfs on the GCS
+emulator (a process of its own). `--kills K` SIGKILLs the trainer's or a host process K times on a seeded
+schedule (`kill_schedule`) and starts a new one; the audit trail must count 0 lost and 0 duplicated.
 
-Simulated, a model of time (named under `simulated` in the JSON): a weight version's size (real bytes of
-`--weight_mb`, charged in time and counted in bytes as `--weight_stands_for_mb`); a host's generation (its batch's
+`--trainer model`: everything in one process on an in-memory store, the trainer a loop over the real replay
+buffer with the update as a model of time (fast: what tests/test_fleet.py checks the planner with).
+
+Simulated, a model of time (named under `simulated` in the JSON): a weight version's size (real bytes,
+charged in time and counted in bytes as `--weight_stands_for_mb`); a host's generation (its batch's
 response tokens over `--host_tokens_per_s`, times a uniform jitter of ±`--jitter`; response lengths
 lognormal around `--response_tokens`, capped at twice it; deterministic tokens) and the trainer's update
-(the step's prompt + response tokens over `--train_tokens_per_s`). Storage is `marinrl.storage.simulated
-.SimulatedStore` over an in-memory store: every request sleeps `--latency_ms`, then its bytes at
-`--stream_mb_s` per connection, FIFO on one shared link of `--total_mb_s` (the pod's GCS egress); a
-listing costs one request per 1,000 names. Hosts drop the weights they receive (nothing serves them), so
-256 hosts × the version size need not fit in memory.
+(the step's tokens over `--train_tokens_per_s`). Storage is `marinrl.storage.simulated.SimulatedStore`:
+every request sleeps `--latency_ms`, then its bytes at `--stream_mb_s` per connection (one process: FIFO on
+one shared link of `--total_mb_s` too); a listing costs one request per 1,000 names. Hosts drop the weights
+they receive (nothing serves them), so 256 hosts × the version size need not fit in memory.
 
 Prints the machine, a line per step, then one JSON line (the fields docs/scaling.md, "A fleet of rollout hosts", lists).
 """
