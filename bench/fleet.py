@@ -694,11 +694,15 @@ class HostGroup:
                 "waited_calls": sum(h.curriculum.waited_calls for h in self.hosts),
                 "groups_written": sum(h.groups_written for h in self.hosts)}
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Stops every host (each ends its current request or wait first); returns how many are still
+        running after `timeout_s` in all."""
         for h in self.hosts:
             h.stop.set()
+        deadline = time.monotonic() + timeout_s
         for h in self.hosts:
-            h.join(60)
+            h.join(max(0.0, deadline - time.monotonic()))
+        return sum(h.is_alive() for h in self.hosts)
 
     def probe(self, step_s: float) -> list[float]:
         """`curriculum_probe` over this process's hosts, the fleet stopped."""
@@ -814,7 +818,9 @@ def run_pod(args) -> dict:
                               "bytes": nbytes, "time": time.time(),
                               "cpu_s": {name: r["cpu_s"] for name, r in reports.items()}})
                 seen, last_progress = prog["step"], time.monotonic()
-                print(f"step {seen}: {sum(requests.values())} requests", flush=True)
+                rec = prog["records"][-1]
+                print(f"step {seen}: {sum(requests.values())} requests; the trainer waited {rec['wait_s']:.2f} s, "
+                      f"worked {rec['step_s'] - rec['wait_s']:.2f} s", flush=True)
                 last.update(reports)
             if prog["done"]:
                 break
@@ -835,7 +841,10 @@ def run_pod(args) -> dict:
                 last_progress = time.monotonic()
             time.sleep(0.1)
         wall = time.perf_counter() - started
-        ray.get([g.stop.remote() for g in groups.values()], timeout=120)
+        # a 256-host process's threads finish their requests slowly on 2 loaded cores: report the stragglers
+        stragglers = sum(ray.get([g.stop.remote() for g in groups.values()], timeout=600))
+        if stragglers:
+            print(f"{stragglers} hosts still running after their stop", flush=True)
         finals = dict(zip(groups, ray.get([g.report.remote(log=True) for g in groups.values()], timeout=120)))
         times = [r["time"] for r in prog["records"]]
         step_median = float(np.median(np.diff(times))) if len(times) > 1 else 1.0
