@@ -135,6 +135,7 @@ def test_the_fleet_bench_loses_nothing_and_the_planner_composes_its_measured_par
     assert plan["idle_from_measured_parts"] == pytest.approx(plan["idle_measured"], rel=0.25)
 
 
+@pytest.mark.slow  # 2–3 minutes on 2 loaded cores: four JAX processes start, and the trainer twice
 def test_the_pod_bench_runs_the_real_train_worker_on_the_gcs_emulator_and_a_sigkill_loses_nothing(ray_session):
     """bench/fleet.py --trainer worker at 2 hosts (in 2 processes) with one SIGKILL of the trainer's process
     (seed 1 draws it after step 2): the real TrainWorker resumes from its checkpoint, and the audit trail
