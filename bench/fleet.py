@@ -1,24 +1,29 @@
-"""A pod on one machine: N simulated rollout hosts and one trainer in one process, over storage that costs
-what GCS costs (issue 30; docs/scaling.md, "A fleet of rollout hosts").
+"""A pod on one machine: N simulated rollout hosts and the real trainer, over storage that costs what GCS
+costs (issue 30; docs/scaling.md, "A fleet of rollout hosts").
 
-    python bench/fleet.py --hosts 64 --steps 8 [--max_staleness 1] [--weight_mb 2] [--fanout storage|relay]
+    python bench/fleet.py --hosts 64 --steps 8 [--kills K --seed S] [--fanout auto|storage|relay]
+                          [--processes P] [--checkpoint_every C] [--trainer worker|model]
 
-Real parts, the product's own code: each host's `RolloutWriter` (one Parquet file per host per step), the
-trainer's `RolloutReader` + `ReplayBuffer` (its ingestion thread, staleness window, off-policy sampling),
-the trainer's `FilesystemWeightServer` and each host's `FilesystemWeightClient` (real packed versions of
-`--weight_mb` MB, the pointer polled with `PollBackoff`), the curriculum `CurriculumActor` in a local Ray
-(`sample_lesson` per batch, waited for and timed; `update_from_training` sent without waiting; `set_step`
-per trainer step) and the audit trail (`train/audit.py`: lost and duplicated groups).
+`--trainer worker` (the default): the product's `TrainWorker` in a Ray actor's process (its reader and
+ingestion thread, replay buffer, batching, Levanter checkpoints of a small Llama, weight server, audit
+trail, curriculum client) with `TimedUpdate` for the update's compute; the hosts as threads of `--processes`
+Ray actor processes (`HostGroup`), each with the product's `RolloutWriter`, weight client (`build_client`:
+the job's fan-out) polled with `PollBackoff`, and `CurriculumClient`; rollout files, weight versions, the
+pointer and the audit trail under `simstore://fleet/<run>` whose inner filesystem is gcsfs on the GCS
+emulator (a process of its own). `--kills K` SIGKILLs the trainer's or a host process K times on a seeded
+schedule (`kill_schedule`) and starts a new one; the audit trail must count 0 lost and 0 duplicated.
 
-Simulated, a model of time (named under `simulated` in the JSON): a weight version's size (real bytes of
-`--weight_mb`, charged in time and counted in bytes as `--weight_stands_for_mb`); a host's generation (its batch's
+`--trainer model`: everything in one process on an in-memory store, the trainer a loop over the real replay
+buffer with the update as a model of time (fast: what tests/test_fleet.py checks the planner with).
+
+Simulated, a model of time (named under `simulated` in the JSON): a weight version's size (real bytes,
+charged in time and counted in bytes as `--weight_stands_for_mb`); a host's generation (its batch's
 response tokens over `--host_tokens_per_s`, times a uniform jitter of ±`--jitter`; response lengths
 lognormal around `--response_tokens`, capped at twice it; deterministic tokens) and the trainer's update
-(the step's prompt + response tokens over `--train_tokens_per_s`). Storage is `marinrl.storage.simulated
-.SimulatedStore` over an in-memory store: every request sleeps `--latency_ms`, then its bytes at
-`--stream_mb_s` per connection, FIFO on one shared link of `--total_mb_s` (the pod's GCS egress); a
-listing costs one request per 1,000 names. Hosts drop the weights they receive (nothing serves them), so
-256 hosts × the version size need not fit in memory.
+(the step's tokens over `--train_tokens_per_s`). Storage is `marinrl.storage.simulated.SimulatedStore`:
+every request sleeps `--latency_ms`, then its bytes at `--stream_mb_s` per connection (one process: FIFO on
+one shared link of `--total_mb_s` too); a listing costs one request per 1,000 names. Hosts drop the weights
+they receive (nothing serves them), so 256 hosts × the version size need not fit in memory.
 
 Prints the machine, a line per step, then one JSON line (the fields docs/scaling.md, "A fleet of rollout hosts", lists).
 """
@@ -28,10 +33,16 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import dataclasses
 import json
+import math
+import os
 import pathlib
+import random
 import resource
+import signal
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -78,8 +89,21 @@ def parse(argv=None) -> argparse.Namespace:
                    help="a version's real bytes, charged and counted as --weight_stands_for_mb")
     p.add_argument("--weight_stands_for_mb", type=float, default=1_200.0)
     p.add_argument("--pointer_reads_per_s", type=float, default=200.0)
-    p.add_argument("--fanout", choices=["storage", "relay"], default="storage",
-                   help="storage: every host reads each version; relay: transfer/relay.py reads it once")
+    p.add_argument("--fanout", choices=["auto", "storage", "relay"], default="auto",
+                   help="storage: every host reads each version; relay: transfer/relay.py reads it once; auto: the "
+                        "job's default for this many hosts (relay from marinrl.config.transfer.RELAY_FROM_HOSTS)")
+    p.add_argument("--trainer", choices=["worker", "model"], default="worker",
+                   help="worker: the real TrainWorker in a process of its own, hosts in --processes processes, rollout "
+                        "files and weights on the GCS emulator; model: everything in one process on an in-memory "
+                        "store, the trainer a loop of the replay buffer and a model of time")
+    p.add_argument("--processes", type=int, default=0,
+                   help="processes the simulated hosts are spread over (--trainer worker; 0: one per 64 hosts, "
+                        "at least 2 where there are 2 hosts)")
+    p.add_argument("--kills", type=int, default=0,
+                   help="SIGKILL the trainer and host processes this many times, on a schedule seeded by --seed")
+    p.add_argument("--checkpoint_every", type=int, default=None,
+                   help="the trainer's checkpoints (--trainer worker; default: every 2 steps with --kills, else at the "
+                        "end only, since the planner does not count checkpoints)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--switch_interval_ms", type=float, default=0.0,
                    help="Python's GIL switch interval for the one process (0: Python's 5 ms)")
@@ -123,8 +147,9 @@ class Generator:
     of the host's templates with the batch's group ids and weight step set (the simulator's own cost stays
     small next to the product's writer, which encodes every batch in full)."""
 
-    def __init__(self, rng: np.random.Generator, args, host: int):
+    def __init__(self, rng: np.random.Generator, args, host: int, incarnation: int = 0):
         self.args, self.host, self.worker = args, host, f"host{host:04d}"
+        self.incarnation = incarnation  # a restarted host's group ids differ from its dead predecessor's
         meta = RolloutMetadata(self.worker, 0)
         self.templates = []
         for _ in range(args.groups_per_host):
@@ -142,12 +167,13 @@ class Generator:
                     group_id="template", metadata=meta))
             self.templates.append(group)
         self.tokens = sum(r.response_tokens.size for g in self.templates for r in g)
+        self.batches = 0
 
-    def batch(self, weight_step: int, lesson: str, target: int) -> RolloutBatch:
+    def batch(self, weight_step: int, lesson: str) -> RolloutBatch:
         meta = RolloutMetadata(self.worker, weight_step)
         groups = []
         for g, template in enumerate(self.templates):
-            gid = f"t{target:05d}-h{self.host:04d}-g{g}"
+            gid = f"h{self.host:04d}-i{self.incarnation}-b{self.batches:06d}-g{g}"
             rollouts = []
             for r in template:
                 r = copy.copy(r)
@@ -155,6 +181,7 @@ class Generator:
                     object.__setattr__(r, name, value)
                 rollouts.append(r)
             groups.append(RolloutGroup(tuple(rollouts)))
+        self.batches += 1
         return RolloutBatch(tuple(groups), meta)
 
 
@@ -164,10 +191,10 @@ class Host(threading.Thread):
     curriculum client."""
 
     def __init__(self, index: int, args, rollout_root: str, store, weights_config, curriculum, skeleton, log,
-                 relay=None):
+                 relay=None, incarnation: int = 0):
         super().__init__(name=f"host{index}", daemon=True)
         from marinrl.curriculum.actor import CurriculumClient
-        from marinrl.transfer.checkpoint import FilesystemWeightClient
+        from marinrl.transfer.endpoints import build_client
 
         self.index, self.args, self.log = index, args, log
         self.writer = RolloutWriter(rollout_root, fs=store)
@@ -175,12 +202,12 @@ class Host(threading.Thread):
             from marinrl.transfer.relay import RelayWeightClient
 
             self.client = RelayWeightClient(weights_config, skeleton, relay=relay)
-        else:
-            self.client = FilesystemWeightClient(weights_config, skeleton)
+        else:  # the config's fan-out: every host reads storage, or the relay actor
+            self.client = build_client(weights_config, skeleton)
         self.curriculum = CurriculumClient(curriculum)
         self.backoff = PollBackoff(args.hosts, args.pointer_reads_per_s, seed=[args.seed, index])
         self.rng = np.random.default_rng([args.seed, index])
-        self.generator = Generator(self.rng, args, index)
+        self.generator = Generator(self.rng, args, index, incarnation)
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.groups_written = 0
@@ -193,12 +220,16 @@ class Host(threading.Thread):
             self.error = e
 
     def _run(self):
-        args, target = self.args, None
+        args, target, epoch = self.args, None, None
         while not self.stop.is_set():
+            start = time.perf_counter()
             update = self.client.poll()
             if update is not None:
-                self.log["received"][update.weight_step].append(time.perf_counter())
+                self.log["fetch_s"].append(time.perf_counter() - start)
+                self.log["received"][update.weight_step].append((self.index, time.time()))
                 self.client.model = None  # nothing serves it here: 256 hosts need not hold 256 copies
+                if self.client.version.epoch != epoch:  # a restarted trainer: pace by its steps from here on
+                    epoch, target = self.client.version.epoch, None
             w = self.client.weight_step
             if w is None or (target is not None and w < target - args.max_staleness):
                 self.stop.wait(self.backoff.next())
@@ -207,15 +238,18 @@ class Host(threading.Thread):
             # no last batch: as a rollout worker does, a host goes on until the trainer is done, so that a group
             # the trainer took for another step than its host meant, or dropped as stale, is made up for
             target = w if target is None else max(target, w)
-            start = time.perf_counter()
+            start = batch_start = time.perf_counter()
             lesson = self.curriculum.sample_lesson(int(self.rng.integers(0, 2**31)))
             ms = 1e3 * (time.perf_counter() - start)
             self.log["curriculum_first_ms" if self.batches == 0 else "curriculum_ms"].append(ms)
             self.batches += 1
-            batch = self.generator.batch(w, lesson, target)
+            batch = self.generator.batch(w, lesson)
             self.stop.wait(self.generator.tokens / args.host_tokens_per_s
                            * self.rng.uniform(1 - args.jitter, 1 + args.jitter))
+            start = time.perf_counter()
             self.writer.write(batch)
+            self.log["write_s"].append(time.perf_counter() - start)
+            self.log["batch_s"].append(time.perf_counter() - batch_start)
             self.groups_written += len(batch.groups)
             self.curriculum.update_from_training(lesson, [r.episode_reward for r in batch.rollouts], w)
             target += 1
@@ -266,11 +300,57 @@ def curriculum_probe(hosts: list[Host], step_s: float, rounds: int = 4) -> list[
     return times
 
 
+def new_log() -> dict:
+    """What a process's simulated hosts note: weights received (step → [(host, time)]), each fetch's and
+    write's seconds, each waited curriculum call's milliseconds."""
+    return {"received": collections.defaultdict(list), "curriculum_ms": [], "curriculum_first_ms": [],
+            "fetch_s": [], "write_s": [], "batch_s": []}
+
+
+def fanout_times(received: dict, publish_at: dict, hosts) -> list[float]:
+    """Per version published at `publish_at[step]` (wall clock), until the last of `hosts` held it (each host's
+    first receipt after the publish); versions some host never received are left out."""
+    out = []
+    for step, published in publish_at.items():
+        if step == 0:
+            continue
+        first: dict[int, float] = {}
+        for host, t in received.get(step, ()):
+            if t >= published - 1e-3 and host not in first:
+                first[host] = t
+        if set(first) >= set(hosts):
+            out.append(max(first.values()) - published)
+    return out
+
+
+def planner_report(shape: FleetShape, hosts: int, step_s: float, idle: float, log: dict, busy_s: float,
+                   publish_s: float) -> dict:
+    """The planner beside the run: its prediction of the step and the trainer's idle fraction, its parts, the
+    same parts measured, and the step and idle fraction it composes from the measured parts (the pipelining
+    model checked apart from the parts' costs, which the machine's load moves)."""
+    plan = plan_fleet(shape, hosts)
+    # a step waits for the slowest of `hosts` batches: the expected largest of N draws sits at quantile N/(N+1)
+    measured = {"host_s": float(np.quantile(log["batch_s"], hosts / (hosts + 1))),
+                "fetch_s": float(np.median(log["fetch_s"])), "busy_s": busy_s}
+    composed = plan_fleet(shape, hosts, measured=measured)
+    return {"step_s_predicted": round(plan.step_s, 3), "step_s_measured": round(step_s, 3),
+            "idle_predicted": round(plan.trainer_idle_fraction, 3), "idle_measured": round(idle, 3),
+            "waits": plan.waits,
+            "parts_predicted": {"host_s": round(plan.parts_s["generate"] + plan.parts_s["write"], 4),
+                                "fetch_s": round(plan.parts_s["fetch"], 4),
+                                "busy_s": round(plan.trainer_busy_s, 4), "publish_s": round(plan.parts_s["publish"], 4),
+                                "write_s": round(plan.parts_s["write"], 4)},
+            "parts_measured": {**{k: round(v, 4) for k, v in measured.items()}, "publish_s": round(publish_s, 4),
+                               "write_s": round(float(np.median(log["write_s"])), 4)},
+            "step_s_from_measured_parts": round(composed.step_s, 3),
+            "idle_from_measured_parts": round(composed.trainer_idle_fraction, 3)}
+
+
 def pct(xs, q):
     return round(float(np.percentile(xs, q)), 4) if len(xs) else None
 
 
-def run(args) -> dict:
+def run_one_process(args) -> dict:
     import jax.numpy as jnp
     import ray
 
@@ -302,9 +382,9 @@ def run(args) -> dict:
                                   name="curriculum", namespace=run_id)
         trainer_curriculum = CurriculumClient(handle)
         server = FilesystemWeightServer(weights_config)
-        publish_at = {0: time.perf_counter()}
+        publish_at = {0: time.time()}
         server.publish(model, 0)
-        log = {"received": collections.defaultdict(list), "curriculum_ms": [], "curriculum_first_ms": []}
+        log = new_log()
         relay = LocalRelay(weights_config) if args.fanout == "relay" else None
         hosts = [Host(i, args, rollout_root, store, weights_config, handle, model, log, relay)
                  for i in range(args.hosts)]
@@ -316,7 +396,7 @@ def run(args) -> dict:
         trail = AuditTrail(trail_root, new_trainer_id())
         trail.start(0, None, None)
         n_groups = args.hosts * args.groups_per_host
-        steps, staleness = [], collections.Counter()
+        steps, staleness, publish_s = [], collections.Counter(), []
         t_start = time.perf_counter()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         cpu_before = usage.ru_utime + usage.ru_stime
@@ -335,8 +415,9 @@ def run(args) -> dict:
                          for r in g.group.rollouts)
             time.sleep(tokens / args.train_tokens_per_s)  # the update's compute: a model of time
             trail.record(s + 1, groups)
-            publish_at[s + 1] = time.perf_counter()
+            publish_at[s + 1] = time.time()
             server.publish(model, s + 1)
+            publish_s.append(time.time() - publish_at[s + 1])
             trainer_curriculum.set_step(s + 1)
             t2 = time.perf_counter()
             after, bytes_after = stats.snapshot()
@@ -388,13 +469,11 @@ def run(args) -> dict:
         return round(float(np.mean([sum(v for (_, lab), v in st["bytes"].items() if lab == label)
                                      for st in measured])), 0)
 
-    fanout = [max(log["received"][v]) - publish_at[v] for v in range(1, args.steps)
-              if len(log["received"][v]) == args.hosts]
+    fanout = fanout_times(log["received"], publish_at, range(args.hosts))
     weight_reads = stats.total(kind="read", label="weights")
     step_s = float(np.median([st["step_s"] for st in measured]))
     idle = sum(st["wait_s"] for st in measured) / sum(st["step_s"] for st in measured)
-    shape = FleetShape.from_bench(args)
-    plan = plan_fleet(shape, args.hosts)
+    shape = dataclasses.replace(FleetShape.from_bench(args), fanout=args.fanout)
     written = sum(h.groups_written for h in hosts)
     return {
         "bench": "fleet", "fanout": args.fanout, "hosts": args.hosts, "steps_trained": counts.steps,
@@ -425,9 +504,8 @@ def run(args) -> dict:
         "staleness": {str(k2): v for k2, v in sorted(staleness.items())},
         "peak_rss_mb": {"process": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)},
         "process_cpu_s_per_step": round(cpu_s / max(1, len(steps)), 2),
-        "planner": {"step_s_predicted": round(plan.step_s, 3), "step_s_measured": round(step_s, 3),
-                    "idle_predicted": round(plan.trainer_idle_fraction, 3), "idle_measured": round(idle, 3),
-                    "waits": plan.waits},
+        "planner": planner_report(shape, args.hosts, step_s, idle, log,
+                                  float(np.median([st["busy_s"] for st in measured])), float(np.median(publish_s[1:]))),
         "wall_s": round(wall, 1),
         "simulated": {"generation": f"response tokens / {args.host_tokens_per_s:g} tokens/s ±{args.jitter:g}",
                       "train_step": f"(prompt + response tokens) / {args.train_tokens_per_s:g} tokens/s",
@@ -441,6 +519,466 @@ def run(args) -> dict:
         "config": {k2: v for k2, v in vars(args).items()},
         "machine": machine(),
     }
+
+
+# ----------------------------------------------------------------------------- the pod: processes on the GCS emulator
+
+FLEET_VOCAB = 512
+FLEET_BUCKET = "fleet"
+
+
+def fleet_model_config():
+    """The trainer's small model: a Llama of 53k parameters (the update is a model of time, so its size only
+    sets the checkpoint's and a version's real bytes; a version is charged as --weight_stands_for_mb)."""
+    from levanter.models.llama import LlamaConfig
+
+    from marinrl.config.model import ModelConfig
+
+    return ModelConfig(model=LlamaConfig(seq_len=1024, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=2,
+                                         num_kv_heads=2), vocab_size=FLEET_VOCAB, seed=0)
+
+
+def version_bytes(model_config) -> int:
+    """A published version's array bytes (bfloat16)."""
+    import jax
+
+    from marinrl.models.policy_model import build_model
+
+    model = build_model(model_config, dtype="bfloat16")
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model) if hasattr(x, "dtype")))
+
+
+class Emulator:
+    """The GCS emulator (gcp-storage-emulator, in memory) in a process of its own."""
+
+    def __init__(self, workdir: pathlib.Path):
+        import shutil
+        import socket
+        import subprocess
+        import urllib.request
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        exe = shutil.which("gcp-storage-emulator") or str(pathlib.Path(sys.executable).parent / "gcp-storage-emulator")
+        self.log = workdir / "emulator.log"
+        self.proc = subprocess.Popen([exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+                                      "--default-bucket", FLEET_BUCKET, "-q"], stdout=self.log.open("w"),
+                                     stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b/{FLEET_BUCKET}", timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the GCS emulator did not start (log {self.log})") from None
+                time.sleep(0.2)
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        try:
+            return round(psutil.Process(self.proc.pid).memory_info().rss / 2**20, 1)
+        except psutil.Error:
+            return float("nan")
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def pod_storage_options(args, emulator_url: str, weight_scale: float) -> dict:
+    """fsspec options of the run's `simstore://` URLs: the GCS emulator behind the bench's latency and
+    bandwidth (plain data: they travel to every process; each process counts its own requests)."""
+    return {"inner": "gcs", "inner_options": {"endpoint_url": emulator_url, "token": "anon"},
+            "latency_s": args.latency_ms / 1e3, "stream_bytes_per_s": args.stream_mb_s * 1e6, "stats": "fleet",
+            "labeler": "role", "byte_scale": {"weights": weight_scale}}
+
+
+def _process_report(log: dict | None = None) -> dict:
+    from marinrl.storage.simulated import RequestStats, label_by_role
+
+    requests, nbytes = RequestStats.named("fleet", label_by_role).snapshot()
+    out = {"pid": os.getpid(), "requests": requests, "bytes": nbytes,
+           "rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+           "cpu_s": sum(os.times()[:2])}
+    if log is not None:
+        out["log"] = {k: (dict(v) if isinstance(v, dict) else list(v)) for k, v in log.items()}
+    return out
+
+
+class TimedUpdate:
+    """The optimizer step as a model of time: the batch's tokens (non-padding positions) over `tokens_per_s`,
+    then the state with its step advanced (the weights as they were): what the TrainWorker checkpoints
+    and publishes is its real state."""
+
+    def __init__(self, tokens_per_s: float):
+        self.tokens_per_s = tokens_per_s
+        self.ended: dict[int, float] = {}  # step → wall time the update ended (its publish starts then)
+
+    def __call__(self, trainer, state, step_input):
+        import equinox as eqx
+        from levanter.callbacks import StepInfo
+
+        start = time.perf_counter()
+        tokens = int((np.asarray(step_input.batch.segment_ids.array) >= 0).sum())
+        time.sleep(tokens / self.tokens_per_s)
+        state = eqx.tree_at(lambda st: st.step, state, state.step + 1)
+        self.ended[int(state.step)] = time.time()
+        return StepInfo(state, 0.0, time.perf_counter() - start)
+
+
+class TrainerProcess:
+    """A Ray actor: the real TrainWorker (its reader, replay buffer, batching, checkpoints, weight server,
+    audit trail and curriculum client) in a thread of its own, with `TimedUpdate` for the update."""
+
+    def __init__(self, config, curriculum, tokens_per_s: float):
+        from marinrl.curriculum.actor import CurriculumClient
+        from marinrl.train.worker import TrainWorker
+
+        self.update = TimedUpdate(tokens_per_s)
+        self.records: list[dict] = []
+        self.error: str | None = None
+        self.done = False
+        self.worker = TrainWorker(config, curriculum=CurriculumClient(curriculum), update=self.update,
+                                  on_step=self._on_step)
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _on_step(self, step: int, m: dict) -> None:
+        self.records.append({"step": step, "time": time.time(), "published_at": self.update.ended.get(step),
+                             **{k.split("/")[1]: float(m[f"train/{k.split('/')[1]}"])
+                                for k in ("train/wait_s", "train/batch_s", "train/update_s", "train/publish_s",
+                                          "train/step_s")},
+                             "staleness": [step - 1 - w for _, w in m["groups"]]})
+
+    def _run(self):
+        import traceback
+
+        try:
+            self.worker.run()
+        except BaseException:  # noqa: BLE001 - reported to the bench
+            self.error = traceback.format_exc()
+        finally:
+            self.done = True
+
+    def progress(self) -> dict:
+        return {"step": self.worker.step, "done": self.done, "error": self.error, "records": list(self.records),
+                **_process_report()}
+
+
+class HostGroup:
+    """A Ray actor: simulated rollout hosts `indices` as threads of one process, each with the product's
+    writer, weight client (the config's fan-out) and curriculum client."""
+
+    def __init__(self, indices, incarnation: int, args, rollout_root: str, options: dict, weights_config,
+                 curriculum, model_config):
+        from marinrl.models.policy_model import build_model
+        from marinrl.storage.simulated import SimulatedStore
+
+        skeleton = build_model(model_config, dtype="bfloat16")
+        store = SimulatedStore(**options)
+        self.log = new_log()
+        self.hosts = [Host(i, args, rollout_root, store, weights_config, curriculum, skeleton, self.log,
+                           incarnation=incarnation) for i in indices]
+        for h in self.hosts:
+            h.start()
+
+    def report(self, log: bool = False) -> dict:
+        errors = [f"{h.name}: {h.error!r}" for h in self.hosts if h.error is not None]
+        return {**_process_report(self.log if log else None), "errors": errors,
+                "batches": sum(h.batches for h in self.hosts),
+                "waited_calls": sum(h.curriculum.waited_calls for h in self.hosts),
+                "groups_written": sum(h.groups_written for h in self.hosts)}
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Stops every host (each ends its current request or wait first); returns how many are still
+        running after `timeout_s` in all."""
+        for h in self.hosts:
+            h.stop.set()
+        deadline = time.monotonic() + timeout_s
+        for h in self.hosts:
+            h.join(max(0.0, deadline - time.monotonic()))
+        return sum(h.is_alive() for h in self.hosts)
+
+    def probe(self, step_s: float) -> list[float]:
+        """`curriculum_probe` over this process's hosts, the fleet stopped."""
+        out = curriculum_probe(self.hosts, step_s)
+        for h in self.hosts:
+            h.curriculum.flush()
+        return out
+
+
+@dataclasses.dataclass
+class PodKill:
+    target: str  # "trainer" or "hosts"
+    at_step: int
+    delay_s: float
+
+
+def kill_schedule(seed: int, kills: int, steps: int) -> list[PodKill]:
+    """`kills` kills alternating from shuffled rounds of (trainer, hosts), as bench/chaos.py draws its targets,
+    at steps uniform in [2, steps - 2] (after the live trainer recorded that step), 0–1 s later, sorted."""
+    rng = random.Random(seed)
+    targets: list[str] = []
+    while len(targets) < kills:
+        targets += rng.sample(("trainer", "hosts"), 2)
+    at = sorted(rng.randint(2, max(2, steps - 2)) for _ in range(kills))
+    return [PodKill(t, a, round(rng.uniform(0.0, 1.0), 2)) for t, a in zip(targets[:kills], at)]
+
+
+def _delta(now: dict, before: dict) -> collections.Counter:
+    out = collections.Counter(now)
+    out.subtract(before)
+    return out
+
+
+def run_pod(args) -> dict:
+    import ray
+    from levanter.checkpoint import CheckpointerConfig
+
+    from marinrl.config.batching import BatchingConfig
+    from marinrl.config.train_worker import TrainWorkerConfig
+    from marinrl.config.transfer import FilesystemTransferConfig
+    from marinrl.curriculum.actor import curriculum_actor
+    from marinrl.levanter_configs import cpu_trainer_config
+    from marinrl.train.audit import audit, lineage, read_trail
+
+    if args.total_mb_s:
+        raise SystemExit("--total_mb_s is one process's shared link: use it with --trainer model")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors below, when imported as `fleet`
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="fleet-", dir="/tmp"))
+    run_id = f"fleet-{uuid.uuid4().hex[:8]}"
+    model_config = fleet_model_config()
+    real_version = version_bytes(model_config)
+    weight_scale = args.weight_stands_for_mb * 1e6 / real_version
+    emulator = Emulator(workdir)
+    options = pod_storage_options(args, emulator.url, weight_scale)
+    root = f"simstore://{FLEET_BUCKET}/{run_id}"
+    fanout = FilesystemTransferConfig(root=f"{root}/weights", fanout=args.fanout).for_fleet(args.hosts).fanout
+    weights_config = FilesystemTransferConfig(root=f"{root}/weights", format="packed", storage_options=options,
+                                              fanout=fanout)
+    n_groups = args.hosts * args.groups_per_host
+    config = TrainWorkerConfig(
+        rollout_root=f"{root}/rollouts", weights=weights_config, model=model_config,
+        trainer=cpu_trainer_config(num_train_steps=args.steps, train_batch_size=n_groups * args.group_size,
+                                   id=run_id, log_dir=workdir / "logs",
+                                   checkpointer=CheckpointerConfig(base_path=str(workdir / "checkpoints"))),
+        replay=ReplayConfig(sampling=OffPolicyConfig(staleness=args.max_staleness),
+                            max_files_per_poll=max(64, args.hosts), timeout_s=args.timeout_s),
+        batching=BatchingConfig(max_length=args.prompt_tokens + 2 * args.response_tokens, layout="packed"),
+        groups_per_step=n_groups, storage_options=options,
+        checkpoint_every=args.checkpoint_every if args.checkpoint_every is not None else 2 if args.kills else 0,
+        publish_dtype="bfloat16", audit_root=f"{root}/trained")
+    processes = args.processes or max(min(2, args.hosts), math.ceil(args.hosts / 64))
+    shards = [list(range(args.hosts))[k::processes] for k in range(processes)]
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=256 * 1024 * 1024, namespace=run_id)
+    trainer_actor = ray.remote(num_cpus=0, max_restarts=0)(TrainerProcess)
+    group_actor = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(HostGroup)
+    plan = kill_schedule(args.seed, args.kills, args.steps)
+    kills = {"trainer": 0, "hosts": 0}
+    started = time.perf_counter()
+    handle = curriculum_actor(CurriculumConfig(lessons=tuple(LessonConfig(n, EnvConfig("echo", {})) for n in LESSONS)),
+                              name="curriculum", namespace=run_id)
+    trainers, groups, incarnations = [], {}, collections.Counter()
+    last: dict[str, dict] = {}  # a process's latest report, by name
+    steps: list[dict] = []
+    try:
+        def start_group(k: int):
+            groups[k] = group_actor.remote(shards[k], incarnations[k], args, config.rollout_root, options,
+                                           weights_config, handle, model_config)
+            incarnations[k] += 1
+
+        trainers.append(trainer_actor.remote(config, handle, args.train_tokens_per_s))
+        for k in range(processes):
+            start_group(k)
+        seen, last_progress, prog = 0, time.monotonic(), None
+        while True:
+            prog = ray.get(trainers[-1].progress.remote(), timeout=120)
+            if prog["error"]:
+                raise RuntimeError(f"the trainer failed:\n{prog['error']}")
+            reports = {f"trainer{len(trainers) - 1}": prog,
+                       **{f"hosts{k}.{incarnations[k] - 1}": r
+                          for k, r in zip(groups, ray.get([g.report.remote() for g in groups.values()], timeout=120))}}
+            for name, r in reports.items():
+                if r["errors"] if "errors" in r else False:
+                    raise RuntimeError(f"{name}: {r['errors'][:3]}")
+            if prog["step"] != seen and prog["records"]:  # a step trained: every process's requests since the last one
+                requests, nbytes = collections.Counter(), collections.Counter()
+                for name, r in reports.items():
+                    requests.update(_delta(r["requests"], last.get(name, {}).get("requests", {})))
+                    nbytes.update(_delta(r["bytes"], last.get(name, {}).get("bytes", {})))
+                steps.append({"step": prog["step"], "trainer": len(trainers) - 1, "requests": requests,
+                              "bytes": nbytes, "time": time.time(),
+                              "cpu_s": {name: r["cpu_s"] for name, r in reports.items()}})
+                seen, last_progress = prog["step"], time.monotonic()
+                rec = prog["records"][-1]
+                print(f"step {seen}: {sum(requests.values())} requests; the trainer waited {rec['wait_s']:.2f} s, "
+                      f"worked {rec['step_s'] - rec['wait_s']:.2f} s", flush=True)
+                last.update(reports)
+            if prog["done"]:
+                break
+            if time.monotonic() - last_progress > args.timeout_s:
+                raise RuntimeError(f"no trained step for {args.timeout_s:.0f} s at step {seen} (logs {workdir})")
+            if plan and seen >= plan[0].at_step:
+                kill = plan.pop(0)
+                time.sleep(kill.delay_s)
+                if kill.target == "trainer":
+                    os.kill(prog["pid"], signal.SIGKILL)
+                    trainers.append(trainer_actor.remote(config, handle, args.train_tokens_per_s))
+                else:
+                    k = random.Random(args.seed + len(plan)).randrange(processes)
+                    os.kill(last[f"hosts{k}.{incarnations[k] - 1}"]["pid"], signal.SIGKILL)
+                    start_group(k)
+                kills[kill.target] += 1
+                print(f"SIGKILL {kill.target} at step {seen}", flush=True)
+                last_progress = time.monotonic()
+            time.sleep(0.1)
+        wall = time.perf_counter() - started
+        # a 256-host process's threads finish their requests slowly on 2 loaded cores: report the stragglers
+        stragglers = sum(ray.get([g.stop.remote() for g in groups.values()], timeout=600))
+        if stragglers:
+            print(f"{stragglers} hosts still running after their stop", flush=True)
+        finals = dict(zip(groups, ray.get([g.report.remote(log=True) for g in groups.values()], timeout=120)))
+        times = [r["time"] for r in prog["records"]]
+        step_median = float(np.median(np.diff(times))) if len(times) > 1 else 1.0
+        quiet = [x for xs in ray.get([g.probe.remote(step_median) for g in groups.values()], timeout=300) for x in xs]
+        trail = read_trail(config.audit_root, options)
+        counts = audit(trail, num_steps=args.steps, groups_per_step=n_groups, max_staleness=args.max_staleness)
+        chain = lineage(trail)
+    finally:
+        for actor in [*trainers, *groups.values()]:
+            ray.kill(actor, no_restart=True)
+        if own_ray:
+            ray.shutdown()
+        else:
+            ray.kill(handle, no_restart=True)
+            try:
+                from marinrl.transfer.relay import relay_name
+
+                ray.kill(ray.get_actor(relay_name(weights_config)), no_restart=True)
+            except ValueError:
+                pass
+        emulator_rss = emulator.rss_mb()
+        emulator.close()
+    return pod_result(args, locals())
+
+
+def cpu_per_step(steps: list[dict]) -> dict[str, float]:
+    """CPU seconds a step of the trainer's process and of all host processes, over `steps` (the processes
+    alive at both ends only)."""
+    if len(steps) < 2:
+        return {}
+    first, end = steps[0]["cpu_s"], steps[-1]["cpu_s"]
+    both = [name for name in end if name in first]
+    n = len(steps) - 1
+    return {"trainer": round(sum(end[k] - first[k] for k in both if k.startswith("trainer")) / n, 2),
+            "hosts": round(sum(end[k] - first[k] for k in both if k.startswith("hosts")) / n, 2)}
+
+
+def pod_result(args, v: dict) -> dict:
+    """The JSON line of a `--trainer worker` run (`run_pod`'s locals as `v`)."""
+    records = v["prog"]["records"]  # the last trainer incarnation's steps (the whole run without kills)
+    measured = records[1:] if len(records) > 2 else records  # its first step holds its start
+    if len(records) >= 3:  # a step's period: from the end of the one before (the first two left out)
+        periods = np.diff([r["time"] for r in records])[1:]
+        waits = np.array([r["wait_s"] for r in records[2:]])
+    else:
+        periods, waits = np.array([r["step_s"] for r in records]), np.array([r["wait_s"] for r in records])
+    step_s, idle = float(np.median(periods)), float(waits.sum() / periods.sum())
+    busy = float(np.median(periods - waits))
+    logs = [f["log"] for f in v["finals"].values()]
+    merged = {k: [x for lg in logs for x in lg[k]]
+              for k in ("curriculum_ms", "curriculum_first_ms", "fetch_s", "write_s", "batch_s")}
+    received = collections.defaultdict(list)
+    for lg in logs:
+        for step, xs in lg["received"].items():
+            received[int(step)].extend(xs)
+    publish_at = {r["step"]: r["published_at"] for r in records if r["published_at"]}
+    fanout = fanout_times(received, publish_at, range(args.hosts))
+    steps = v["steps"][2:] if len(v["steps"]) > 3 else v["steps"]  # the fleet's start left out
+    k = max(1, min(10, len(steps) // 2))
+
+    def per_step(kind: str, label: str | None = None) -> float:
+        return round(float(np.mean([sum(n for (kk, lab), n in st["requests"].items()
+                                         if (kk == kind or kind == "*") and (label is None or lab == label))
+                                     for st in steps])), 1)
+
+    def bytes_of(label: str) -> float:
+        return round(float(np.mean([sum(n for (_, lab), n in st["bytes"].items() if lab == label) for st in steps])), 0)
+
+    total = [sum(st["requests"].values()) for st in steps]
+    weight_reads = sum(n for st in v["steps"] for (kk, lab), n in st["requests"].items()
+                       if kk == "read" and lab == "weights")
+    versions = len(v["steps"]) + 1 + v["kills"]["trainer"]
+    shape = dataclasses.replace(FleetShape.from_bench(args), fanout=v["fanout"])
+    counts, chain = v["counts"], v["chain"]
+    staleness = collections.Counter(x for r in records for x in r["staleness"])
+    parts = {"update_s": float(np.median([r["update_s"] for r in measured])),
+             "batch_s": float(np.median([r["batch_s"] for r in measured])),
+             "publish_s": float(np.median([r["publish_s"] for r in measured])),
+             "fetch_s": pct(merged["fetch_s"], 50), "write_s": pct(merged["write_s"], 50)}
+    return {
+        "bench": "fleet", "trainer": "worker", "fanout": v["fanout"], "hosts": args.hosts,
+        "processes": v["processes"], "kills": v["kills"], "steps_trained": counts.steps,
+        "groups_lost": counts.groups_lost, "groups_duplicated": counts.groups_duplicated,
+        "groups_trained": counts.groups_trained,
+        "groups_written": sum(f["groups_written"] for f in v["finals"].values()),
+        "trainer_incarnations": len(v["trail"]), "lineage_broken": chain.broken,
+        "step_s": {"median": round(step_s, 3), "min": round(float(np.min(periods)), 3),
+                   "max": round(float(np.max(periods)), 3)},
+        "trainer_idle_fraction": round(idle, 3),
+        "trainer_parts_s": {k2: round(x, 4) if x is not None else None for k2, x in parts.items()},
+        "requests_per_step": {"list": per_step("list", "rollouts"), "read": per_step("read", "rollouts"),
+                              "write": per_step("write", "rollouts"), "pointer": per_step("*", "pointer"),
+                              "weights": per_step("read", "weights") + per_step("write", "weights"),
+                              "other": per_step("*", "other")},
+        "requests_per_step_first10": round(float(np.mean(total[:k])), 1),
+        "requests_per_step_last10": round(float(np.mean(total[-k:])), 1),
+        "bytes_per_step": {"rollouts": bytes_of("rollouts"), "weights": bytes_of("weights")},
+        "weight_fanout_s": {"median": pct(fanout, 50), "max": pct(fanout, 100)},
+        "weight_gcs_reads_per_version": round(weight_reads / versions, 2),
+        "weight_version_bytes": v["real_version"], "weight_stands_for_mb": args.weight_stands_for_mb,
+        "curriculum_call_ms": {"p50": pct(merged["curriculum_ms"], 50), "p99": pct(merged["curriculum_ms"], 99),
+                               "first_call_max": pct(merged["curriculum_first_ms"], 100)},
+        "curriculum_call_ms_quiet": {"p50": pct(v["quiet"], 50), "p99": pct(v["quiet"], 99)},
+        "curriculum_waited_calls_per_batch": round(sum(f["waited_calls"] for f in v["finals"].values())
+                                                   / max(1, sum(f["batches"] for f in v["finals"].values())), 3),
+        "staleness": {str(k2): n for k2, n in sorted(staleness.items())},
+        "peak_rss_mb": {"trainer": v["prog"]["rss_mb"],
+                        "host_process_max": max(f["rss_mb"] for f in v["finals"].values()),
+                        "emulator": v["emulator_rss"]},
+        "cpu_s_per_step": cpu_per_step(steps),
+        "planner": planner_report(shape, args.hosts, step_s, idle, merged, busy, parts["publish_s"]),
+        "wall_s": round(v["wall"], 1),
+        "simulated": {"generation": f"response tokens / {args.host_tokens_per_s:g} tokens/s ±{args.jitter:g}",
+                      "train_step": f"the update only: the batch's tokens / {args.train_tokens_per_s:g} tokens/s "
+                                    "(bench/fleet.py TimedUpdate); ingest, replay, batching, checkpoints, publish and "
+                                    "the audit trail are the real TrainWorker's",
+                      "storage": f"the GCS emulator (in memory, a process of its own) behind +{args.latency_ms:g} "
+                                 f"ms/request and {args.stream_mb_s:g} MB/s a stream (marinrl.storage.simulated); "
+                                 "checkpoints on local disk",
+                      "weights": f"a {v['real_version']}-byte bf16 model's versions, charged and counted as "
+                                 f"{args.weight_stands_for_mb:g} MB",
+                      "requests": "each process counts its own; a killed process's requests since the last "
+                                  "trainer step are not counted"},
+        "config": {k2: x for k2, x in vars(args).items()},
+        "machine": machine(),
+    }
+
+
+def run(args) -> dict:
+    from marinrl.config.transfer import FilesystemTransferConfig
+
+    # `auto` as the job decides it for this many hosts
+    args.fanout = FilesystemTransferConfig(root="-", fanout=args.fanout).for_fleet(args.hosts).fanout
+    return run_pod(args) if args.trainer == "worker" else run_one_process(args)
 
 
 def main(argv=None) -> int:

@@ -266,13 +266,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         config = load_job_config(RLJobConfig, args.config, args.overrides)
     except (ConfigInputError, ConfigError, ValueError) as e:
         raise _input_error(args.config, args.overrides, e) from e
+    from marinrl.config.transfer import RELAY_FROM_HOSTS
+
     extra = {"latency_s": args.latency_ms / 1e3, "stream_bytes_per_s": args.stream_mb_s * 1e6,
-             "weight_streams": args.weight_streams, "fanout": args.fanout,
+             "weight_streams": args.weight_streams, "total_bytes_per_s": args.pod_storage_gb_s * 1e9 or None,
              "relay_bytes_per_s": args.relay_gb_s * 1e9 if args.relay_gb_s else None}
+
+    def fanout(n: int) -> str:  # `auto` as the job decides it (FilesystemTransferConfig.for_fleet)
+        return args.fanout if args.fanout != "auto" else "relay" if n >= RELAY_FROM_HOSTS else "storage"
+
     try:
         shapes = {n: shape_of_job(config, n, accelerator=args.accelerator, trainer_chips=args.trainer_chips,
                                   host_tokens_per_s=args.host_tokens_per_s, params=args.params,
-                                  prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens, **extra)
+                                  prompt_tokens=args.prompt_tokens, response_tokens=args.response_tokens,
+                                  fanout=fanout(n), **extra)
                   for n in args.rollout_hosts}
     except ValueError as e:
         raise InputError(str(e)) from e
@@ -384,9 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream_mb_s", type=float, default=200.0)
     p.add_argument("--weight_streams", type=int, default=1,
                    help="streams a version is written and read with (a sharded tensorstore version: many)")
-    p.add_argument("--fanout", choices=["storage", "relay"], default="storage",
-                   help="storage: every host reads each version; relay: read once, then Ray's object store")
-    p.add_argument("--relay_gb_s", type=float, default=None, help="a host's object-store bandwidth with the relay")
+    p.add_argument("--fanout", choices=["auto", "storage", "relay"], default="auto",
+                   help="storage: every host reads each version; relay: read once, then Ray's object store; "
+                        "auto: the job's default (relay from marinrl.config.transfer.RELAY_FROM_HOSTS hosts)")
+    p.add_argument("--pod_storage_gb_s", type=float, default=25.0,
+                   help="the pod's total read bandwidth from storage, GB/s (default: the planner's assumption, "
+                        "marinrl.dry_run.fleet.POD_STORAGE_BYTES_PER_S; 0: no limit)")
+    p.add_argument("--relay_gb_s", type=float, default=3.0,
+                   help="a host's object-store bandwidth with the relay (default: the planner's assumption, "
+                        "marinrl.dry_run.fleet.HOST_OBJECT_STORE_BYTES_PER_S)")
     p.set_defaults(run=cmd_plan, overrides=[])
 
     p = sub.add_parser("report", help="PNG plots and an HTML page of a run (rewards, evals, staleness, step times)")

@@ -258,11 +258,11 @@ class RLJobConfig:
         return OffPolicyConfig(staleness=self.max_staleness)
 
     def weights_config(self) -> WeightTransferConfig:
-        if self.weights is not None:
-            return self.weights
+        """The weight stream, with `fanout: auto` decided for this job's `n_rollout_workers`."""
         from marinrl.config.transfer import FilesystemTransferConfig
 
-        return FilesystemTransferConfig(root=f"{self.run_dir}/weights")
+        weights = self.weights if self.weights is not None else FilesystemTransferConfig(root=f"{self.run_dir}/weights")
+        return weights.for_fleet(self.n_rollout_workers) if isinstance(weights, FilesystemTransferConfig) else weights
 
     def _batch_source(self) -> str:
         return (f"groups_per_step × n_generations = {self.groups_per_step} × {self.n_generations} = "

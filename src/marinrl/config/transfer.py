@@ -36,7 +36,11 @@ class WeightTransferConfig(draccus.ChoiceRegistry):
         return "filesystem"
 
 
-FANOUTS = ("storage", "relay")
+FANOUTS = ("auto", "storage", "relay")
+RELAY_FROM_HOSTS = 193
+"""`fanout: auto` relays weights from this many rollout hosts on: the fleet planner's crossover
+(`marinrl.dry_run.fleet.relay_crossover` under its stated pod assumptions, a test holds the two equal;
+docs/scaling.md, "Which fan-out by default")."""
 
 
 @WeightTransferConfig.register_subclass("filesystem")
@@ -60,10 +64,11 @@ class FilesystemTransferConfig(WeightTransferConfig):
     full_every: int = FULL_EVERY_DEFAULT
     """With `delta`: every how many versions a full snapshot is written (a client that is further
     behind, or new, loads the snapshot and the deltas after it)."""
-    fanout: str = "storage"
+    fanout: str = "auto"
     """How rollout hosts get a version: `storage`, each host reads the pointer and the version from
     storage; `relay`, one Ray actor per root reads each packed version once and the hosts fetch it
-    from Ray's object store (transfer/relay.py; docs/scaling.md, "A fleet of rollout hosts")."""
+    from Ray's object store (transfer/relay.py); `auto`, the job picks `relay` from `RELAY_FROM_HOSTS`
+    rollout hosts on, else `storage` (docs/scaling.md, "Which fan-out by default")."""
 
     def __post_init__(self):
         if self.fanout not in FANOUTS:
@@ -79,6 +84,12 @@ class FilesystemTransferConfig(WeightTransferConfig):
         check_delta_config("FilesystemTransferConfig", self.delta, self.full_every)
         if self.delta and self.format == "tensorstore":
             raise ValueError("FilesystemTransferConfig.delta needs format 'packed' or 'auto', not 'tensorstore'")
+
+    def for_fleet(self, rollout_hosts: int) -> FilesystemTransferConfig:
+        """This config with `fanout: auto` decided for a fleet of `rollout_hosts` hosts."""
+        if self.fanout != "auto":
+            return self
+        return dataclasses.replace(self, fanout="relay" if rollout_hosts >= RELAY_FROM_HOSTS else "storage")
 
 
 @WeightTransferConfig.register_subclass("ray")

@@ -9,9 +9,10 @@ The model (every figure per trainer step; `FleetShape` names the inputs, `plan_f
   writes one file (one request: latency + bytes over a stream), asks the curriculum for a lesson;
 - the trainer reads the step's N files (two listings, then reads `read_concurrency` at a time, each
   a latency plus its bytes over a stream, all of them no faster than the shared link; decoding at
-  `decode_rollouts_per_s`), updates (`train_tokens_per_s`, or the dry run's FLOPs over a chip's
-  peak × MFU: `trainer_tokens_per_s`), publishes a version (its bytes over one stream plus the
-  pointer's and the clean-up's requests);
+  `decode_rollouts_per_s`), builds the batch (`BATCH_ROLLOUTS_PER_S`), updates (`train_tokens_per_s`, or
+  the dry run's FLOPs over a chip's peak × MFU: `trainer_tokens_per_s`), records the step in the audit
+  trail (one write), publishes a version (its bytes over one stream plus the pointer's and the clean-up's
+  requests); checkpoints are not counted (their cost is the model's, every `checkpoint_every` steps);
 - the hosts see it after a pointer read (a waiting host polls every `fleet / pointer_reads_per_s`
   seconds, half that on average) and fetch it: a stream each, N versions through the shared link;
 - with `max_staleness = 0` all of that is one chain per step; with `max_staleness >= 1` a host
@@ -46,6 +47,10 @@ ROLLOUT_FILE_BYTES_PER_TOKEN = 13.5
 `bench/fleet.py` (32k vocabulary, 128 + 384 tokens); a group's prompt is stored with each rollout."""
 DECODE_ROLLOUTS_PER_S = 45_000.0
 """The trainer's decoding speed of rollout files (bench/storage.py on a 2-core AMD EPYC)."""
+BATCH_ROLLOUTS_PER_S = 5_000.0
+"""The trainer's building of a step's `TrainingBatch` from sampled groups (packed rows, on the host), rollouts a
+second: bench/fleet.py's real TrainWorker measured 0.034 s for 128 rollouts and 0.21 s for 1,024 (512 tokens
+each) on a loaded 2-core Xeon (docs/scaling.md)."""
 CURRICULUM_CALL_S = 0.002
 """One waited curriculum call (a lesson) through Ray on one machine."""
 POINTER_REQUESTS_PER_PUBLISH = 5
@@ -53,6 +58,12 @@ POINTER_REQUESTS_PER_PUBLISH = 5
 the oldest version, the snapshot-request listing."""
 RELAY_POLL_S = 0.05
 """How often the relay reads the pointer (transfer/relay.py)."""
+POD_STORAGE_BYTES_PER_S = 25e9
+"""An assumption for `relay_crossover`: the pod's total read bandwidth from its bucket, 200 Gbit/s (the order of
+GCS's default per-project, per-region egress quota; check the quota of the project you run in)."""
+HOST_OBJECT_STORE_BYTES_PER_S = 3e9
+"""An assumption for `relay_crossover`: what one host pulls from another's Ray object store, 3 GB/s (a 25 Gbit/s
+host network)."""
 INGEST_TAIL_POLLS = 1.5
 """Polls of the trainer's reader between the last file and the batch (it lists every 10–100 ms while it
 waits, then reads)."""
@@ -116,8 +127,15 @@ def _transfer_s(shape: FleetShape, nbytes: float) -> float:
     return shape.latency_s + nbytes / shape.stream_bytes_per_s
 
 
-def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
-    """The steady-state step of `shape` with `hosts` rollout hosts."""
+MEASURABLE = ("host_s", "fetch_s", "busy_s")
+"""The parts `plan_fleet(measured=…)` takes as measured: a host's batch (generation, write, curriculum), a
+host's fetch of a version, the trainer's work a step (everything but waiting for rollouts)."""
+
+
+def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None = None) -> FleetPlan:
+    """The steady-state step of `shape` with `hosts` rollout hosts. `measured` replaces the model's figure
+    of any of the `MEASURABLE` parts with a measured one, so that the step's composition (the pipelining
+    below) can be checked apart from the parts' costs (`bench/fleet.py` reports both)."""
     if hosts < 1:
         raise ValueError(f"hosts must be >= 1, got {hosts}")
     s = shape
@@ -140,13 +158,22 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
     train_s = step_rollouts * (s.prompt_tokens + response_tokens) / s.train_tokens_per_s
     weight_bps = s.stream_bytes_per_s * s.weight_streams
     publish_s = POINTER_REQUESTS_PER_PUBLISH * s.latency_s + s.weight_bytes / weight_bps
-    busy_s = train_s + publish_s + CURRICULUM_CALL_S
+    batch_s = step_rollouts / BATCH_ROLLOUTS_PER_S
+    # the update, building its batch, the publish, the curriculum's step and the audit trail's record (one write)
+    busy_s = train_s + batch_s + publish_s + CURRICULUM_CALL_S + s.latency_s
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
     # every host fetches every version (its own stream; all of them through the shared link), between batches
     fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
-    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store, a host's share
+    if s.fanout == "relay":  # the relay's one read (after its poll), then the object store
+        # Ray pulls an object from any node that holds a copy, so copies double each round: log2(N + 1) rounds
+        rounds = math.ceil(math.log2(hosts + 1))
         fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
-                   + (s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+                   + (rounds * s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+    measured = measured or {}
+    if set(measured) - set(MEASURABLE):
+        raise ValueError(f"measured parts must be among {MEASURABLE}, got {sorted(measured)}")
+    host_s, fetch_s, busy_s = (measured.get(k, v) for k, v in (("host_s", host_s), ("fetch_s", fetch_s),
+                                                                ("busy_s", busy_s)))
     cycle_s = host_s + fetch_s
     fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
     if s.max_staleness == 0:
@@ -160,7 +187,7 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
     return FleetPlan(
         hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
-                 "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
+                 "batch": batch_s, "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
         requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
                            "weight_reads": 1 if s.fanout == "relay" else hosts,
                            "pointer_reads": (step_s / RELAY_POLL_S if s.fanout == "relay"
@@ -168,6 +195,23 @@ def plan_fleet(shape: FleetShape, hosts: int) -> FleetPlan:
         bytes_per_step={"rollouts": files * file_bytes,
                         "weights": (2 if s.fanout == "relay" else hosts + 1) * s.weight_bytes},
     )
+
+
+def relay_crossover(shape: FleetShape | None = None, max_hosts: int = 4096) -> int | None:
+    """The smallest fleet at which a host holds a new version sooner through the relay than from storage
+    (`FleetPlan.parts_s["fetch"]`), for `shape` (default: the fleet shape) with the pod's storage bandwidth
+    and the object store's as given, else `POD_STORAGE_BYTES_PER_S` and `HOST_OBJECT_STORE_BYTES_PER_S`.
+    Every host reading from storage is no slower until the hosts together reach the pod's storage
+    bandwidth (N·W/total > W/stream); the relay pays one storage read and then log2(N + 1) object-store
+    copies. The version's size cancels: with one stream, N = total·(1/stream + log2(N + 1)/object store)."""
+    shape = shape or FleetShape()
+    shape = dataclasses.replace(shape, total_bytes_per_s=shape.total_bytes_per_s or POD_STORAGE_BYTES_PER_S,
+                                relay_bytes_per_s=shape.relay_bytes_per_s or HOST_OBJECT_STORE_BYTES_PER_S)
+    for n in range(1, max_hosts + 1):
+        relay = plan_fleet(dataclasses.replace(shape, fanout="relay"), n).parts_s["fetch"]
+        if relay < plan_fleet(dataclasses.replace(shape, fanout="storage"), n).parts_s["fetch"]:
+            return n
+    return None
 
 
 def smallest_fleet(shape: FleetShape, max_hosts: int = 4096) -> int | None:

@@ -15,7 +15,10 @@ too) and forwards the calls rollout files, weight versions and the curriculum st
   MB and charges them as the 1.2 GB they stand for).
 
 Use it through a URL (`simstore://bucket/run`, storage options `{"latency_s": 0.03, "stats": stats}`)
-wherever the product takes one, or hand an instance as `fs=`. Tests count requests with it; they
+wherever the product takes one, or hand an instance as `fs=`. Options that must cross a process boundary
+(a Ray actor's config) are plain data: `inner="gcs"` with `inner_options` (`{"endpoint_url": …}` for the
+GCS emulator), `stats="name"` for this process's `RequestStats.named(name)` (every store of the process
+given that name counts into one), `labeler="role"` for `label_by_role`. Tests count requests with it; they
 never assert time. `bench/fleet.py` and docs/scaling.md ("A fleet of rollout hosts") use both.
 """
 
@@ -37,8 +40,32 @@ LIST_PAGE = 1000
 """Names per listing request (GCS pages object listings at 1,000)."""
 
 
+def label_by_role(path: str) -> str:
+    """A run's storage by role: `rollouts`, `pointer` (a weight stream's latest.json), `weights`, `other`."""
+    if "/rollouts" in path:
+        return "rollouts"
+    if path.endswith("latest.json"):
+        return "pointer"
+    if "/weights" in path:
+        return "weights"
+    return "other"
+
+
+LABELERS: dict[str, Callable[[str], str]] = {"role": label_by_role}
+_NAMED: dict[str, RequestStats] = {}
+_NAMED_LOCK = threading.Lock()
+
+
 class RequestStats:
     """Thread-safe request and byte counts by (kind, label)."""
+
+    @staticmethod
+    def named(name: str, labeler: Callable[[str], str] | None = None) -> RequestStats:
+        """This process's counts of that name (made on first use with `labeler`: give the same one every time)."""
+        with _NAMED_LOCK:
+            if name not in _NAMED:
+                _NAMED[name] = RequestStats(labeler)
+            return _NAMED[name]
 
     def __init__(self, labeler: Callable[[str], str] | None = None):
         self.labeler = labeler or (lambda path: "")
@@ -103,10 +130,15 @@ class SimulatedStore(AbstractFileSystem):
 
     def __init__(self, inner: str | AbstractFileSystem = "memory", latency_s: float = 0.0,
                  stream_bytes_per_s: float | None = None, total_bytes_per_s: float | None = None,
-                 stats: RequestStats | None = None, link: _Link | None = None,
-                 byte_scale: dict[str, float] | None = None, **kwargs):
+                 stats: RequestStats | str | None = None, link: _Link | None = None,
+                 byte_scale: dict[str, float] | None = None, inner_options: dict | None = None,
+                 labeler: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.inner = fsspec.filesystem(inner) if isinstance(inner, str) else inner
+        self.inner = fsspec.filesystem(inner, **(inner_options or {})) if isinstance(inner, str) else inner
+        if labeler is not None and labeler not in LABELERS:
+            raise ValueError(f"SimulatedStore labeler must be one of {sorted(LABELERS)}, got {labeler!r}")
+        if isinstance(stats, str):
+            stats = RequestStats.named(stats, LABELERS[labeler] if labeler else None)
         self.protocol = (PROTOCOL, *[str(p) for p in np.atleast_1d(self.inner.protocol)])
         self.latency_s = latency_s
         self.stream_bytes_per_s = stream_bytes_per_s

@@ -135,8 +135,14 @@ class TrainWorker:
     """One trainer: `run()` until `trainer.num_train_steps` or `stop()`; resumable from its checkpoints."""
 
     def __init__(self, config: TrainWorkerConfig, *, curriculum: CurriculumHandle | None = None,
-                 on_step: Callable[[int, dict], None] | None = None, startup: StartupClock | None = None):
+                 on_step: Callable[[int, dict], None] | None = None, startup: StartupClock | None = None,
+                 update: Callable[[Trainer, Any, StepInput], Any] | None = None):
+        """`update(trainer, state, step_input) -> StepInfo` takes the optimizer step; None: Levanter's
+        `trainer.train_step`. `bench/fleet.py` passes a model of time there (an update of a 256-host batch
+        would take minutes on a CPU); everything around it (ingest, replay, batching, checkpoints,
+        publishing, the audit trail) is this class's own."""
         self.config = config
+        self._update = update
         self._startup = startup or StartupClock()  # its `startup:` log line: docs/performance.md, "First step"
         self._curriculum = curriculum
         self._on_step = on_step
@@ -248,7 +254,8 @@ class TrainWorker:
                         program_constants = self._program_constants(trainer, state, StepInput(batch, ref), ref_fn,
                                                                     ref_model)
                     try:
-                        info = trainer.train_step(state, StepInput(batch, ref))
+                        info = (self._update(trainer, state, StepInput(batch, ref)) if self._update is not None
+                                else trainer.train_step(state, StepInput(batch, ref)))
                     except RuntimeError as e:  # Levanter's "Loss is NaN" / "Loss is Inf"
                         if self.step == first_step and self._resumed_from is not None and "Loss is" in str(e):
                             raise RuntimeError(f"{e} at the first step after resuming from {self._resumed_from.path}:"
