@@ -103,9 +103,9 @@ def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tm
 def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
     policies = {"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(specialization="full")}
     files = job_config(tmp_path, policies=policies, weights=FilesystemTransferConfig(root="memory://w", delta=True))
-    assert [m.job.weights_config() for m in policy_models(files)] == [
-        FilesystemTransferConfig(root="memory://w/policy", delta=True),
-        FilesystemTransferConfig(root="memory://w/critic", delta=True)]
+    assert [m.job.weights_config() for m in policy_models(files)] == [  # fanout: auto, decided for this fleet
+        FilesystemTransferConfig(root="memory://w/policy", delta=True, fanout="storage"),
+        FilesystemTransferConfig(root="memory://w/critic", delta=True, fanout="storage")]
     ray_ = job_config(tmp_path, policies=policies, weights=RayTransferConfig(name="w"))
     assert [m.job.weights_config().name for m in policy_models(ray_)] == ["w-policy", "w-critic"]
 

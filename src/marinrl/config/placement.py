@@ -126,6 +126,25 @@ class PlacementConfig:
         return bool(self.num_gpus or self.tpu or self.tpu_chips)
 
     @property
+    def tpu_generation(self) -> Optional[str]:
+        """`v5litepod` of `tpu: v5litepod-4`, or of `accelerator_type: TPU-V5LITEPOD`; None if neither says."""
+        if self.tpu:
+            return self.tpu.rpartition("-")[0]
+        label = (self.accelerator_type or "").lower()
+        return label.removeprefix("tpu-") if label.startswith("tpu-") else None
+
+    @property
+    def device(self) -> tuple[str, Optional[str], Optional[float]]:
+        """(kind: `cpu`, `gpu` or `tpu`; the device's name: a GPU's `accelerator_type` or a TPU's generation,
+        None where none is named; the share of a GPU's memory this role may use, None for the default): what
+        the dry run sizes an engine's cache by."""
+        if not self.has_accelerator:
+            return "cpu", None, None
+        if self.num_gpus:
+            return "gpu", self.accelerator_type, self.memory_fraction
+        return "tpu", self.tpu_generation, None
+
+    @property
     def accelerator_field(self) -> str:
         """The field that sets this role's accelerators, as `field=value` (for messages)."""
         if self.tpu_chips is not None:

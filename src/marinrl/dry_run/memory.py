@@ -265,26 +265,16 @@ class RolloutDevice:
     """The allocator's limit per device (`bytes_limit`); None where unknown."""
 
 
-def tpu_generation(placement) -> Optional[str]:
-    """`v5litepod` of `tpu: v5litepod-4`, or of `accelerator_type: TPU-V5LITEPOD`; None if neither says."""
-    if placement.tpu:
-        return placement.tpu.rpartition("-")[0]
-    label = (placement.accelerator_type or "").lower()
-    return label.removeprefix("tpu-") if label.startswith("tpu-") else None
-
-
 def rollout_device(job, cpu: bool = False) -> RolloutDevice:
     """The rollout placement's device (`cpu`: fake CPU devices whatever the placement says)."""
-    p = job.ray.rollout
-    if cpu or not p.has_accelerator:
+    kind, name, fraction = job.ray.rollout.device
+    if cpu or kind == "cpu":
         return RolloutDevice("cpu")
-    if p.num_gpus:
-        gib = DEVICE_MEMORY_GIB.get(p.accelerator_type or "")
-        fraction = p.memory_fraction if p.memory_fraction is not None else GPU_MEMORY_FRACTION
-        return RolloutDevice("gpu", p.accelerator_type, None if gib is None else gib * fraction * GiB)
-    generation = tpu_generation(p)
-    gib = DEVICE_MEMORY_GIB.get(generation or "")
-    return RolloutDevice("tpu", generation, None if gib is None else gib * GiB)
+    gib = DEVICE_MEMORY_GIB.get(name or "")
+    if kind == "gpu":
+        share = fraction if fraction is not None else GPU_MEMORY_FRACTION
+        return RolloutDevice("gpu", name, None if gib is None else gib * share * GiB)
+    return RolloutDevice("tpu", name, None if gib is None else gib * GiB)
 
 
 def engine_pages(job, model, mapping: dict, mesh: dict, device: RolloutDevice) -> tuple[int, int, str]:
