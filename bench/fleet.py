@@ -59,7 +59,7 @@ from marinrl.config.env import EnvConfig  # noqa: E402
 from marinrl.config.replay import ReplayConfig  # noqa: E402
 from marinrl.dry_run.fleet import FleetShape, plan_fleet  # noqa: E402
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter  # noqa: E402
-from marinrl.storage.simulated import RequestStats, SimulatedStore, _Link  # noqa: E402
+from marinrl.storage.simulated import RequestStats, SimulatedStore, _Link, label_by_role  # noqa: E402
 from marinrl.train.replay.buffer import ReplayBuffer  # noqa: E402
 from marinrl.train.replay.sampling import OffPolicyConfig  # noqa: E402
 from marinrl.transfer.base import PollBackoff  # noqa: E402
@@ -112,16 +112,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- storage
-
-
-def labeler(path: str) -> str:
-    if "/rollouts" in path:
-        return "rollouts"
-    if path.endswith("latest.json"):
-        return "pointer"
-    if "/weights" in path:
-        return "weights"
-    return "other"
 
 
 class TimedReader(RolloutReader):
@@ -360,7 +350,7 @@ def run_one_process(args) -> dict:
     from marinrl.transfer.checkpoint import FilesystemWeightServer
 
     run_id = f"fleet-{uuid.uuid4().hex[:8]}"
-    stats = RequestStats(labeler)
+    stats = RequestStats(label_by_role)
     link = _Link(args.total_mb_s * 1e6 or None)
     opts = {"latency_s": args.latency_ms / 1e3, "stream_bytes_per_s": args.stream_mb_s * 1e6, "stats": stats,
             "link": link, "byte_scale": {"weights": args.weight_stands_for_mb / args.weight_mb}}

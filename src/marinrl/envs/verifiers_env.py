@@ -52,6 +52,7 @@ import numpy as np
 
 from marinrl.config.env import VerifiersEnvConfig
 from marinrl.envs.base import Mode, check_sample_args, make_rollout, new_group_id, register_env
+from marinrl.envs.verifiers_process import BridgeDied, BridgeProcess, tail
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.logs import ENV_ERRORS, WAITS
 from marinrl.types import DEFAULT_AGENT, RolloutGroup
@@ -74,10 +75,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class BridgeDied(RuntimeError):
-    """The bridge or the EnvServer process ended; the episodes it held may run again."""
-
-
 def deep_merge(base: dict, over: Optional[dict]) -> dict:
     """`over` merged into a copy of `base`, dicts key by key."""
     out = dict(base)
@@ -90,93 +87,6 @@ def env_config_data(cfg: VerifiersEnvConfig, eval_split: bool = False) -> dict:
     """verifiers' EnvConfig data of the lesson (`eval_split`: its eval tasks' taskset)."""
     args = deep_merge(cfg.env_args, cfg.eval_env_args) if eval_split else dict(cfg.env_args)
     return {**args, "taskset": {**dict(args.get("taskset") or {}), "id": cfg.env_id}}
-
-
-def _tail(path: Optional[str], n: int = 1500) -> str:
-    if not path or not os.path.exists(path):
-        return ""
-    with open(path, errors="replace") as f:
-        text = f.read()[-n:]
-    return " ".join(text.split())
-
-
-class _Process:
-    """One bridge process: JSON lines in and out, answers matched to requests by id on a reader thread."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], log_path: str, what: str):
-        self.what = what
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
-        self._pending: dict[int, concurrent.futures.Future] = {}
-        self._first: concurrent.futures.Future = concurrent.futures.Future()
-        self._lock = threading.Lock()
-        self._next = 0
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"marinrl-{what}")
-        self._reader.start()
-
-    def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            if not self._first.done():
-                self._first.set_result(line)
-                continue
-            try:
-                message = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            with self._lock:
-                future = self._pending.pop(message.get("id"), None)
-            if future is not None and not future.done():
-                future.set_result(message)
-        self.proc.wait()
-        error = BridgeDied(f"the verifiers {self.what} exited ({self.proc.returncode}): {_tail(self.log_path)}")
-        if not self._first.done():
-            self._first.set_exception(error)
-        with self._lock:
-            pending, self._pending = self._pending, {}
-        for future in pending.values():
-            if not future.done():
-                future.set_exception(error)
-
-    def first_line(self, timeout: float) -> str:
-        """The process's first line of output (its announcement), waited for up to `timeout` seconds."""
-        try:
-            return self._first.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the verifiers {self.what} did not start within {timeout:g} s: "
-                               f"{_tail(self.log_path)}") from None
-
-    def request(self, **message) -> concurrent.futures.Future:
-        with self._lock:
-            self._next += 1
-            rid = self._next
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            if self.proc.poll() is not None:
-                future.set_exception(BridgeDied(f"the verifiers {self.what} is not running"))
-                return future
-            self._pending[rid] = future
-        try:
-            self.proc.stdin.write((json.dumps({"id": rid, **message}) + "\n").encode())
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            pass  # the reader fails the future when the process is gone
-        return future
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        try:
-            self.proc.stdin.close()  # the bridge ends on EOF
-        except Exception:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
 
 
 @dataclasses.dataclass
@@ -220,8 +130,8 @@ class VerifiersEnv:
         self.env_name = env_name
         self.policy_name = self.config.policy
         self._lock = threading.Lock()
-        self._server: Optional[_Process] = None
-        self._client: Optional[_Process] = None
+        self._server: Optional[BridgeProcess] = None
+        self._client: Optional[BridgeProcess] = None
         self._tasks: dict[str, int] = {}
         self._started_key: Optional[tuple] = None
         self._tmp: Optional[tempfile.TemporaryDirectory] = None
@@ -285,20 +195,20 @@ class VerifiersEnv:
                              f"protocol of verifiers {', '.join(v + 'x' for v in SUPPORTED_VERIFIERS)} "
                              "(pip install verifiers==0.4.0 there)")
 
-    def _expect_healthy(self, client: _Process, timeout: float) -> None:
+    def _expect_healthy(self, client: BridgeProcess, timeout: float) -> None:
         answer = client.request(op="health", timeout=timeout).result(timeout + 30)
         if not answer.get("healthy"):
             raise ValueError(self._unhealthy(timeout))
 
     # ------------------------------------------------------------------ the processes
 
-    def _spawn_client(self, tmp: str, address: str, base_url: str = "", env: Optional[dict] = None) -> _Process:
+    def _spawn_client(self, tmp: str, address: str, base_url: str = "", env: Optional[dict] = None) -> BridgeProcess:
         argv = self._argv("client", address=address, base_url=base_url, api_key_var=self.config.api_key_var,
                           renderer_model=self._renderer_model, renderer=self.config.renderer)
-        return _Process(argv, dict(os.environ) if env is None else env, os.path.join(tmp, "client.log"),
+        return BridgeProcess(argv, dict(os.environ) if env is None else env, os.path.join(tmp, "client.log"),
                         "task client")
 
-    def _wait_ready(self, client: _Process) -> None:
+    def _wait_ready(self, client: BridgeProcess) -> None:
         self._check_versions(json.loads(client.first_line(self.config.start_timeout)))
 
     _renderer_model: Optional[str] = None
@@ -330,13 +240,13 @@ class VerifiersEnv:
                            f"{self.config.start_timeout:g} s)"):
             if address is None:  # both start at once (each imports verifiers: seconds); ZeroMQ connects before a bind
                 address = f"tcp://127.0.0.1:{_free_port()}"
-                self._server = _Process(self._argv("serve", bind=address), env, os.path.join(tmp, "server.log"),
+                self._server = BridgeProcess(self._argv("serve", bind=address), env, os.path.join(tmp, "server.log"),
                                         "EnvServer")
             self._client = self._spawn_client(tmp, address, url, env)
             if self._server is not None:
                 line = self._server.first_line(self.config.start_timeout)
                 if not line.startswith("address "):
-                    raise RuntimeError(f"{self.label}: the EnvServer said {line!r}: {_tail(self._server.log_path)}")
+                    raise RuntimeError(f"{self.label}: the EnvServer said {line!r}: {tail(self._server.log_path)}")
             self._wait_ready(self._client)
             if self.config.server_address is not None:
                 self._expect_healthy(self._client, self.config.start_timeout)
@@ -383,6 +293,15 @@ class VerifiersEnv:
                     for _ in range(n_generations)]
         counts = collections.Counter()
         queue = collections.deque(episodes)
+
+        def retry_or_fail(e: _Episode) -> None:  # its process died under it: run again while tries are left
+            if e.tries < cfg.max_retries:
+                e.tries += 1
+                counts["episodes_retried"] += 1
+                queue.append(e)
+            else:
+                e.status = "failed"
+
         running: dict[concurrent.futures.Future, _Episode] = {}
         started: dict[concurrent.futures.Future, float] = {}
         sampling_wire = {"temperature": float(sampling.temperature), "max_tokens": int(sampling.max_tokens)}
@@ -406,12 +325,7 @@ class VerifiersEnv:
                     except BridgeDied as err:
                         died = True
                         e.error = str(err)
-                        if e.tries < cfg.max_retries:
-                            e.tries += 1
-                            counts["episodes_retried"] += 1
-                            queue.append(e)
-                        else:
-                            e.status = "failed"
+                        retry_or_fail(e)
                         continue
                     self._settle(e, answer)
                 now = time.monotonic()
@@ -425,12 +339,7 @@ class VerifiersEnv:
                     for future, e in list(running.items()):  # the others of the dead process: run again
                         running.pop(future)
                         started.pop(future)
-                        if e.tries < cfg.max_retries:
-                            e.tries += 1
-                            counts["episodes_retried"] += 1
-                            queue.append(e)
-                        else:
-                            e.status = "failed"
+                        retry_or_fail(e)
                     if queue:
                         self._ensure_started(ctx)
         return self._result(episodes, tasks, n_generations, sampling, counts, self.server_restarts - restarts_before)
