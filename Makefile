@@ -32,11 +32,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # pytest exits 5 when it collects nothing: that is a failure here too. The files are shared out over
-# TEST_WORKERS processes (pytest-xdist, a whole file to one process: its fixtures stay its own); each worker
-# starts its own local Ray. 2 suits a 2-core, 24 GiB machine; `make test TEST_WORKERS=0` runs in one process.
+# TEST_WORKERS processes (pytest-xdist, a whole file to one process: its fixtures stay its own; heaviest files
+# first, tests/conftest.py); each worker starts its own local Ray. 2 suits a 2-core, 24 GiB machine;
+# `make test TEST_WORKERS=0` runs in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) $(VF_STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The learning jobs of minutes that `make test` leaves out (pytest's `slow` marker).
 test-slow: $(STAMP)
