@@ -172,9 +172,11 @@ def test_the_planner_moves_the_wait_from_the_trainer_to_the_hosts_as_the_fleet_g
 # ----------------------------------------------------------------------------- weight fan-out
 
 
-def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hosts(ray_session, tmp_path):
+@pytest.mark.parametrize("scheme", ["file", "simstore"])
+def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hosts(ray_session, tmp_path, scheme):
     """Eight hosts' clients of a relayed root: each version read from storage once (by the relay), the
-    hosts' copies from Ray's object store, equal to what was published."""
+    hosts' copies from Ray's object store, equal to what was published. A `simstore://` root opens in the
+    relay's own process, which never imports storage/simulated.py itself (storage/fs.py registers it)."""
     import jax
     import jax.numpy as jnp
 
@@ -182,7 +184,9 @@ def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hos
     from marinrl.transfer.endpoints import build_client, build_server
     from marinrl.transfer.relay import RelayWeightClient, relay_name
 
-    config = FilesystemTransferConfig(root=f"file://{tmp_path}/weights", format="packed", fanout="relay")
+    options = {"inner": "file"} if scheme == "simstore" else {}
+    config = FilesystemTransferConfig(root=f"{scheme}://{tmp_path}/weights", format="packed", fanout="relay",
+                                      storage_options=options)
     model = {"a": jnp.arange(1000, dtype=jnp.float32), "b": jnp.ones((10, 10), jnp.bfloat16)}
     server = build_server(config)
     clients = [build_client(config, model) for _ in range(8)]

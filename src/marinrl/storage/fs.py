@@ -18,6 +18,11 @@ ATOMIC_PUT_PROTOCOLS = {"gs", "gcs", "s3", "s3a", "memory", "az", "abfs", "abfss
 (weight transfer and the curriculum state follow the same rule)."""
 
 
+# `simstore://` (storage/simulated.py) is known in every process that opens storage, imported on first use:
+# a Ray actor given a simstore URL in its config (a weight relay) never imports the module itself.
+fsspec.register_implementation("simstore", "marinrl.storage.simulated.SimulatedStore")
+
+
 class RolloutStorageError(OSError):
     """A filesystem operation that kept failing after retries; the message names the path."""
 
