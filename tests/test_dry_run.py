@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from marinrl.dry_run import flops, predicted_memory
-from marinrl.dry_run.memory import abstract_model, count
+from marinrl.dry_run.shapes import abstract_model, count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_the_engine_cache_is_sized_as_the_engine_sizes_it_on_each_device_kind():
     """CPU: max_seqs full-length sequences in pages of 64 tokens (`resolved_engine_config`). TPU v5e (the recipe's
     `v5litepod-4`) and an H100: the most 128-token pages that fit hbm_utilization of the device's memory less
     the weights. A GPU the table does not know: max_seqs sequences, and a note that says so."""
-    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION
 
     job = _recipe()
     e = job.inference.engine
@@ -184,7 +184,8 @@ def test_engine_pages_agree_with_levanters_own_sizing(monkeypatch):
     import haliax as hax
     from levanter.inference import engine as levanter_engine
 
-    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, RolloutDevice, engine_pages, engine_sizing, shard_bytes
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, RolloutDevice, engine_pages, engine_sizing
+    from marinrl.dry_run.shapes import shard_bytes
 
     job = _recipe()
     e = job.inference.engine
