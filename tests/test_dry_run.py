@@ -249,22 +249,35 @@ def test_dry_run_compiles_the_backend_the_job_runs(backend):
 
 def test_the_cpu_plan_adds_what_xla_cpu_holds_on_fake_devices():
     """`cpu=True` (the rehearsal's prediction): per FSDP device the whole weights in the compute dtype and
-    the whole float32 gradients; per rollout device a float32 copy of the bf16 weights. A received version
-    beside the served one is counted on any platform."""
+    the whole float32 gradients; per rollout device a float32 copy of the bf16 weights; per process the
+    XLA:CPU runtime, shared out over its devices. A received version beside the served one is counted on any
+    platform."""
+    from marinrl.dry_run.memory import CPU_PROCESS_RUNTIME_BYTES
+
     job = _recipe()
     n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
     plain = predicted_memory(job, "trainer", 2).bytes_per_device
-    cpu = predicted_memory(job, "trainer", 2, cpu=True).bytes_per_device
+    cpu_plan = predicted_memory(job, "trainer", 2, cpu=True)
+    cpu = cpu_plan.bytes_per_device
     # the whole gathered bf16 copy takes the place of the sharded one an accelerator holds
     assert "compute_parameters" not in cpu and plain["compute_parameters"] == pytest.approx(n, rel=0.01)
     assert {k: cpu[k] for k in plain if k != "compute_parameters"} == \
         {k: v for k, v in plain.items() if k != "compute_parameters"}
     assert cpu["gathered_parameters"] == pytest.approx(2 * n, rel=1e-6)  # bf16 compute (mp c=bfloat16)
     assert cpu["gradients"] + cpu["unsharded_gradients"] == pytest.approx(4 * n, rel=1e-6)
-    rollout = predicted_memory(job, "rollout", 2, cpu=True).bytes_per_device
+    rollout_plan = predicted_memory(job, "rollout", 2, cpu=True)
+    rollout = rollout_plan.bytes_per_device
     assert rollout["incoming_version"] == rollout["weights"]
     assert rollout["cpu_float32_weights"] == pytest.approx(2 * rollout["weights"])
-    assert "cpu_float32_weights" not in predicted_memory(job, "rollout", 2).bytes_per_device
+    plain_rollout = predicted_memory(job, "rollout", 2)
+    assert "cpu_float32_weights" not in plain_rollout.bytes_per_device
+    # the process's runtime: one CPU_PROCESS_RUNTIME_BYTES a process, its share on each of its devices
+    for plan, without in ((cpu_plan, plain), (rollout_plan, plain_rollout.bytes_per_device)):
+        assert plan.devices_per_process == 2 and "cpu_runtime" in plan.estimated
+        assert plan.bytes_per_device["cpu_runtime"] == CPU_PROCESS_RUNTIME_BYTES / plan.devices_per_process
+        assert plan.bytes_per_device["cpu_runtime"] * plan.devices_per_process == \
+            pytest.approx(CPU_PROCESS_RUNTIME_BYTES)
+        assert "cpu_runtime" not in without
 
 
 def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):

@@ -21,23 +21,26 @@ Components (per device), and how exact each is:
   Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations + logits +
   logits_compute_copy + lm_head_gradient + compute_parameters; with `cpu=True` also
   `gathered_parameters` (in place of `compute_parameters`) and `unsharded_gradients` (what XLA:CPU holds
-  per FSDP device) and, with delta sync, `delta_host_copy` (the last version, kept on the host: device
-  memory on a CPU).
+  per FSDP device), with delta sync `delta_host_copy` (the last version, kept on the host: device memory on a
+  CPU), and `cpu_runtime`.
 - rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis), `cache`
   (engine: the paged KV cache plus the engine's decode state, its pages as the engine sizes them on the role's
   device kind, `engine_pages`; scan: one call's KV cache): exact from shapes and shardings. `working_set`: an
   estimate of one engine prefill or decode step's buffers (`rollout_working_set_bytes`). `incoming_version`: a
   received version is built beside the served weights before the swap (exact). Peak = weights + cache +
   working_set + incoming_version; with `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16
-  weights for its matmuls) and, with delta sync, `delta_host_copy` (the receiver's copy of the last version).
+  weights for its matmuls), with delta sync `delta_host_copy` (the receiver's copy of the last version), and
+  `cpu_runtime`.
+- both, with `cpu=True`: `cpu_runtime`, the process's own memory beyond XLA's buffers (`CPU_PROCESS_RUNTIME_BYTES`,
+  measured, an estimate), its share per device. On a CPU device memory is the process's memory; an accelerator's
+  device memory does not hold it.
 
-Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
-the Python process (its baseline; it includes the host memory JAX's tracing and lowering of the train step keep,
-~0.3 GiB at bench/train_step.py's vocab150k shape, and a transient of about as much while the step runs, beyond
-XLA's temporaries: docs/performance.md, "Large vocabulary"), Ray, the trainer's copy of a version while it
-publishes (between updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
-copies of bfloat16 weights for its matmuls, the engine's scratch growing by twice a layer's bfloat16 shard
-per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`.
+Not counted, for the caller to add (the rehearsal measures them): the Python process's baseline (its RSS before
+the model: imports, the XLA client), Ray, the trainer's copy of a version while it publishes (between updates),
+and the host memory of checkpoints and rollout files; on an accelerator, host memory altogether and the compiled
+programs. What only XLA:CPU allocates (float32 copies of bfloat16 weights for its matmuls, the engine's scratch
+growing by twice a layer's bfloat16 shard per layer, whole gathered weights per FSDP device; docs/scaling.md) and
+the process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cpu=True`.
 
 The engine's cache is sized as the engine sizes its pages on the role's device kind: `engine_cache.py`.
 
@@ -67,12 +70,18 @@ from marinrl.dry_run.engine_cache import (
     rollout_device,
 )
 from marinrl.dry_run.flops import ModelDims
-from marinrl.dry_run.shapes import abstract_model, cast_floats, shard_bytes, total_bytes
+from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
 from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
+CPU_PROCESS_RUNTIME_BYTES = int(0.6 * GiB)
+"""What an XLA:CPU process holds beyond every buffer of its compiled programs, per process: host memory that JAX's
+tracing and lowering of the step keep (~0.3 GiB, none given back) and a transient of about 0.3 GiB while a step
+runs (measured at bench/train_step.py's vocab150k shape, where the compiled step's arguments and temporaries are
+all in the prediction: docs/performance.md, "Large vocabulary"). Counted only on a CPU (`cpu=True`), where device
+memory is the process's memory; an accelerator's device memory does not hold it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,8 +300,12 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     if cpu and _delta_sync(job):  # the delta server's host copy of the last version; on a CPU host is device memory
         version = shard_bytes(cast_floats(state.model, jnp.dtype(job.rollout_dtype())), mapping, mesh)
         components["delta_host_copy"] = version
+    per_process = min(per_host or n_devices, n_devices)
+    if cpu:
+        components["cpu_runtime"] = CPU_PROCESS_RUNTIME_BYTES / per_process
+        estimated += ("cpu_runtime",)
     return MemoryPlan(
-        role="trainer", devices=n_devices, devices_per_process=min(per_host or n_devices, n_devices), mesh=mesh,
+        role="trainer", devices=n_devices, devices_per_process=per_process, mesh=mesh,
         bytes_per_device=components, estimated=estimated)
 
 
@@ -322,6 +335,9 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         estimated += ("cpu_float32_weights",)
     if cpu and _delta_sync(job):  # the delta receiver's host copy of the last version
         components["delta_host_copy"] = weights
+    if cpu:
+        components["cpu_runtime"] = CPU_PROCESS_RUNTIME_BYTES / n_devices  # one process holds all the devices
+        estimated += ("cpu_runtime",)
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
         bytes_per_device=components, estimated=estimated, notes=notes)
@@ -382,9 +398,9 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
     `response_tokens` (None: the curriculum's largest `max_tokens`) fix the trainer's row length and the
     scan sampler's cache; the engine's cache is sized by `inference.engine` alone. `cpu`: also count what
     XLA:CPU adds on fake CPU devices (whole gathered weights and gradients per FSDP device, float32 copies
-    of bfloat16 rollout weights), for a run on this machine (bench/rehearsal.py). `device`: the rollout's device
-    as measured where one is at hand (its kind and `bytes_limit`; bench/device_check.py), in place of what the
-    placement says (`rollout_device`)."""
+    of bfloat16 rollout weights, the process's runtime), for a run on this machine (bench/rehearsal.py).
+    `device`: the rollout's device as measured where one is at hand (its kind and `bytes_limit`;
+    bench/device_check.py), in place of what the placement says (`rollout_device`)."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"predicted_memory: role must be 'trainer' or 'rollout', got {role!r}")
     if n_devices is not None and n_devices < 1:
