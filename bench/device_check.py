@@ -458,8 +458,9 @@ def section_generation(args) -> dict:
     import numpy as np
 
     from marinrl.dry_run import predicted_memory
+    from marinrl.dry_run.engine_cache import RolloutDevice
     from marinrl.dry_run.flops import ModelDims, generation_flops
-    from marinrl.dry_run.memory import RolloutDevice, default_response_tokens
+    from marinrl.dry_run.memory import default_response_tokens
     from marinrl.inference.context import SamplingParams
     from marinrl.job.plan import serve
     from marinrl.levanter_configs import to_levanter

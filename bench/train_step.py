@@ -57,8 +57,7 @@ process's peak RSS (`ru_maxrss`; on an accelerator `memory_stats()['peak_bytes_i
 mode's model was built, as bench/rehearsal.py measures, and `predicted_peak_gib` is the dry run's
 (`predicted_memory(job, "trainer", 1, cpu=True)`) for the same model, rows, row length and precision; the line also
 carries the prediction's components. `runtime_gib` is what the process keeps after its first step beyond the
-trainer state (parameters and AdamW moments): compiled programs and XLA:CPU's allocator, which the dry run leaves to
-the caller as it does the Python baseline; `peak_ratio_with_runtime` compares the peak with the prediction plus it.
+trainer state (parameters and AdamW moments), to compare with the dry run's `cpu_runtime`.
 Timings across processes are not paired: the summary gives the ratio of the modes' medians.
 
     python bench/train_step.py --shape vocab150k --steps 4           # kl_0+blockwise, kl_0+full
@@ -363,15 +362,12 @@ class Mode:
         measured = peak - self.rss_before_model if cpu else peak
         gib = float(1 << 30)
         b = plan.bytes_per_device
-        # What the process keeps after its first step beyond the trainer state (compiled programs, XLA:CPU's
-        # allocator): the dry run leaves it to the caller, as it does the Python baseline.
+        # what the process keeps after its first step beyond the trainer state, beside the dry run's `cpu_runtime`
         runtime = self.rss_after_first_step - self.rss_before_model - b["parameters"] - b["optimizer_state"]
-        with_runtime = plan.peak_bytes_per_device + runtime if cpu else float("nan")
         return {"logits": self.logits, "mp": self.mp,
                 "peak_gib": round(measured / gib, 3), "predicted_peak_gib": round(plan.peak_bytes_per_device / gib, 3),
                 "peak_ratio": round(measured / plan.peak_bytes_per_device, 3),
                 "runtime_gib": round(runtime / gib, 3) if cpu else None,
-                "peak_ratio_with_runtime": round(measured / with_runtime, 3) if cpu else None,
                 "peak_rss_gib": round(peak / gib, 3) if cpu else None,
                 "rss_before_model_gib": round(self.rss_before_model / gib, 3) if cpu else None,
                 "rss_after_setup_gib": round(self.rss_after_setup / gib, 3) if cpu else None,

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from marinrl.dry_run import flops, predicted_memory
-from marinrl.dry_run.memory import abstract_model, count
+from marinrl.dry_run.shapes import abstract_model, count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ def test_the_engine_cache_is_sized_as_the_engine_sizes_it_on_each_device_kind():
     """CPU: max_seqs full-length sequences in pages of 64 tokens (`resolved_engine_config`). TPU v5e (the recipe's
     `v5litepod-4`) and an H100: the most 128-token pages that fit hbm_utilization of the device's memory less
     the weights. A GPU the table does not know: max_seqs sequences, and a note that says so."""
-    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION
 
     job = _recipe()
     e = job.inference.engine
@@ -184,7 +184,8 @@ def test_engine_pages_agree_with_levanters_own_sizing(monkeypatch):
     import haliax as hax
     from levanter.inference import engine as levanter_engine
 
-    from marinrl.dry_run.memory import DEVICE_MEMORY_GIB, RolloutDevice, engine_pages, engine_sizing, shard_bytes
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, RolloutDevice, engine_pages, engine_sizing
+    from marinrl.dry_run.shapes import shard_bytes
 
     job = _recipe()
     e = job.inference.engine
@@ -248,22 +249,35 @@ def test_dry_run_compiles_the_backend_the_job_runs(backend):
 
 def test_the_cpu_plan_adds_what_xla_cpu_holds_on_fake_devices():
     """`cpu=True` (the rehearsal's prediction): per FSDP device the whole weights in the compute dtype and
-    the whole float32 gradients; per rollout device a float32 copy of the bf16 weights. A received version
-    beside the served one is counted on any platform."""
+    the whole float32 gradients; per rollout device a float32 copy of the bf16 weights; per process the
+    XLA:CPU runtime, shared out over its devices. A received version beside the served one is counted on any
+    platform."""
+    from marinrl.dry_run.memory import CPU_PROCESS_RUNTIME_BYTES
+
     job = _recipe()
     n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
     plain = predicted_memory(job, "trainer", 2).bytes_per_device
-    cpu = predicted_memory(job, "trainer", 2, cpu=True).bytes_per_device
+    cpu_plan = predicted_memory(job, "trainer", 2, cpu=True)
+    cpu = cpu_plan.bytes_per_device
     # the whole gathered bf16 copy takes the place of the sharded one an accelerator holds
     assert "compute_parameters" not in cpu and plain["compute_parameters"] == pytest.approx(n, rel=0.01)
     assert {k: cpu[k] for k in plain if k != "compute_parameters"} == \
         {k: v for k, v in plain.items() if k != "compute_parameters"}
     assert cpu["gathered_parameters"] == pytest.approx(2 * n, rel=1e-6)  # bf16 compute (mp c=bfloat16)
     assert cpu["gradients"] + cpu["unsharded_gradients"] == pytest.approx(4 * n, rel=1e-6)
-    rollout = predicted_memory(job, "rollout", 2, cpu=True).bytes_per_device
+    rollout_plan = predicted_memory(job, "rollout", 2, cpu=True)
+    rollout = rollout_plan.bytes_per_device
     assert rollout["incoming_version"] == rollout["weights"]
     assert rollout["cpu_float32_weights"] == pytest.approx(2 * rollout["weights"])
-    assert "cpu_float32_weights" not in predicted_memory(job, "rollout", 2).bytes_per_device
+    plain_rollout = predicted_memory(job, "rollout", 2)
+    assert "cpu_float32_weights" not in plain_rollout.bytes_per_device
+    # the process's runtime: one CPU_PROCESS_RUNTIME_BYTES a process, its share on each of its devices
+    for plan, without in ((cpu_plan, plain), (rollout_plan, plain_rollout.bytes_per_device)):
+        assert plan.devices_per_process == 2 and "cpu_runtime" in plan.estimated
+        assert plan.bytes_per_device["cpu_runtime"] == CPU_PROCESS_RUNTIME_BYTES / plan.devices_per_process
+        assert plan.bytes_per_device["cpu_runtime"] * plan.devices_per_process == \
+            pytest.approx(CPU_PROCESS_RUNTIME_BYTES)
+        assert "cpu_runtime" not in without
 
 
 def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):

@@ -21,37 +21,32 @@ Components (per device), and how exact each is:
   Peak = parameters + gradients + gradient_accumulator + optimizer_state + activations + logits +
   logits_compute_copy + lm_head_gradient + compute_parameters; with `cpu=True` also
   `gathered_parameters` (in place of `compute_parameters`) and `unsharded_gradients` (what XLA:CPU holds
-  per FSDP device) and, with delta sync, `delta_host_copy` (the last version, kept on the host: device
-  memory on a CPU).
+  per FSDP device), with delta sync `delta_host_copy` (the last version, kept on the host: device memory on a
+  CPU), and `cpu_runtime`.
 - rollout: `weights` in the rollout dtype (`job.rollout_dtype()`, tensor-parallel over the model axis), `cache`
   (engine: the paged KV cache plus the engine's decode state, its pages as the engine sizes them on the role's
   device kind, `engine_pages`; scan: one call's KV cache): exact from shapes and shardings. `working_set`: an
   estimate of one engine prefill or decode step's buffers (`rollout_working_set_bytes`). `incoming_version`: a
   received version is built beside the served weights before the swap (exact). Peak = weights + cache +
   working_set + incoming_version; with `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16
-  weights for its matmuls) and, with delta sync, `delta_host_copy` (the receiver's copy of the last version).
+  weights for its matmuls), with delta sync `delta_host_copy` (the receiver's copy of the last version), and
+  `cpu_runtime`.
+- both, with `cpu=True`: `cpu_runtime`, the process's own memory beyond XLA's buffers (`CPU_PROCESS_RUNTIME_BYTES`,
+  measured, an estimate), its share per device. On a CPU device memory is the process's memory; an accelerator's
+  device memory does not hold it.
 
-Not counted, for the caller to add (the rehearsal measures them): the XLA runtime, compiled programs and
-the Python process (its baseline; it includes the host memory JAX's tracing and lowering of the train step keep,
-~0.3 GiB at bench/train_step.py's vocab150k shape, and a transient of about as much while the step runs, beyond
-XLA's temporaries: docs/performance.md, "Large vocabulary"), Ray, the trainer's copy of a version while it
-publishes (between updates), and the host memory of checkpoints and rollout files. What only XLA:CPU allocates (float32
-copies of bfloat16 weights for its matmuls, the engine's scratch growing by twice a layer's bfloat16 shard
-per layer, whole gathered weights per FSDP device; docs/scaling.md) is counted with `cpu=True`.
+Not counted, for the caller to add (the rehearsal measures them): the Python process's baseline (its RSS before
+the model: imports, the XLA client), Ray, the trainer's copy of a version while it publishes (between updates),
+and the host memory of checkpoints and rollout files; on an accelerator, host memory altogether and the compiled
+programs. What only XLA:CPU allocates (float32 copies of bfloat16 weights for its matmuls, the engine's scratch
+growing by twice a layer's bfloat16 shard per layer, whole gathered weights per FSDP device; docs/scaling.md) and
+the process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cpu=True`.
 
-The engine's pages (`engine_pages`), as `levanter_engine.resolved_engine_config` and Levanter's engine size
-them: `inference.engine.max_pages` when set; on a CPU (`cpu=True`, or a rollout placement without an
-accelerator) `max_seqs` × ceil(`max_seq_len` / page) pages of 64 tokens; on a GPU or TPU with
-`max_pages: null` as many pages as fit `hbm_utilization` of the device's free memory when the engine starts
-(its memory limit less the served weights: Levanter's `_infer_max_pages_from_hbm`), pages of 128 tokens.
-The device's memory comes from the rollout placement (`DEVICE_MEMORY_GIB`: the TPU generation of `tpu` or
-`accelerator_type`, the GPU of `accelerator_type`, times `memory_fraction` on a GPU); where it names no
-known device the plan counts `max_seqs` full-length sequences and says so in `notes`.
+The engine's cache is sized as the engine sizes its pages on the role's device kind: `engine_cache.py`.
 
 The rollout mesh is the accelerator's: `inference.model_axis_size`, else the largest divisor of the
 device count that splits the model's heads and MLP (on a CPU a server with `model_axis_size: null`
-uses one device: set it for a like-for-like comparison there). The engine's page size and cache dtype
-are `inference.engine.page_size` (else 128) and `inference.engine.compute_dtype` (else the rollout dtype).
+uses one device: set it for a like-for-like comparison there).
 """
 
 from __future__ import annotations
@@ -65,38 +60,28 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from marinrl.config.trainer import parse_mp
+from marinrl.dry_run.engine_cache import (
+    RolloutDevice,
+    abstract_engine_state,
+    engine_pages,
+    engine_sizing,
+    rollout_device,
+)
 from marinrl.dry_run.flops import ModelDims
-from marinrl.inference.levanter_engine import resolved_engine_config
+from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
 from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
-GiB = float(1 << 30)
-ACCELERATOR_PAGE_SIZE = 128
-"""The engine's page size on TPU/GPU when `inference.engine.page_size` is unset (`EngineConfig`)."""
-CPU_PAGE_SIZE = 64
-"""The engine's page size on a CPU when `inference.engine.page_size` is unset (`resolved_engine_config`)."""
-DEVICE_MEMORY_GIB = {
-    "H100": 79.18,
-    "v4": 32.0,
-    "v5litepod": 16.0,
-    "v5p": 95.0,
-    "v6e": 32.0,
-}
-"""One device's memory (GiB) as JAX's allocator would have it all, by GPU `accelerator_type` or TPU generation:
-the H100's measured (`memory_stats()['bytes_limit']` 59.38 GiB at JAX's default fraction 0.75,
-docs/device_checks/2026-11-26-h100.json); the TPU chips' HBM from Google's data sheets (v4 32, v5e 16, v5p 95,
-v6e 32 GiB; the runtime keeps a little of it). A device not listed leaves the engine's cache at `max_seqs`
-sequences, with a note."""
-GPU_MEMORY_FRACTION = 0.75
-"""JAX's default `XLA_PYTHON_CLIENT_MEM_FRACTION`: a GPU process's allocator limit is this share of the GPU
-(`PlacementConfig.memory_fraction` sets another)."""
-MAX_ENGINE_PAGES = 1 << 20
-"""Levanter's cap on the pages it sizes from memory."""
+CPU_PROCESS_RUNTIME_BYTES = int(0.6 * GiB)
+"""What an XLA:CPU process holds beyond every buffer of its compiled programs, per process: host memory that JAX's
+tracing and lowering of the step keep (~0.3 GiB, none given back) and a transient of about 0.3 GiB while a step
+runs (measured at bench/train_step.py's vocab150k shape, where the compiled step's arguments and temporaries are
+all in the prediction: docs/performance.md, "Large vocabulary"). Counted only on a CPU (`cpu=True`), where device
+memory is the process's memory; an accelerator's device memory does not hold it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,64 +117,6 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "peak_bytes_per_device": self.peak_bytes_per_device,
                 "peak_bytes_per_process": self.peak_bytes_per_process}
-
-
-# ------------------------------------------------------------------------------------------- shapes
-
-
-def abstract_model(model_config, vocab_size: int, dtype):
-    """The model as ShapeDtypeStructs (no weights): its floating leaves in `dtype`."""
-    model_config = to_levanter(model_config)
-
-    def init():
-        model = model_config.model_type.init(hax.Axis("vocab", vocab_size), model_config, key=jax.random.PRNGKey(0))
-        return cast_floats(model, dtype)
-
-    return eqx.filter_eval_shape(init)
-
-
-def cast_floats(tree, dtype):
-    def cast(x):
-        if isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.floating):
-            return jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype), sharding=x.sharding)
-        if eqx.is_inexact_array(x):
-            return x.astype(dtype)
-        return x
-
-    return jax.tree_util.tree_map(cast, tree)
-
-
-def _arrays(tree) -> list:
-    return [x for x in jax.tree_util.tree_leaves(tree) if isinstance(x, (jax.ShapeDtypeStruct, jax.Array))]
-
-
-def shard_bytes(tree, mapping: dict, mesh: dict) -> float:
-    """Bytes of `tree`'s shard on its most loaded device when haliax lays it out by `mapping` (logical
-    axis -> mesh axis) on a mesh of these axis sizes; leaves that are not NamedArrays are replicated."""
-    specs = hax.partitioning.pspec_for(tree, mapping, preserve_existing_shardings=False)
-    leaves = jax.tree_util.tree_leaves(tree)
-    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-    if len(leaves) != len(spec_leaves):
-        raise AssertionError(f"haliax gave {len(spec_leaves)} partition specs for {len(leaves)} leaves")
-    total = 0.0
-    for x, spec in zip(leaves, spec_leaves):
-        if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
-            continue
-        shape = list(x.shape)
-        for i, axes in enumerate(tuple(spec) if isinstance(spec, PartitionSpec) else ()):
-            for name in (axes if isinstance(axes, tuple) else (axes,)):
-                if name is not None:
-                    shape[i] = -(-shape[i] // mesh.get(name, 1))
-        total += math.prod(shape) * np.dtype(x.dtype).itemsize
-    return total
-
-
-def total_bytes(tree) -> float:
-    return float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in _arrays(tree)))
-
-
-def count(tree) -> int:
-    return int(sum(math.prod(x.shape) for x in _arrays(tree)))
 
 
 # ------------------------------------------------------------------------------------------- devices
@@ -240,103 +167,6 @@ def rollout_mapping(job, model_axis_size: int) -> dict:
     if job.model.vocab_size % model_axis_size == 0:
         mapping["vocab"] = sharding.MODEL
     return mapping
-
-
-def engine_sizing(job, *, page_size: Optional[int] = None, max_pages: Optional[int] = None):
-    """The Levanter `InferenceEngineConfig` a rollout worker builds: `inference.engine` resolved with an
-    accelerator's page size (`page_size`) and `max_pages` pages (default: `inference.engine.max_pages`, else
-    `max_seqs` full-length sequences; `engine_pages` sizes them as the engine does on each device kind), its
-    cache in `inference.engine.compute_dtype`, else the rollout dtype."""
-    e = job.inference.engine
-    page = page_size or e.page_size or ACCELERATOR_PAGE_SIZE
-    pages = max_pages or e.max_pages or e.max_seqs * -(-e.max_seq_len // page)
-    dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
-    return dataclasses.replace(resolved_engine_config(e), page_size=page, max_pages=pages, compute_dtype=dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutDevice:
-    """What kind of device a rollout worker runs on, and how much memory its allocator may hand out."""
-
-    kind: Literal["cpu", "gpu", "tpu"]
-    name: Optional[str] = None
-    """The `DEVICE_MEMORY_GIB` key (GPU `accelerator_type`, TPU generation); None where the placement names none."""
-    memory_bytes: Optional[float] = None
-    """The allocator's limit per device (`bytes_limit`); None where unknown."""
-
-
-def rollout_device(job, cpu: bool = False) -> RolloutDevice:
-    """The rollout placement's device (`cpu`: fake CPU devices whatever the placement says)."""
-    kind, name, fraction = job.ray.rollout.device
-    if cpu or kind == "cpu":
-        return RolloutDevice("cpu")
-    gib = DEVICE_MEMORY_GIB.get(name or "")
-    if kind == "gpu":
-        share = fraction if fraction is not None else GPU_MEMORY_FRACTION
-        return RolloutDevice("gpu", name, None if gib is None else gib * share * GiB)
-    return RolloutDevice("tpu", name, None if gib is None else gib * GiB)
-
-
-def engine_pages(job, model, mapping: dict, mesh: dict, device: RolloutDevice) -> tuple[int, int, str]:
-    """(pages, page size, how) of the engine's KV cache on `device`, as the engine sizes it (module doc).
-    On an accelerator with `max_pages: null`: the most pages whose cache (per device, `model.initial_cache`
-    as Levanter measures it) fits `hbm_utilization` × (the device's limit − the served weights)."""
-    from levanter.inference.page_table import PageTable
-
-    e = job.inference.engine
-    page = e.page_size or (CPU_PAGE_SIZE if device.kind == "cpu" else ACCELERATOR_PAGE_SIZE)
-    per_seq = -(-e.max_seq_len // page)
-    if e.max_pages is not None:
-        return e.max_pages, page, f"inference.engine.max_pages = {e.max_pages} pages of {page} tokens"
-    if device.kind == "cpu":
-        return e.max_seqs * per_seq, page, (f"CPU: max_seqs {e.max_seqs} x {per_seq} pages of {page} tokens "
-                                            "(resolved_engine_config)")
-    if device.memory_bytes is None:
-        field = "accelerator_type" if device.kind == "gpu" else "tpu or accelerator_type"
-        return e.max_seqs * per_seq, page, (
-            f"{device.kind.upper()} of unknown memory (ray.rollout.{field} names no device of DEVICE_MEMORY_GIB): "
-            f"counted max_seqs {e.max_seqs} x {per_seq} pages of {page} tokens, where the engine fills "
-            f"{e.hbm_utilization:.0%} of the free memory (set inference.engine.max_pages to fix it)")
-    dtype = jnp.dtype(e.compute_dtype or job.rollout_dtype())
-
-    def cache_bytes(pages: int) -> float:
-        def build():
-            return model.initial_cache(PageTable.init(pages, e.max_seqs, page, per_seq).spec(), dtype=dtype)
-
-        with hax.axis_mapping(mapping):
-            return shard_bytes(eqx.filter_eval_shape(build), mapping, mesh)
-
-    weights = shard_bytes(model, mapping, mesh)
-    budget = int(max(device.memory_bytes - weights, 0) * e.hbm_utilization)
-    one, two = cache_bytes(1), cache_bytes(2)
-    per_page, base = two - one, 2 * one - two
-    if one > budget:
-        raise ValueError(f"inference.engine.hbm_utilization: {e.hbm_utilization} of the {device.name} device's free "
-                         f"memory ({budget / GiB:.2f} GiB after the weights) holds no KV page of {one / GiB:.3f} GiB: "
-                         "the engine would refuse to start")
-    pages = min(int((budget - base) // per_page), MAX_ENGINE_PAGES)
-    return pages, page, (f"{device.kind.upper()} {device.name}: {pages} pages of {page} tokens fill "
-                         f"{e.hbm_utilization:.0%} of {(device.memory_bytes - weights) / GiB:.2f} GiB free after the "
-                         f"weights ({device.memory_bytes / GiB:.2f} GiB limit)")
-
-
-def abstract_engine_state(model, engine_config):
-    """The engine's `GenState` (paged KV cache and decode state) as ShapeDtypeStructs, as
-    `InferenceEngine.from_model_with_config` builds it."""
-    from levanter.inference.engine import GenState
-    from levanter.inference.jit_scheduler import DecodeState
-    from levanter.inference.page_table import PageTable
-
-    c = engine_config
-
-    def build():
-        table = PageTable.init(c.max_pages, c.max_seqs, c.page_size, c.max_pages_per_seq)
-        cache = model.initial_cache(table.spec(), dtype=c.compute_dtype)
-        state = DecodeState.init(table, max_stop_seqs=c.max_stop_seqs, max_stop_tokens=c.max_stop_tokens,
-                                 max_queued_tokens=c.max_queued_tokens, enable_logprobs=c.enable_logprobs)
-        return GenState(cache=cache, decode_state=state)
-
-    return eqx.filter_eval_shape(build)
 
 
 # ------------------------------------------------------------------------------------------- estimates
@@ -470,8 +300,12 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     if cpu and _delta_sync(job):  # the delta server's host copy of the last version; on a CPU host is device memory
         version = shard_bytes(cast_floats(state.model, jnp.dtype(job.rollout_dtype())), mapping, mesh)
         components["delta_host_copy"] = version
+    per_process = min(per_host or n_devices, n_devices)
+    if cpu:
+        components["cpu_runtime"] = CPU_PROCESS_RUNTIME_BYTES / per_process
+        estimated += ("cpu_runtime",)
     return MemoryPlan(
-        role="trainer", devices=n_devices, devices_per_process=min(per_host or n_devices, n_devices), mesh=mesh,
+        role="trainer", devices=n_devices, devices_per_process=per_process, mesh=mesh,
         bytes_per_device=components, estimated=estimated)
 
 
@@ -501,6 +335,9 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         estimated += ("cpu_float32_weights",)
     if cpu and _delta_sync(job):  # the delta receiver's host copy of the last version
         components["delta_host_copy"] = weights
+    if cpu:
+        components["cpu_runtime"] = CPU_PROCESS_RUNTIME_BYTES / n_devices  # one process holds all the devices
+        estimated += ("cpu_runtime",)
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
         bytes_per_device=components, estimated=estimated, notes=notes)
@@ -561,9 +398,9 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
     `response_tokens` (None: the curriculum's largest `max_tokens`) fix the trainer's row length and the
     scan sampler's cache; the engine's cache is sized by `inference.engine` alone. `cpu`: also count what
     XLA:CPU adds on fake CPU devices (whole gathered weights and gradients per FSDP device, float32 copies
-    of bfloat16 rollout weights), for a run on this machine (bench/rehearsal.py). `device`: the rollout's device
-    as measured where one is at hand (its kind and `bytes_limit`; bench/device_check.py), in place of what the
-    placement says (`rollout_device`)."""
+    of bfloat16 rollout weights, the process's runtime), for a run on this machine (bench/rehearsal.py).
+    `device`: the rollout's device as measured where one is at hand (its kind and `bytes_limit`;
+    bench/device_check.py), in place of what the placement says (`rollout_device`)."""
     if role not in ("trainer", "rollout"):
         raise ValueError(f"predicted_memory: role must be 'trainer' or 'rollout', got {role!r}")
     if n_devices is not None and n_devices < 1:
@@ -573,3 +410,4 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
     if role == "trainer":
         return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response, cpu)
     return _rollout_plan(job, n_devices or rollout_devices(job), prompt_tokens, response, cpu, device)
+

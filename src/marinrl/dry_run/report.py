@@ -14,7 +14,7 @@ import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
 import marinrl.dry_run.programs as programs
 from marinrl.config.checks import require_at_least
-from marinrl.dry_run.memory import GiB
+from marinrl.dry_run.shapes import GiB, abstract_model, count
 from marinrl.levanter_configs import to_levanter
 
 
@@ -140,10 +140,10 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
                                               bucket(shapes.prompt_tokens, 16), bucket(response, 16))
 
     train, generation = step_flops(job, shapes)
-    abstract = memory.abstract_model(full, job.model.vocab_size, jnp.dtype(job.model.dtype))
+    abstract = abstract_model(full, job.model.vocab_size, jnp.dtype(job.model.dtype))
     return DryRunReport(
         backend=job.inference.backend, programs=checks, trainer=trainer, rollout=rollout,
         train_flops=train, generation_flops=generation,
-        rollout_workers=job.n_rollout_workers, total_params=memory.count(abstract), prompt_tokens=shapes.prompt_tokens,
+        rollout_workers=job.n_rollout_workers, total_params=count(abstract), prompt_tokens=shapes.prompt_tokens,
         response_tokens=response, row_length=length, rows=rows, seconds=time.perf_counter() - started)
 
