@@ -222,7 +222,7 @@ class Host(threading.Thread):
                     epoch, target = self.client.version.epoch, None
             w = self.client.weight_step
             if w is None or (target is not None and w < target - args.max_staleness):
-                self.stop.wait(self.backoff.next())
+                self.client.wait_for_news(self.stop, self.backoff)  # as the rollout worker waits
                 continue
             self.backoff.reset()
             # no last batch: as a rollout worker does, a host goes on until the trainer is done, so that a group
@@ -246,11 +246,16 @@ class Host(threading.Thread):
 
 
 class LocalRelay:
-    """transfer/relay.py's `WeightRelay` in this process (the simulated store lives here), called the way
-    a client calls its actor (`relay.latest.remote()`, an ObjectRef); the version's bytes go through
-    Ray's object store for real, but between threads of one process, not between nodes."""
+    """transfer/relay.py's `WeightRelay` in this process (the simulated store lives here) on an event loop
+    of its own, called the way a client calls its actor (`relay.latest.remote()`, an ObjectRef); the
+    version's bytes go through Ray's object store for real, but between threads of one process, not
+    between nodes. A wait for news is answered before `.remote()` returns (at most `LOCAL_WAIT_S`, so a
+    stopped host ends soon)."""
+
+    LOCAL_WAIT_S = 1.0
 
     def __init__(self, config):
+        import asyncio
         import types
 
         import ray
@@ -258,7 +263,20 @@ class LocalRelay:
         from marinrl.transfer.relay import WeightRelay
 
         self.relay = WeightRelay(config)
-        self.latest = types.SimpleNamespace(remote=lambda: ray.put(self.relay.latest()))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="local-relay", daemon=True).start()
+
+        def call(coroutine):
+            return ray.put(asyncio.run_coroutine_threadsafe(coroutine, self.loop).result())
+
+        self.latest = types.SimpleNamespace(remote=lambda: call(self.relay.latest()))
+        self.newer_than = types.SimpleNamespace(
+            remote=lambda version, timeout_s: call(self.relay.newer_than(version, min(timeout_s, self.LOCAL_WAIT_S))))
+
+    def metrics(self) -> dict:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(self.relay.metrics(), self.loop).result()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -842,6 +860,11 @@ def run_pod(args) -> dict:
         trail = read_trail(config.audit_root, options)
         counts = audit(trail, num_steps=args.steps, groups_per_step=n_groups, max_staleness=args.max_staleness)
         chain = lineage(trail)
+        relay_metrics = None
+        if fanout == "relay":  # its storage requests are its own process's: it reports them itself
+            from marinrl.transfer.relay import relay_name
+
+            relay_metrics = ray.get(ray.get_actor(relay_name(weights_config)).metrics.remote(), timeout=60)
     finally:
         for actor in [*trainers, *groups.values()]:
             ray.kill(actor, no_restart=True)
@@ -906,6 +929,9 @@ def pod_result(args, v: dict) -> dict:
     total = [sum(st["requests"].values()) for st in steps]
     weight_reads = sum(n for st in v["steps"] for (kk, lab), n in st["requests"].items()
                        if kk == "read" and lab == "weights")
+    relay = v["relay_metrics"]
+    if relay is not None:
+        weight_reads += relay["version_reads"]
     versions = len(v["steps"]) + 1 + v["kills"]["trainer"]
     shape = dataclasses.replace(FleetShape.from_bench(args), fanout=v["fanout"])
     counts, chain = v["counts"], v["chain"]
@@ -934,6 +960,10 @@ def pod_result(args, v: dict) -> dict:
         "bytes_per_step": {"rollouts": bytes_of("rollouts"), "weights": bytes_of("weights")},
         "weight_fanout_s": {"median": pct(fanout, 50), "max": pct(fanout, 100)},
         "weight_gcs_reads_per_version": round(weight_reads / versions, 2),
+        **({"relay": {"pointer_reads_per_step": round(relay["pointer_reads"] / max(1, counts.steps), 1),
+                      "calls_per_step": round(relay["calls"] / max(1, counts.steps), 1),
+                      "version_reads": relay["version_reads"], "failures": relay["failures"]}}
+           if relay is not None else {}),
         "weight_version_bytes": v["real_version"], "weight_stands_for_mb": args.weight_stands_for_mb,
         "curriculum_call_ms": {"p50": pct(merged["curriculum_ms"], 50), "p99": pct(merged["curriculum_ms"], 99),
                                "first_call_max": pct(merged["curriculum_first_ms"], 100)},

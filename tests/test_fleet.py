@@ -203,6 +203,48 @@ def test_a_relay_reads_each_version_from_storage_once_whatever_the_number_of_hos
         metrics = ray_session.get(relay.metrics.remote())
         assert metrics["version_reads"] == 3 and metrics["failures"] == 0
         assert all(c.storage_fetches == 0 and c.relay_failures == 0 for c in clients)
+        # a waiting client is told of each version (a long poll), it does not ask every few milliseconds:
+        # about two calls a client a version (the poll that finds nothing new, the wait that is answered)
+        assert metrics["calls"] <= 4 * len(clients) * 3, metrics
+    finally:
+        ray_session.kill(ray_session.get_actor(relay_name(config)), no_restart=True)
+
+
+def test_a_host_waiting_on_the_relay_hears_of_a_version_without_its_backoff_and_stops_when_told(ray_session,
+                                                                                                 tmp_path):
+    """`wait_for_news` on a relayed client returns when the relay holds a newer version, however long the
+    host's backoff (a storage client would sleep it), and at once when its stop flag is set."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from marinrl.config.transfer import FilesystemTransferConfig
+    from marinrl.transfer.base import PollBackoff
+    from marinrl.transfer.endpoints import build_client, build_server
+    from marinrl.transfer.relay import relay_name
+
+    config = FilesystemTransferConfig(root=f"file://{tmp_path}/weights", format="packed", fanout="relay")
+    model = {"a": jnp.arange(10, dtype=jnp.float32)}
+    server, client = build_server(config), build_client(config, model)
+    never = PollBackoff(fleet_size=10**9)  # a backoff of hours: only the relay's answer ends the wait
+    never._interval = never.cap_s
+    try:
+        server.publish(model, 0)
+        client.wait_for(0, timeout_s=60)
+        stop = threading.Event()
+        waiter = threading.Thread(target=client.wait_for_news, args=(stop, never))
+        waiter.start()
+        server.publish({"a": model["a"] + 1}, 1)
+        waiter.join(120)
+        assert not waiter.is_alive()
+        update = client.poll()
+        assert update is not None and update.weight_step == 1
+        np.testing.assert_array_equal(np.asarray(update.model["a"]), np.arange(10) + 1)
+        waiter = threading.Thread(target=client.wait_for_news, args=(stop, never))  # nothing newer to come
+        waiter.start()
+        stop.set()
+        waiter.join(60)
+        assert not waiter.is_alive() and client.relay_failures == 0
     finally:
         ray_session.kill(ray_session.get_actor(relay_name(config)), no_restart=True)
 

@@ -14,7 +14,9 @@ The model (every figure per trainer step; `FleetShape` names the inputs, `plan_f
   trail (one write), publishes a version (its bytes over one stream plus the pointer's and the clean-up's
   requests); checkpoints are not counted (their cost is the model's, every `checkpoint_every` steps);
 - the hosts see it after a pointer read (a waiting host polls every `fleet / pointer_reads_per_s`
-  seconds, half that on average) and fetch it: a stream each, N versions through the shared link;
+  seconds, half that on average) and fetch it: a stream each, N versions through the shared link; with
+  the relay, the relay reads the pointer every `RELAY_POLL_S` and tells the waiting hosts at once (their
+  calls are open), then they fetch from Ray's object store;
 - with `max_staleness = 0` all of that is one chain per step; with `max_staleness >= 1` a host
   generates step t's batch with weights t − 1 while the trainer trains step t − 1, so the period is
   the longest of the hosts' cycle, the trainer's work, and half the loop through both.
@@ -175,7 +177,8 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     host_s, fetch_s, busy_s = (measured.get(k, v) for k, v in (("host_s", host_s), ("fetch_s", fetch_s),
                                                                 ("busy_s", busy_s)))
     cycle_s = host_s + fetch_s
-    fanout_s = poll_every / 2 + fetch_s  # from the pointer's write to a waiting host holding the version
+    # from the pointer's write to a waiting host holding the version (a relay's wait is in its fetch_s)
+    fanout_s = fetch_s + (0.0 if s.fanout == "relay" else poll_every / 2)
     if s.max_staleness == 0:
         step_s = busy_s + fanout_s + host_s + ingest_tail_s
     else:  # a host's cycle, the trainer's work, or half the loop through both (weights t-1 make batch t+1)

@@ -150,7 +150,7 @@ def describe(model, config: LoraRLConfig) -> str:
 class AdapterMergingClient:
     """A weight-transfer client for adapter-only versions: holds the base the rollout worker loaded at
     start and returns each version merged into it (`model`: the merged model). Same interface as
-    `WeightTransferClient` (poll, wait_for, model, weight_step, version, metrics, close)."""
+    `WeightTransferClient` (poll, wait_for, wait_for_news, model, weight_step, version, metrics, close)."""
 
     def __init__(self, weights: WeightTransferConfig, config: LoraRLConfig, base):
         self._adapted = add_adapters(base, config)
@@ -178,6 +178,9 @@ class AdapterMergingClient:
     def wait_for(self, min_step: int, timeout_s: float, backoff=None) -> WeightUpdate:
         self._inner.wait_for(min_step, timeout_s, backoff)
         return self._merged()
+
+    def wait_for_news(self, stop, backoff, max_s: float = float("inf")) -> None:
+        self._inner.wait_for_news(stop, backoff, max_s)
 
     @property
     def adapter(self):

@@ -157,11 +157,14 @@ class RolloutWorker:
             restarts = self.counters.trainer_restarts
             target = self.weight_step if restarts != seen_restarts else max(target, self.weight_step)
             seen_restarts = restarts
-            if any(step < target - cfg.max_staleness for step in self.weight_steps.values()):
+            behind = [n for n, step in self.weight_steps.items() if step < target - cfg.max_staleness]
+            if behind:
                 if waiting_since is None:
                     waiting_since = time.perf_counter()
                     self._backoff.reset()
-                self._stop.wait(self._backoff.next())  # backs off to the fleet's cap; stop() ends it at once
+                # storage: backs off to the fleet's cap; a relay: answers when it has a newer version.
+                # stop() ends the wait at once.
+                self._clients[behind[0]].wait_for_news(self._stop, self._backoff)
                 continue
             waiting_since = None
             if self._generate_and_write(target):

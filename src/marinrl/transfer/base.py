@@ -17,6 +17,7 @@ import abc
 import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 from typing import Any, NamedTuple, Sequence
@@ -396,7 +397,13 @@ class WeightTransferClient(abc.ABC):
                     f"no weights of step >= {min_step} at {self.location} after {timeout_s:.1f} s "
                     f"(holding {self.version or 'nothing'}; {self.failures} failed transfers)"
                 )
-            time.sleep(min(backoff.next(), remaining))
+            self.wait_for_news(threading.Event(), backoff, remaining)
+
+    def wait_for_news(self, stop: threading.Event, backoff: PollBackoff, max_s: float = math.inf) -> None:
+        """Blocks until a version newer than the one held may be there for `poll`, `stop` is set, or
+        `max_s` passed. Storage can only be asked again: this sleeps the backoff's next interval (a relayed
+        client is told instead, `transfer/relay.py`)."""
+        stop.wait(min(backoff.next(), max_s))
 
     @property
     def metrics(self) -> dict[str, float]:
