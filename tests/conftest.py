@@ -41,8 +41,12 @@ JOB_TEST_TIMEOUT_S = 1200
 """The timeout that files of whole jobs mark; the ordering below reads it as "this test runs a job"."""
 
 
-def _file_weight(items) -> float:
-    """A file's expected seconds: about a minute per test of a whole job, a second per other test."""
+def _file_weight(name: str, items, measured: dict) -> float:
+    """A file's expected seconds: as measured (tests/file_seconds.json), else about a minute per test of a
+    whole job and a second per other test."""
+    if name in measured:
+        return measured[name]
+
     def seconds(item):
         mark = item.get_closest_marker("timeout")
         return 60.0 if mark is not None and mark.args and mark.args[0] >= JOB_TEST_TIMEOUT_S else 1.0
@@ -54,14 +58,17 @@ def pytest_collection_modifyitems(items):
         mark = item.get_closest_marker("timeout")
         if item.get_closest_marker("slow") and (mark is None or (mark.args and mark.args[0] < SLOW_TIMEOUT_S)):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-    # Heaviest files first: `make test` hands whole files to its workers in this order
+    # Heaviest files first (tests/file_seconds.py): `make test` hands whole files to its workers in this order
     # (`--no-loadscope-reorder`), so the last file to start is a short one and the workers end together.
     # Every worker sorts the same collection the same way, as pytest-xdist requires.
+    from file_seconds import load
+
+    measured = load()
     by_file: dict[str, list] = {}
     for item in items:
         by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    ordered = sorted(by_file.values(), key=_file_weight, reverse=True)
-    items[:] = [item for group in ordered for item in group]
+    ordered = sorted(by_file, key=lambda name: _file_weight(name, by_file[name], measured), reverse=True)
+    items[:] = [item for name in ordered for item in by_file[name]]
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -72,8 +72,16 @@ def _run(tmp_path, ray_session, **overrides):
     return cfg, result
 
 
-def test_on_policy_job_trains_every_step_on_its_own_weights(tmp_path, ray_session):
-    cfg, result = _run(tmp_path, ray_session, max_staleness=0)
+def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_path, ray_session):
+    """Exact on-policy training (max_staleness 0): every step on its own weights, by the metric, the rollout
+    files and the audit trail. Weights reach the rollout worker as deltas (a snapshot every 3 versions): on-policy, each step's
+    importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
+    weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
+    64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
+    from marinrl.config.transfer import FilesystemTransferConfig
+
+    weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
+    cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)
     history = result.train["history"]
     assert result.train["final_step"] == 5 and [h["step"] for h in history] == [1, 2, 3, 4, 5]
     assert all(h["batch/staleness_max"] == 0 for h in history)  # exact on-policy
@@ -92,19 +100,6 @@ def test_on_policy_job_trains_every_step_on_its_own_weights(tmp_path, ray_sessio
     assert all(w == s - 1 for s in range(1, 6) for _, w in incarnation.steps[s]["groups"])  # on-policy
     counts = audit(trail, num_steps=5, groups_per_step=4, max_staleness=0)
     assert (counts.steps, counts.groups_trained, counts.groups_lost, counts.groups_duplicated) == (5, 20, 0, 0)
-
-
-def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_path, ray_session):
-    """Weights reach the rollout worker as deltas (a snapshot every 3 versions): on-policy, each step's
-    importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas rebuilt the trainer's
-    weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
-    64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
-    from marinrl.config.transfer import FilesystemTransferConfig
-
-    weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
-    cfg, result = _run(tmp_path, ray_session, max_staleness=0, weights=weights)
-    history = result.train["history"]
-    assert result.train["final_step"] == 5 and all(h["batch/staleness_max"] == 0 for h in history)
     logged = [json.loads(line.split("json_logger: ", 1)[1]) for line in
               (tmp_path / "job" / "logs" / "trainer.log").read_text().splitlines() if "json_logger: {" in line]
     ratios = {e["step"]: (e["metrics"]["train/ratio_min"], e["metrics"]["train/ratio_max"]) for e in logged

@@ -230,25 +230,37 @@ QUICKSTART_MODEL = ModelConfig(model=LlamaConfig(seq_len=32, hidden_dim=64, inte
                                                  scan_layers=False), vocab_size=512)
 
 
+def _lora_job(tmp_path, steps: int, **overrides):
+    """A LoRA job on the quickstart's model and task: its result, after checking that it trained every step
+    and that every version carried the adapters only (the rollout worker merged each into its base)."""
+    cfg = job_config(tmp_path, num_train_steps=steps, model=QUICKSTART_MODEL, lora=LoraRLConfig(rank=8, alpha=16.0),
+                     **overrides)
+    result = RLJob(cfg).run()
+    assert result.train["final_step"] == steps
+    (rollouts,) = result.rollouts
+    assert rollouts["weight_step"] == steps and rollouts["sample_failures"] == 0
+    logged = [json.loads(line.split("json_logger: ", 1)[1]) for line in
+              (tmp_path / "job" / "logs" / "trainer.log").read_text().splitlines() if "json_logger: {" in line]
+    sent = {e["metrics"]["weights/bytes"] for e in logged if "weights/bytes" in e.get("metrics", {})}
+    full = ModelSkeleton(build_model(QUICKSTART_MODEL)).nbytes
+    assert sent and max(sent) < full / 4, (sent, full)
+    return result
+
+
+def test_a_lora_job_publishes_adapters_that_its_rollout_worker_merges(tmp_path, ray_session):
+    _lora_job(tmp_path, 3, max_staleness=1, eval_every=3)
+
+
+@pytest.mark.slow
 def test_lora_job_on_the_quickstart_task_raises_the_reward(tmp_path, ray_session):
     """The quickstart's model and task, shortened, with LoRA: rollout workers merge adapter-only versions
     into their base, and the sampled reward rises. (Whether LoRA reaches the quickstart's held-out bar
     is measured in docs/policies.md, not here.)"""
     from marinrl.config.trainer import RLAdamConfig
 
-    cfg = job_config(tmp_path, num_train_steps=30, groups_per_step=32, n_generations=16, max_staleness=1,
-                     eval_every=30, eval_examples=64, model=QUICKSTART_MODEL, lora=LoraRLConfig(rank=8, alpha=16.0),
-                     optimizer=RLAdamConfig(learning_rate=3e-3))
-    result = RLJob(cfg).run()
+    result = _lora_job(tmp_path, 30, groups_per_step=32, n_generations=16, max_staleness=1, eval_every=30,
+                       eval_examples=64, optimizer=RLAdamConfig(learning_rate=3e-3))
     history = result.train["history"]
-    assert result.train["final_step"] == 30
-    (rollouts,) = result.rollouts
-    assert rollouts["weight_step"] == 30 and rollouts["sample_failures"] == 0
-    logged = [json.loads(line.split("json_logger: ", 1)[1]) for line in
-              (tmp_path / "job" / "logs" / "trainer.log").read_text().splitlines() if "json_logger: {" in line]
-    sent = {e["metrics"]["weights/bytes"] for e in logged if "weights/bytes" in e.get("metrics", {})}
-    full = ModelSkeleton(build_model(QUICKSTART_MODEL)).nbytes
-    assert sent and max(sent) < full / 4, (sent, full)  # every version carried the adapters only
     # 3 batches of 32 x 16 samples give means whose standard errors are at most sqrt(0.25 / 1536) = 0.013,
     # 0.018 for their difference: a rise of 0.05 (about 3 of those) does not come from noise.
     early = np.mean([h["batch/reward_mean"] for h in history[:3]])
