@@ -76,8 +76,8 @@ def test_on_policy_job_with_delta_weight_sync_trains_on_the_exact_weights(tmp_pa
     """Exact on-policy training (max_staleness 0): every step on its own weights, by the metric, the rollout
     files and the audit trail. Weights reach the rollout worker as deltas (a snapshot every 3 versions):
     on-policy, each step's importance ratio π_θ/μ is 1 to float32 precision only if the applied deltas
-    rebuilt the trainer's weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a wider model (hidden
-    64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
+    rebuilt the trainer's weights. 1e-3 is ten times the fp32 bound derived in test_on_policy_ratio for a
+    wider model (hidden 64); weights one AdamW step (lr 1e-3) off move log-ratios by far more."""
     from marinrl.config.transfer import FilesystemTransferConfig
 
     weights = FilesystemTransferConfig(root=f"{tmp_path}/job/weights", delta=True, full_every=3)
