@@ -10,7 +10,8 @@ What it runs, in one local Ray per job on fake CPU devices (`--devices`, 2 by de
    gradient checkpointing (the recipe's), rollouts tensor-parallel over them (`inference.model_axis_size`)
    in bfloat16, delta weight sync (`weights: {type: filesystem, delta: true}`), the recipe's engine backend;
 3. SIGKILLs the job's process (and then the Ray processes it started, as a host crash would) once the
-   checkpoint after step `--kill_after` is committed, then runs the same config again: the trainer resumes
+   checkpoint after step `--kill_after` is complete (committed and its digest written: the save's last file),
+   then runs the same config again: the trainer resumes
    from that checkpoint and trains to step `--kill_after + 1`;
 4. measures the rollout/trainer logprob mismatch with a bfloat16 and a float32 LM head (`model.lm_head_float32`)
    in a process of its own, the job's parts over the same checkpoint (bench/rehearsal_mismatch.py: why a
@@ -352,7 +353,7 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     from e2e import RssWatcher
     from machine import machine
 
-    from marinrl.train.checkpoints import COMMIT_MARKER
+    from marinrl.train.checkpoints import DIGEST
 
     watched = {"machine": machine(), "phases": {}}
     phases = watched["phases"]
@@ -367,10 +368,11 @@ def rehearse(cfg: RehearsalConfig, root: pathlib.Path) -> None:
     with RssWatcher() as rss1:
         proc = start_job(yaml_path, result1, log1)
         try:
-            committed = lambda: (newest_checkpoint(ckpts, COMMIT_MARKER) or 0) >= cfg.kill_after  # noqa: E731
+            # the digest is the save's last file (after Levanter's commit): a checkpoint a resume trusts
+            committed = lambda: (newest_checkpoint(ckpts, DIGEST) or 0) >= cfg.kill_after  # noqa: E731
             _wait_for(committed, f"checkpoint at step {cfg.kill_after}", proc, log1, cfg.job_timeout_s,
                       run_dir / "logs" / "rollout-0.log")
-            watched["killed_at"] = newest_checkpoint(ckpts, COMMIT_MARKER)
+            watched["killed_at"] = newest_checkpoint(ckpts, DIGEST)
         finally:
             kill_job(proc)
     phases["job_until_kill"] = round(time.time() - t, 1)
