@@ -29,18 +29,19 @@ Components (per device), and how exact each is:
   estimate of one engine prefill or decode step's buffers (`rollout_working_set_bytes`). `incoming_version`: a
   received version is built beside the served weights before the swap (exact). Peak = weights + cache +
   working_set + incoming_version; with `cpu=True` also `cpu_float32_weights` (XLA:CPU's float32 copies of bfloat16
-  weights for its matmuls), with delta sync `delta_host_copy` (the receiver's copy of the last version), and
-  `cpu_runtime`.
-- both, with `cpu=True`: `cpu_runtime`, the process's own memory beyond XLA's buffers (`CPU_PROCESS_RUNTIME_BYTES`,
-  measured, an estimate), its share per device. On a CPU device memory is the process's memory; an accelerator's
-  device memory does not hold it.
+  weights for its matmuls) and, with delta sync, `delta_host_copy` (the receiver's copy of the last version).
+- the trainer's `cpu_runtime` (`cpu=True`): the process's own memory beyond XLA's buffers while it traces,
+  lowers and runs its step (`CPU_PROCESS_RUNTIME_BYTES`, measured, an estimate), its share per device. On a CPU
+  device memory is the process's memory; an accelerator's device memory does not hold it. A rollout process
+  shows no such excess (the real-size rehearsal's rollout peaks, 5.35 and 6.22 GiB on two runs, lie either side
+  of its 5.62 GiB prediction without it: docs/performance.md, "Rehearsal").
 
 Not counted, for the caller to add (the rehearsal measures them): the Python process's baseline (its RSS before
 the model: imports, the XLA client), Ray, the trainer's copy of a version while it publishes (between updates),
 and the host memory of checkpoints and rollout files; on an accelerator, host memory altogether and the compiled
 programs. What only XLA:CPU allocates (float32 copies of bfloat16 weights for its matmuls, the engine's scratch
 growing by twice a layer's bfloat16 shard per layer, whole gathered weights per FSDP device; docs/scaling.md) and
-the process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cpu=True`.
+the trainer process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cpu=True`.
 
 The engine's cache is sized as the engine sizes its pages on the role's device kind: `engine_cache.py`.
 
@@ -77,11 +78,11 @@ from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
 CPU_PROCESS_RUNTIME_BYTES = int(0.6 * GiB)
-"""What an XLA:CPU process holds beyond every buffer of its compiled programs, per process: host memory that JAX's
-tracing and lowering of the step keep (~0.3 GiB, none given back) and a transient of about 0.3 GiB while a step
-runs (measured at bench/train_step.py's vocab150k shape, where the compiled step's arguments and temporaries are
-all in the prediction: docs/performance.md, "Large vocabulary"). Counted only on a CPU (`cpu=True`), where device
-memory is the process's memory; an accelerator's device memory does not hold it."""
+"""What an XLA:CPU trainer process holds beyond every buffer of its compiled step: host memory that JAX's tracing
+and lowering of the step keep (~0.3 GiB, none given back) and a transient of about 0.3 GiB while a step runs
+(measured at bench/train_step.py's vocab150k shape, where the compiled step's arguments and temporaries are all in
+the prediction: docs/performance.md, "Large vocabulary"). Counted only on a CPU (`cpu=True`), where device memory
+is the process's memory; an accelerator's device memory does not hold it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,9 +336,6 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         estimated += ("cpu_float32_weights",)
     if cpu and _delta_sync(job):  # the delta receiver's host copy of the last version
         components["delta_host_copy"] = weights
-    if cpu:
-        components["cpu_runtime"] = CPU_PROCESS_RUNTIME_BYTES / n_devices  # one process holds all the devices
-        estimated += ("cpu_runtime",)
     return MemoryPlan(
         role="rollout", devices=n_devices, devices_per_process=n_devices, mesh=mesh,
         bytes_per_device=components, estimated=estimated, notes=notes)
