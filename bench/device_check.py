@@ -74,6 +74,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=16, help="generation: samples per prompt")
     p.add_argument("--scale", default=None, choices=["full", "small", "tiny"],
                    help="model size (default: full on an accelerator, tiny on a CPU)")
+    p.add_argument("--section_s", action="append", default=[], metavar="NAME=S",
+                   help="a section's own time limit instead of SECTION_S's (repeatable), e.g. generation=400")
     p.add_argument("--out", default=None, help="also write the JSON line here")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child process runs one section
     p.add_argument("--candidate", default=None, help=argparse.SUPPRESS)
@@ -85,6 +87,15 @@ def _args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
     if unknown:
         p.error(f"--sections: {', '.join(unknown)} not among {', '.join(SECTIONS)}")
+    args.limits = dict(SECTION_S)
+    for item in args.section_s:
+        name, _, seconds = item.partition("=")
+        if name not in SECTIONS:
+            p.error(f"--section_s {item}: {name!r} not among {', '.join(SECTIONS)}")
+        try:
+            args.limits[name] = float(seconds)
+        except ValueError:
+            p.error(f"--section_s {item}: {seconds!r} is not a number of seconds")
     return args
 
 
@@ -149,11 +160,11 @@ def plan(args) -> dict:
         if not hasattr(jax.core, "is_constant_dim"):
             notes.append(f"JAX {jax.__version__} lacks jax.core.is_constant_dim: bench/device_compat's shim "
                          "will provide it")
-    budget = sum(SECTION_S[s] for s in sections)
+    budget = sum(args.limits[s] for s in sections)
     if budget > args.budget_s:
         notes.append(f"the sections' own limits add up to {budget} s, over --budget_s {args.budget_s:.0f}: later "
                      "sections get what is left")
-    return {"plan": True, "ok": not problems, "sections": {s: SECTION_S[s] for s in sections},
+    return {"plan": True, "ok": not problems, "sections": {s: args.limits[s] for s in sections},
             "budget_s": args.budget_s, "problems": problems, "notes": notes, "python": sys.version.split()[0]}
 
 
@@ -175,17 +186,17 @@ def main(args) -> dict:
         started = time.monotonic()
         if section == "two_processes":
             try:
-                out = two_processes(result["sections"].get("env", {}), min(SECTION_S[section], left))
+                out = two_processes(result["sections"].get("env", {}), min(args.limits[section], left))
             except Exception as e:
                 out = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600]}
         else:
-            limit = min(SECTION_S[section], left)
+            limit = min(args.limits[section], left)
             extra = []
             if section == "quickstart":  # its process must not start JAX: the quickstart's actors take the device
                 backend = result["sections"].get("env", {}).get("backend")
                 if backend is None:  # the env section was not asked for, or failed: ask a process of its own
-                    backend = run_child(["--section=env"], min(SECTION_S["env"], limit / 3)).get("backend")
-                    limit = min(SECTION_S[section], deadline - time.monotonic())
+                    backend = run_child(["--section=env"], min(args.limits["env"], limit / 3)).get("backend")
+                    limit = min(args.limits[section], deadline - time.monotonic())
                 extra = [f"--backend={backend}"]
             out = run_child([f"--section={section}", f"--section_timeout={limit}", *passthrough, *extra], limit)
         out.setdefault("wall_s", round(time.monotonic() - started, 1))
@@ -505,6 +516,7 @@ def section_generation(args) -> dict:
                 _emit({**out, "partial": True})  # what a timeout leaves: the batches so far
             batch["compile_s"] = batch["first_call_s"] - batch["second_call_s"]  # the first call's extra time
             batch["gen_tokens_per_s"] = batch["tokens"] / batch["second_call_s"]
+            batch["s_per_new_token"] = batch["second_call_s"] / new_tokens  # ~ a decode step at this width
             batch["generation_flops_budget"] = generation_flops(dims, prompts, samples, prompt_tokens,
                                                                 new_tokens).total
     finally:
@@ -519,13 +531,18 @@ def section_generation(args) -> dict:
 
 SMALL_BATCH = (2, 4, 32, 32)
 """The generation section's first batch: prompts, samples, prompt tokens, new tokens (8 rows of 64 tokens)."""
+WIDE_NEW_TOKENS = 64
+"""The `wide` batch's new tokens: the recipe's rows, a few decode rounds."""
 
 
 def generation_batches(args, response: int) -> dict:
     """The generation section's batches in order: `small` (`SMALL_BATCH`: its first call is the engine's compile,
-    its second a short steady loop), then `large` (the recipe's shape: `--prompts` × `--samples` rows of
-    `--prompt_tokens` + the recipe's `max_tokens`). A slow compile and a slow loop are then told apart."""
-    return {"small": SMALL_BATCH, "large": (args.prompts, args.samples, args.prompt_tokens, response)}
+    its second a short steady loop), `wide` (the recipe's rows, `--prompts` × `--samples`, for `WIDE_NEW_TOKENS`
+    tokens: a decode step's cost at the recipe's width), then `large` (those rows for the recipe's `max_tokens`).
+    A slow compile, a slow step and a long loop are then told apart, and a `large` batch that runs out of time
+    is predicted by the `wide` one's seconds a token."""
+    return {"small": SMALL_BATCH, "wide": (args.prompts, args.samples, args.prompt_tokens, WIDE_NEW_TOKENS),
+            "large": (args.prompts, args.samples, args.prompt_tokens, response)}
 
 
 def section_quickstart(args) -> dict:

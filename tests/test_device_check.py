@@ -80,7 +80,8 @@ def test_the_quickstart_section_takes_the_backend_from_the_env_section_and_never
 
 def test_generation_runs_a_small_batch_before_the_recipes_shape():
     """8 rows of 64 tokens first (its first call times the compile, its second a short loop), then the recipe's
-    batch: a compile that never ends is told from a slow loop."""
+    rows for a few tokens, then its whole batch: a compile that never ends is told from a slow step and a long
+    loop."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("device_check", CHECK)
@@ -88,7 +89,20 @@ def test_generation_runs_a_small_batch_before_the_recipes_shape():
     spec.loader.exec_module(check)
     args = check._args(["--prompts", "16", "--samples", "16", "--prompt_tokens", "256"])
     batches = check.generation_batches(args, 512)
-    assert list(batches) == ["small", "large"]
+    assert list(batches) == ["small", "wide", "large"]
     prompts, samples, prompt_tokens, new_tokens = batches["small"]
     assert prompts * samples == 8 and prompt_tokens + new_tokens == 64
+    assert batches["wide"] == (16, 16, 256, check.WIDE_NEW_TOKENS) and check.WIDE_NEW_TOKENS < 512
     assert batches["large"] == (16, 16, 256, 512)
+
+
+def test_a_sections_time_limit_can_be_given_and_is_checked_by_name():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_check", CHECK)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    args = check._args(["--section_s", "generation=420"])
+    assert args.limits["generation"] == 420 and args.limits["env"] == check.SECTION_S["env"]
+    proc = _run("--plan", "--section_s", "generation=soon")
+    assert proc.returncode == 2 and "'soon' is not a number" in proc.stderr
