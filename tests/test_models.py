@@ -107,6 +107,18 @@ def test_byte_tokenizer_maps_bytes_to_ids_and_has_specials():
         byte_tokenizer(100)
 
 
+def test_byte_tokenizer_at_qwen3s_vocabulary_has_every_id_and_drops_reserved_ones_from_text():
+    """A random model of a real recipe's shape gets this tokenizer (the device check, dry runs): its reserved
+    ids are special tokens, so decoding what a random model samples with `skip_special_tokens` keeps only bytes."""
+    vocab = 151_936
+    tok = byte_tokenizer(vocab)
+    assert len(tok) == vocab
+    last = f"<|reserved_{vocab - 263}|>"
+    assert tok.convert_ids_to_tokens(vocab - 1) == last and tok.convert_tokens_to_ids(last) == vocab - 1
+    assert tok.encode(f"a{last}b", add_special_tokens=False) == [97, vocab - 1, 98]
+    assert tok.decode([104, 263, vocab - 1, 105], skip_special_tokens=True) == "hi"
+
+
 def test_byte_tokenizer_chat_template():
     tok = byte_tokenizer()
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
