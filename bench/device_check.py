@@ -72,6 +72,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--new_tokens", type=int, default=None, help="default: the recipe's max_tokens")
     p.add_argument("--prompts", type=int, default=16, help="generation: prompts per batch")
     p.add_argument("--samples", type=int, default=16, help="generation: samples per prompt")
+    p.add_argument("--inference_backend", default=None, choices=["scan", "engine"],
+                   help="generation: the sampler to serve with (default: the recipe's inference.backend)")
     p.add_argument("--scale", default=None, choices=["full", "small", "tiny"],
                    help="model size (default: full on an accelerator, tiny on a CPU)")
     p.add_argument("--section_s", action="append", default=[], metavar="NAME=S",
@@ -177,6 +179,7 @@ def main(args) -> dict:
     passthrough += [f"--rows={args.rows}"] * (args.rows is not None)
     passthrough += [f"--new_tokens={args.new_tokens}"] * (args.new_tokens is not None)
     passthrough += [f"--scale={args.scale}"] * (args.scale is not None)
+    passthrough += [f"--inference_backend={args.inference_backend}"] * (args.inference_backend is not None)
     result: dict = {"device_check": 1, "sections": {}}
     for section in args.sections.split(","):
         left = deadline - time.monotonic()
@@ -339,6 +342,8 @@ def _job_for_section(args, backend: str, rows: int | None = None):
         "--ray.trainer.tpu_chips=1" if backend == "tpu" else "--ray.trainer.num_gpus=0")
     overlay = ["--model.hf_checkpoint=null", f"--run_root={tempfile.mkdtemp(prefix='marinrl-device-check-')}",
                devices, "--n_rollout_workers=1", *_scale_overlay(scale)]
+    if getattr(args, "inference_backend", None):
+        overlay.append(f"--inference.backend={args.inference_backend}")
     job = _recipe_job(backend, overlay)
     per_device = job.trainer.per_device_parallelism
     if per_device is None or per_device <= 0:

@@ -21,6 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ["grpo_math_qwen3_0p6b", "grpo_math_llama3_8b_v5p", "grpo_reasoning_gym_qwen3_0p6b",
            "grpo_math_qwen3_0p6b_one_tpu_host", "grpo_math_qwen3_0p6b_one_gpu_node"]
 ONE_HOST = {"grpo_math_qwen3_0p6b_one_tpu_host", "grpo_math_qwen3_0p6b_one_gpu_node"}
+SCAN = {"grpo_math_qwen3_0p6b_one_gpu_node"}
+"""Recipes that sample with the scan sampler: on a GPU, Levanter's engine runs its reference paged attention
+(docs/device_check.md); on a TPU it has its kernel."""
 """Variants whose job runs on one machine: its own local Ray, the host's accelerators split between the roles."""
 
 
@@ -35,7 +38,7 @@ def test_recipe_config_parses_and_validates(name):
     config = parse_recipe(_recipe(name)["RECIPE"], [])
 
     assert parse_mp(config.trainer.mp) == {"params": "float32", "compute": "bfloat16", "output": "bfloat16"}
-    assert config.inference.backend == "engine"
+    assert config.inference.backend == ("scan" if name in SCAN else "engine")
     assert config.model.model.gradient_checkpointing is True
     # bf16 rollouts over the f32 master, the mismatch corrected by TIS (docs/models.md, "Dtypes")
     assert config.model.dtype == "float32" and config.rollout_dtype() == "bfloat16"
@@ -134,13 +137,15 @@ def test_dry_run(name):
     trainer, rollout = report["trainer"], report["rollout"]
     n = report["total_params"]
 
-    # the backend the recipe runs is the one compiled: Levanter's engine, its prefill and its decode loop
-    assert report["backend"] == "engine" and "rollout backend: engine" in text
+    # the backend the recipe runs is the one compiled: Levanter's engine (its prefill and decode loop) or the scan sampler
+    backend = "scan" if name in SCAN else "engine"
+    assert report["backend"] == backend and f"rollout backend: {backend}" in text
     programs = {p["name"]: p for p in report["programs"]}
-    assert list(programs) == ["train step", "engine prefill", "engine decode loop"]
-    assert programs["engine prefill"]["compiled"] and programs["engine decode loop"]["compiled"]
+    rollout_programs = ["scan sampler"] if backend == "scan" else ["engine prefill", "engine decode loop"]
+    assert list(programs) == ["train step", *rollout_programs]
+    assert all(programs[p]["compiled"] for p in rollout_programs)
     assert trainer["devices"] == config.ray.trainer.devices() * config.ray.trainer.hosts()
-    assert rollout["devices"] == programs["engine decode loop"]["devices"] == config.ray.rollout.devices()
+    assert rollout["devices"] == programs[rollout_programs[-1]]["devices"] == config.ray.rollout.devices()
 
     # trainer: float32 parameters split by FSDP over every device (up to the unsplit norms), gradients the same
     # bytes, AdamW's two moments, and the peak is their sum with the accumulator and the activations

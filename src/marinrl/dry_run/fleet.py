@@ -35,12 +35,13 @@ ACCELERATORS: dict[str, dict[str, float]] = {
     # chip: bf16 dense peak FLOP/s per chip (`flops.CHIP_PEAK_FLOPS`, by JAX's device kind), a training MFU, and
     # an assumed generation speed of one rollout host (tokens/s, a 0.6B–8B model with batched decoding). The CPU
     # row is this repository's measured figures (docs/performance.md, bench/fleet.py defaults); the H100's MFU
-    # is bench/device_check.py's (Qwen3-0.6B, 32 × 1024 tokens, gradient checkpointing: docs/device_check.md);
-    # the other MFUs are assumptions.
+    # and tokens/s are bench/device_check.py's (Qwen3-0.6B: a train step of 32 × 1024 tokens with gradient
+    # checkpointing; the scan sampler on one H100, 256 rows of up to 768 tokens: docs/device_check.md); the
+    # other figures are assumptions.
     "cpu": {"peak_flops": 1.8e11, "mfu": 0.5, "host_tokens_per_s": 8_000.0},
     **{name: {"peak_flops": chip_peak_flops(_KINDS[name]), "mfu": mfu, "host_tokens_per_s": tps}
        for name, mfu, tps in (("v4", 0.4, 20_000.0), ("v5e", 0.4, 15_000.0), ("v5p", 0.4, 30_000.0),
-                              ("v6e", 0.4, 40_000.0), ("a100", 0.4, 20_000.0), ("h100", 0.21, 50_000.0))},
+                              ("v6e", 0.4, 40_000.0), ("a100", 0.4, 20_000.0), ("h100", 0.21, 8_000.0))},
 }
 """Chip peaks (bf16 dense, per chip) and the assumptions the planner makes per accelerator."""
 
