@@ -308,6 +308,42 @@ def curriculum_probe(hosts: list[Host], step_s: float, rounds: int = 4) -> list[
     return times
 
 
+class OwnProcessProbe:
+    """A rollout host's curriculum calls from a process of its own (the bench's driver, which only polls), as
+    a pod's host makes them, at jittered moments through the run, the fleet's bursts included: the lesson
+    draw (`sample_lesson`, timed as the hosts time theirs) and a waited round trip to the actor (`weights`:
+    how long the actor takes to answer amid the fleet's calls; a host's copy of the weights is that old at
+    most). The simulated hosts' own latencies add the wait for their process's GIL, shared by 64 threads
+    (docs/scaling.md)."""
+
+    def __init__(self, handle, every_s: float = 0.2, seed: int = 0):
+        from marinrl.curriculum.actor import CurriculumClient
+
+        self.client = CurriculumClient(handle)
+        self.every_s, self.seed = every_s, seed
+        self.draw_ms: list[float] = []
+        self.round_trip_ms: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="curriculum-probe")
+        self.thread.start()
+
+    def _run(self):
+        rng = np.random.default_rng([self.seed, 7])
+        self.client.sample_lesson(0)  # the first draw waits for the weights, as a host's first does
+        while not self.stop.wait(self.every_s * rng.uniform(0.5, 1.5)):
+            start = time.perf_counter()
+            self.client.sample_lesson(int(rng.integers(0, 2**31)))
+            self.draw_ms.append(1e3 * (time.perf_counter() - start))
+            start = time.perf_counter()
+            self.client.weights()
+            self.round_trip_ms.append(1e3 * (time.perf_counter() - start))
+
+    def close(self) -> dict[str, list[float]]:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        return {"draw_ms": self.draw_ms, "round_trip_ms": self.round_trip_ms}
+
+
 def new_log() -> dict:
     """What a process's simulated hosts note: weights received (step → [(host, time)]), each fetch's and
     write's seconds, each waited curriculum call's milliseconds."""
@@ -832,6 +868,7 @@ def run_pod(args) -> dict:
         trainers.append(trainer_actor.remote(config, handle, args.train_tokens_per_s))
         for k in range(processes):
             start_group(k)
+        probe = OwnProcessProbe(handle, seed=args.seed)
         seen, last_progress, prog = 0, time.monotonic(), None
         while True:
             prog = ray.get(trainers[-1].progress.remote(), timeout=120)
@@ -875,6 +912,7 @@ def run_pod(args) -> dict:
                 last_progress = time.monotonic()
             time.sleep(0.1)
         wall = time.perf_counter() - started
+        own_process = probe.close()
         # a 256-host process's threads finish their requests slowly on 2 loaded cores: report the stragglers
         stragglers = sum(ray.get([g.stop.remote() for g in groups.values()], timeout=600))
         if stragglers:
@@ -996,6 +1034,11 @@ def pod_result(args, v: dict) -> dict:
         "curriculum_call_ms": {"p50": pct(merged["curriculum_ms"], 50), "p99": pct(merged["curriculum_ms"], 99),
                                "first_call_max": pct(merged["curriculum_first_ms"], 100)},
         "curriculum_call_ms_quiet": {"p50": pct(v["quiet"], 50), "p99": pct(v["quiet"], 99)},
+        "curriculum_call_ms_own_process": {"p50": pct(v["own_process"]["draw_ms"], 50),
+                                           "p99": pct(v["own_process"]["draw_ms"], 99),
+                                           "calls": len(v["own_process"]["draw_ms"])},
+        "curriculum_round_trip_ms": {"p50": pct(v["own_process"]["round_trip_ms"], 50),
+                                     "p99": pct(v["own_process"]["round_trip_ms"], 99)},
         "curriculum_waited_calls_per_batch": round(sum(f["waited_calls"] for f in v["finals"].values())
                                                    / max(1, sum(f["batches"] for f in v["finals"].values())), 3),
         "staleness": {str(k2): n for k2, n in sorted(staleness.items())},

@@ -150,6 +150,8 @@ def test_the_pod_bench_runs_the_real_train_worker_on_the_gcs_emulator_and_a_sigk
     assert out["groups_lost"] == 0 and out["groups_duplicated"] == 0 and out["lineage_broken"] is None
     assert 0 < out["weight_gcs_reads_per_version"] <= 2 + 1e-9  # each host reads each version at most once
     assert out["ingest_s"]["median"] > 0  # the trainer's reads of each step's files, 10 ms a request at least
+    # a host's curriculum calls from a process of its own, through the run: draws, and the actor's round trips
+    assert out["curriculum_call_ms_own_process"]["calls"] > 0 and out["curriculum_round_trip_ms"]["p50"] > 0
 
 
 def test_marinrl_plan_answers_from_a_job_config_without_jax_or_ray(capsys):
