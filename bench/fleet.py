@@ -367,15 +367,31 @@ def fanout_times(received: dict, publish_at: dict, hosts) -> list[float]:
     return out
 
 
+def pointer_to_host_s(received: dict, records: list[dict]) -> list[float]:
+    """Per version and host, from the end of the version's publish (its pointer written) until the host held it:
+    with the relay, what the planner's `fetch_s` is (the relay's poll, its one storage read, the object store)."""
+    out = []
+    for r in records:
+        if not r["published_at"]:
+            continue
+        written, seen = r["published_at"] + r["publish_s"], set()
+        for host, t in received.get(r["step"], ()):
+            if t >= written - 1e-3 and host not in seen:
+                seen.add(host)
+                out.append(t - written)
+    return out
+
+
 def planner_report(shape: FleetShape, hosts: int, step_s: float, idle: float, log: dict, busy_s: float,
-                   publish_s: float) -> dict:
+                   publish_s: float, fetch_s: float | None = None) -> dict:
     """The planner beside the run: its prediction of the step and the trainer's idle fraction, its parts, the
     same parts measured, and the step and idle fraction it composes from the measured parts (the pipelining
-    model checked apart from the parts' costs, which the machine's load moves)."""
+    model checked apart from the parts' costs, which the machine's load moves). `fetch_s`: the measured fetch
+    when a host's own poll does not hold it (with the relay: `pointer_to_host_s`)."""
     plan = plan_fleet(shape, hosts)
     # a step waits for the slowest of `hosts` batches: the expected largest of N draws sits at quantile N/(N+1)
     measured = {"host_s": float(np.quantile(log["batch_s"], hosts / (hosts + 1))),
-                "fetch_s": float(np.median(log["fetch_s"])), "busy_s": busy_s}
+                "fetch_s": fetch_s if fetch_s is not None else float(np.median(log["fetch_s"])), "busy_s": busy_s}
     composed = plan_fleet(shape, hosts, measured=measured)
     return {"step_s_predicted": round(plan.step_s, 3), "step_s_measured": round(step_s, 3),
             "idle_predicted": round(plan.trainer_idle_fraction, 3), "idle_measured": round(idle, 3),
@@ -1046,7 +1062,9 @@ def pod_result(args, v: dict) -> dict:
                         "host_process_max": max(f["rss_mb"] for f in v["finals"].values()),
                         "emulator": v["emulator_rss"]},
         "cpu_s_per_step": cpu_per_step(steps),
-        "planner": planner_report(shape, args.hosts, step_s, idle, merged, busy, parts["publish_s"]),
+        "planner": planner_report(shape, args.hosts, step_s, idle, merged, busy, parts["publish_s"],
+                                  fetch_s=pct(pointer_to_host_s(received, records), 50) if v["fanout"] == "relay"
+                                  else None),
         "wall_s": round(v["wall"], 1),
         "simulated": {"generation": f"response tokens / {args.host_tokens_per_s:g} tokens/s ±{args.jitter:g}",
                       "train_step": f"the update only: the batch's tokens / {args.train_tokens_per_s:g} tokens/s "

@@ -135,6 +135,17 @@ def test_the_fleet_bench_loses_nothing_and_the_planner_composes_its_measured_par
     assert plan["idle_from_measured_parts"] == pytest.approx(plan["idle_measured"], rel=0.25)
 
 
+def test_with_the_relay_a_hosts_measured_fetch_runs_from_the_pointers_write_not_from_its_own_poll():
+    """The planner's relay fetch is the relay's poll, its storage read and the object store: measured from the
+    end of each publish (its pointer written) to each host's first receipt, an earlier version's receipts and a
+    host's second receipt left out."""
+    fleet = _fleet()
+    records = [{"step": 1, "published_at": 100.0, "publish_s": 6.0}, {"step": 2, "published_at": None, "publish_s": 0.0},
+               {"step": 3, "published_at": 200.0, "publish_s": 5.0}]
+    received = {1: [(0, 106.5), (1, 107.0), (0, 108.0)], 2: [(0, 150.0)], 3: [(0, 204.0), (1, 205.25)]}
+    assert fleet.pointer_to_host_s(received, records) == [0.5, 1.0, 0.25]
+
+
 @pytest.mark.slow  # 2–3 minutes on 2 loaded cores: four JAX processes start, and the trainer twice
 def test_the_pod_bench_runs_the_real_train_worker_on_the_gcs_emulator_and_a_sigkill_loses_nothing(ray_session):
     """bench/fleet.py --trainer worker at 2 hosts (in 2 processes) with one SIGKILL of the trainer's process
