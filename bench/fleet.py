@@ -369,7 +369,7 @@ def fanout_times(received: dict, publish_at: dict, hosts) -> list[float]:
 
 def pointer_to_host_s(received: dict, records: list[dict]) -> list[float]:
     """Per version and host, from the end of the version's publish (its pointer written) until the host held it:
-    with the relay, what the planner's `fetch_s` is (the relay's poll, its one storage read, the object store)."""
+    the planner's fan-out (a host's poll and read, or the relay's poll, its one storage read, the object store)."""
     out = []
     for r in records:
         if not r["published_at"]:
@@ -383,21 +383,24 @@ def pointer_to_host_s(received: dict, records: list[dict]) -> list[float]:
 
 
 def planner_report(shape: FleetShape, hosts: int, step_s: float, idle: float, log: dict, busy_s: float,
-                   publish_s: float, fetch_s: float | None = None) -> dict:
+                   publish_s: float, fanout_s: float | None = None) -> dict:
     """The planner beside the run: its prediction of the step and the trainer's idle fraction, its parts, the
     same parts measured, and the step and idle fraction it composes from the measured parts (the pipelining
-    model checked apart from the parts' costs, which the machine's load moves). `fetch_s`: the measured fetch
-    when a host's own poll does not hold it (with the relay: `pointer_to_host_s`)."""
+    model checked apart from the parts' costs, which the machine's load moves). `fanout_s`: the measured
+    fan-out (`pointer_to_host_s`'s median), where the run has it."""
     plan = plan_fleet(shape, hosts)
     # a step waits for the slowest of `hosts` batches: the expected largest of N draws sits at quantile N/(N+1)
     measured = {"host_s": float(np.quantile(log["batch_s"], hosts / (hosts + 1))),
-                "fetch_s": fetch_s if fetch_s is not None else float(np.median(log["fetch_s"])), "busy_s": busy_s}
+                "fetch_s": float(np.median(log["fetch_s"])), "busy_s": busy_s}
+    if fanout_s is not None:
+        measured["fanout_s"] = fanout_s
     composed = plan_fleet(shape, hosts, measured=measured)
     return {"step_s_predicted": round(plan.step_s, 3), "step_s_measured": round(step_s, 3),
             "idle_predicted": round(plan.trainer_idle_fraction, 3), "idle_measured": round(idle, 3),
             "waits": plan.waits,
             "parts_predicted": {"host_s": round(plan.parts_s["generate"] + plan.parts_s["write"], 4),
-                                "fetch_s": round(plan.parts_s["fetch"], 4),
+                                "fetch_s": round(plan.parts_s["host_fetch"], 4),
+                                "fanout_s": round(plan.parts_s["fanout"], 4),
                                 "busy_s": round(plan.trainer_busy_s, 4), "publish_s": round(plan.parts_s["publish"], 4),
                                 "write_s": round(plan.parts_s["write"], 4)},
             "parts_measured": {**{k: round(v, 4) for k, v in measured.items()}, "publish_s": round(publish_s, 4),
@@ -1063,8 +1066,7 @@ def pod_result(args, v: dict) -> dict:
                         "emulator": v["emulator_rss"]},
         "cpu_s_per_step": cpu_per_step(steps),
         "planner": planner_report(shape, args.hosts, step_s, idle, merged, busy, parts["publish_s"],
-                                  fetch_s=pct(pointer_to_host_s(received, records), 50) if v["fanout"] == "relay"
-                                  else None),
+                                  fanout_s=pct(pointer_to_host_s(received, records), 50)),
         "wall_s": round(v["wall"], 1),
         "simulated": {"generation": f"response tokens / {args.host_tokens_per_s:g} tokens/s ±{args.jitter:g}",
                       "train_step": f"the update only: the batch's tokens / {args.train_tokens_per_s:g} tokens/s "

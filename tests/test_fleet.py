@@ -135,10 +135,10 @@ def test_the_fleet_bench_loses_nothing_and_the_planner_composes_its_measured_par
     assert plan["idle_from_measured_parts"] == pytest.approx(plan["idle_measured"], rel=0.25)
 
 
-def test_with_the_relay_a_hosts_measured_fetch_runs_from_the_pointers_write_not_from_its_own_poll():
-    """The planner's relay fetch is the relay's poll, its storage read and the object store: measured from the
-    end of each publish (its pointer written) to each host's first receipt, an earlier version's receipts and a
-    host's second receipt left out."""
+def test_the_measured_fanout_runs_from_each_publishs_pointer_to_each_hosts_first_receipt():
+    """The planner's fan-out (a host's poll and read; with the relay, its poll, storage read and the object store)
+    measured from the end of each publish (its pointer written) to each host's first receipt, an earlier
+    version's receipts and a host's second receipt left out."""
     fleet = _fleet()
     records = [{"step": 1, "published_at": 100.0, "publish_s": 6.0}, {"step": 2, "published_at": None, "publish_s": 0.0},
                {"step": 3, "published_at": 200.0, "publish_s": 5.0}]

@@ -130,9 +130,11 @@ def _transfer_s(shape: FleetShape, nbytes: float) -> float:
     return shape.latency_s + nbytes / shape.stream_bytes_per_s
 
 
-MEASURABLE = ("host_s", "fetch_s", "busy_s")
+MEASURABLE = ("host_s", "fetch_s", "fanout_s", "busy_s")
 """The parts `plan_fleet(measured=…)` takes as measured: a host's batch (generation, write, curriculum), a
-host's fetch of a version, the trainer's work a step (everything but waiting for rollouts)."""
+host's fetch of a version (what its generation waits for: its own read from storage, or with the relay its
+object-store read), the fan-out (a version's pointer written until a waiting host holds it: the poll, and with
+the relay its storage read, included), the trainer's work a step (everything but waiting for rollouts)."""
 
 
 def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None = None) -> FleetPlan:
@@ -167,19 +169,22 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     poll_every = max(0.05, hosts / s.pointer_reads_per_s)
     # every host fetches every version (its own stream; all of them through the shared link), between batches
     fetch_s = 2 * s.latency_s + max(s.weight_bytes / weight_bps, hosts * s.weight_bytes / link)
+    host_fetch_s = fetch_s  # what a host's generation waits for
     if s.fanout == "relay":  # the relay's one read (after its poll), then the object store
         # Ray pulls an object from any node that holds a copy, so copies double each round: log2(N + 1) rounds
         rounds = math.ceil(math.log2(hosts + 1))
-        fetch_s = (RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps
-                   + (rounds * s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0))
+        host_fetch_s = rounds * s.weight_bytes / s.relay_bytes_per_s if s.relay_bytes_per_s else 0.0
+        # the hosts go on generating while the relay reads: only their object-store read holds them up
+        fetch_s = RELAY_POLL_S / 2 + 2 * s.latency_s + s.weight_bytes / weight_bps + host_fetch_s
+    # from the pointer's write to a waiting host holding the version (a relay's wait is in its fetch_s)
+    fanout_s = fetch_s + (0.0 if s.fanout == "relay" else poll_every / 2)
     measured = measured or {}
     if set(measured) - set(MEASURABLE):
         raise ValueError(f"measured parts must be among {MEASURABLE}, got {sorted(measured)}")
-    host_s, fetch_s, busy_s = (measured.get(k, v) for k, v in (("host_s", host_s), ("fetch_s", fetch_s),
-                                                                ("busy_s", busy_s)))
-    cycle_s = host_s + fetch_s
-    # from the pointer's write to a waiting host holding the version (a relay's wait is in its fetch_s)
-    fanout_s = fetch_s + (0.0 if s.fanout == "relay" else poll_every / 2)
+    host_s, host_fetch_s, fanout_s, busy_s = (
+        measured.get(k, v) for k, v in (("host_s", host_s), ("fetch_s", host_fetch_s), ("fanout_s", fanout_s),
+                                        ("busy_s", busy_s)))
+    cycle_s = host_s + host_fetch_s
     if s.max_staleness == 0:
         step_s = busy_s + fanout_s + host_s + ingest_tail_s
     else:  # a host's cycle, the trainer's work, or half the loop through both (weights t-1 make batch t+1)
@@ -191,7 +196,8 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     return FleetPlan(
         hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
-                 "batch": batch_s, "train": train_s, "publish": publish_s, "fetch": fetch_s, "fanout": fanout_s},
+                 "batch": batch_s, "train": train_s, "publish": publish_s, "fetch": fetch_s,
+                 "host_fetch": host_fetch_s, "fanout": fanout_s},
         requests_per_step={"rollout_writes": files, "rollout_reads": files, "rollout_lists": 2 * polls,
                            "weight_reads": 1 if s.fanout == "relay" else hosts,
                            "pointer_reads": (step_s / RELAY_POLL_S if s.fanout == "relay"
