@@ -16,7 +16,8 @@ The model (every figure per trainer step; `FleetShape` names the inputs, `plan_f
 - the hosts see it after a pointer read (a waiting host polls every `fleet / pointer_reads_per_s`
   seconds, half that on average) and fetch it: a stream each, N versions through the shared link; with
   the relay, the relay reads the pointer every `RELAY_POLL_S` and tells the waiting hosts at once (their
-  calls are open), then they fetch from Ray's object store;
+  calls are open), then they fetch from Ray's object store (only that read holds up a host's generation:
+  the hosts go on with the version they hold while the relay reads);
 - with `max_staleness = 0` all of that is one chain per step; with `max_staleness >= 1` a host
   generates step t's batch with weights t − 1 while the trainer trains step t − 1, so the period is
   the longest of the hosts' cycle, the trainer's work, and half the loop through both.
