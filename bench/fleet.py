@@ -635,7 +635,8 @@ class Emulator:
         args = ["start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", FLEET_BUCKET,
                 "-q"]
         launch = (f"import sys, http.server; http.server.HTTPServer.request_queue_size = {EMULATOR_LISTEN_BACKLOG}; "
-                  "from gcp_storage_emulator import storage; storage.Storage._write_config_to_file = lambda self: None; "
+                  "from gcp_storage_emulator import storage; "
+                  "storage.Storage._write_config_to_file = lambda self: None; "
                   f"from gcp_storage_emulator.__main__ import main; sys.exit(main({args!r}))")
         self.log = workdir / "emulator.log"
         self.proc = subprocess.Popen([sys.executable, "-c", launch], stdout=self.log.open("w"),

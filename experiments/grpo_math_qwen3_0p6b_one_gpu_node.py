@@ -12,10 +12,11 @@ install marinrl on it: infra/README.md, "One GPU node".
 
 What changes from the cluster recipe: the scan sampler instead of Levanter's engine (on a GPU the engine's
 paged attention is Levanter's reference loop: 130 tokens/s on an H100 against the scan sampler's 8,000;
-docs/device_check.md), `ray.address: null` (a local Ray) and `num_gpus` per role, no role resources: Ray gives each actor its own GPUs (`CUDA_VISIBLE_DEVICES`), so each JAX process preallocates
-only its own GPUs' memory (docs/scaling.md, "One host"). The trainer shards over 4 GPUs in microbatches
-of 16 rows per GPU (8 accumulation steps of the step's 512 rows); each rollout worker samples 16 of a
-step's 32 prompts, tensor-parallel over its 2 GPUs. Other splits: `--ray.trainer.num_gpus 6
+docs/device_check.md), `ray.address: null` (a local Ray) and `num_gpus` per role, no role resources: Ray
+gives each actor its own GPUs (`CUDA_VISIBLE_DEVICES`), so each JAX process preallocates only its own GPUs'
+memory (docs/scaling.md, "One host"). The trainer shards over 4 GPUs in microbatches of 16 rows per GPU (8
+accumulation steps of the step's 512 rows); each rollout worker samples 16 of a step's 32 prompts,
+tensor-parallel over its 2 GPUs. Other splits: `--ray.trainer.num_gpus 6
 --ray.rollout.num_gpus 2 --n_rollout_workers 1`, or 4 + 4 with one rollout worker.
 """
 
@@ -31,7 +32,7 @@ RECIPE = recipe_yaml(_CLUSTER["RECIPE"], """
 run_id: grpo-math-qwen3-0.6b-one-gpu-node
 n_rollout_workers: 2
 inference:
-  backend: scan                   # Levanter's engine has no GPU attention kernel: 50x slower here (docs/device_check.md)
+  backend: scan                   # Levanter's engine has no GPU attention kernel: 50x slower (docs/device_check.md)
 trainer:
   per_device_parallelism: 16      # rows per GPU per microbatch
 ray:

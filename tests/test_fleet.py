@@ -140,7 +140,8 @@ def test_the_measured_fanout_runs_from_each_publishs_pointer_to_each_hosts_first
     measured from the end of each publish (its pointer written) to each host's first receipt, an earlier
     version's receipts and a host's second receipt left out."""
     fleet = _fleet()
-    records = [{"step": 1, "published_at": 100.0, "publish_s": 6.0}, {"step": 2, "published_at": None, "publish_s": 0.0},
+    records = [{"step": 1, "published_at": 100.0, "publish_s": 6.0},
+               {"step": 2, "published_at": None, "publish_s": 0.0},
                {"step": 3, "published_at": 200.0, "publish_s": 5.0}]
     received = {1: [(0, 106.5), (1, 107.0), (0, 108.0)], 2: [(0, 150.0)], 3: [(0, 204.0), (1, 205.25)]}
     assert fleet.pointer_to_host_s(received, records) == [0.5, 1.0, 0.25]

@@ -137,7 +137,7 @@ def test_dry_run(name):
     trainer, rollout = report["trainer"], report["rollout"]
     n = report["total_params"]
 
-    # the backend the recipe runs is the one compiled: Levanter's engine (its prefill and decode loop) or the scan sampler
+    # the backend the recipe runs is the one compiled: Levanter's engine (prefill, decode loop) or the scan sampler
     backend = "scan" if name in SCAN else "engine"
     assert report["backend"] == backend and f"rollout backend: {backend}" in text
     programs = {p["name"]: p for p in report["programs"]}
