@@ -113,7 +113,7 @@ def test_byte_tokenizer_at_qwen3s_vocabulary_has_every_id_and_drops_reserved_one
     vocab = 151_936
     tok = byte_tokenizer(vocab)
     assert len(tok) == vocab
-    last = f"<|reserved_{vocab - 263}|>"
+    last = f"<|reserved_{vocab - 264}|>"  # the 263 bytes and specials come first
     assert tok.convert_ids_to_tokens(vocab - 1) == last and tok.convert_tokens_to_ids(last) == vocab - 1
     assert tok.encode(f"a{last}b", add_special_tokens=False) == [97, vocab - 1, 98]
     assert tok.decode([104, 263, vocab - 1, 105], skip_special_tokens=True) == "hi"
