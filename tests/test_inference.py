@@ -463,7 +463,8 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     logits[5] = -np.inf  # a zero-probability token is never drawn
     rows = 40000
     u = jnp.asarray(rng.random(rows, dtype=np.float32))
-    tokens, logp = jax.jit(scan_sampler._pick)(jnp.broadcast_to(jnp.asarray(logits), (rows, 37)), jnp.float32(1.5), u)
+    tokens, logp = jax.jit(scan_sampler._pick, static_argnames="greedy")(
+        jnp.broadcast_to(jnp.asarray(logits), (rows, 37)), jnp.float32(1.5), u, greedy=False)
     tokens = np.asarray(tokens)
     p = np.exp(logits / 1.5 - np.logaddexp.reduce(logits / 1.5))
     freq = np.bincount(tokens, minlength=37) / rows
@@ -473,7 +474,7 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     np.testing.assert_allclose(np.asarray(logp), np.log(p[tokens]), atol=1e-5)
     # the edges of [0, 1): the first and the last token with nonzero probability
     edge, _ = scan_sampler._pick(jnp.asarray([logits, logits]), jnp.float32(1.0),
-                                 jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))]))
+                                 jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0))]), False)
     nonzero = np.flatnonzero(np.isfinite(logits))
     assert np.asarray(edge).tolist() == [nonzero[0], nonzero[-1]]
 

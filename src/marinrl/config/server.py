@@ -4,7 +4,7 @@ server.py, the engine in levanter_engine.py."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from marinrl.config.checks import check_api_key, is_loopback, require_at_least
 
@@ -71,9 +71,11 @@ class InferenceServerConfig:
     http_min_batch: int = 8
     """Scan sampler behind the endpoint: a device call holds at least this many prompt rows (padding),
     so that batches of 1..8 queued requests share one compiled shape instead of four."""
-    scan_max_cache_bytes: int = 1 << 30
-    """Scan sampler: KV-cache budget of one device call; a `generate` call needing more is split into
-    equal chunks (same samples either way)."""
+    scan_max_cache_bytes: Union[int, Literal["auto"]] = "auto"
+    """Scan sampler: KV-cache budget of one device call, per device; a `generate` call needing more is split
+    into equal chunks (same samples either way). `auto`: on an accelerator 0.8 of what the device's allocator
+    has left after the served weights (a shared GPU's `memory_fraction` included), on a CPU 1 GiB
+    (`inference/scan_plan.py`). The sampler logs the split when it makes more than one call."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
     dtype: Optional[str] = None
@@ -102,8 +104,10 @@ class InferenceServerConfig:
                 f"InferenceServerConfig.http_backend must be None, 'scan' or 'engine', got {self.http_backend!r}")
         if self.http_min_batch < 1:
             raise ValueError(f"InferenceServerConfig.http_min_batch must be >= 1, got {self.http_min_batch}")
-        if self.scan_max_cache_bytes < 1:
-            raise ValueError("InferenceServerConfig.scan_max_cache_bytes must be >= 1")
+        if self.scan_max_cache_bytes != "auto" and (
+                not isinstance(self.scan_max_cache_bytes, int) or self.scan_max_cache_bytes < 1):
+            raise ValueError(f"inference.scan_max_cache_bytes must be 'auto' or an integer >= 1, "
+                             f"got {self.scan_max_cache_bytes!r}")
         if self.dtype is not None and self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"inference.dtype must be one of {', '.join(ROLLOUT_DTYPES)} (or null: the trainer's "
                              f"compute dtype), got {self.dtype!r}")

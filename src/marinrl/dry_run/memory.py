@@ -53,7 +53,6 @@ uses one device: set it for a like-for-like comparison there).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal, Optional
 
 import equinox as eqx
@@ -72,6 +71,7 @@ from marinrl.dry_run.engine_cache import (
 )
 from marinrl.dry_run.flops import ModelDims
 from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
+from marinrl.inference import scan_plan
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter
 from marinrl.train.policy_forward import lm_head_block
@@ -324,8 +324,9 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
             cache = shard_bytes(abstract_engine_state(model, engine_sizing(job, page_size=page, max_pages=pages)),
                                 mapping, mesh)
     else:
-        kv, chunk, _ = scan_cache_bytes(job, prompt_tokens, response_tokens)
-        cache = kv / scan_cache_shards(job, mesh, chunk)
+        plan = scan_call_plan(job, prompt_tokens, response_tokens, mesh, device or rollout_device(job, cpu))
+        cache = plan.per_device_cache_bytes
+        notes = (f"scan sampler: {plan.calls} call(s) of {plan.rows_per_call} rows",)
     weights = shard_bytes(model, mapping, mesh)
     components = {"weights": weights, "cache": cache,
                   "working_set": rollout_working_set_bytes(job, model_axis, mesh["data"]),
@@ -341,26 +342,30 @@ def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
         bytes_per_device=components, estimated=estimated, notes=notes)
 
 
-def scan_cache_bytes(job, prompt_tokens: int, response_tokens: int) -> tuple[float, int, int]:
-    """(KV cache bytes of one scan-sampler call, prompts per call, calls per rollout batch): a call whose
-    cache exceeds `inference.scan_max_cache_bytes` is split into equal calls, as `sampler.sample` does."""
-    from marinrl.inference.sampler import _floor_bucket, bucket
-
+def scan_call_plan(job, prompt_tokens: int, response_tokens: int, mesh: Optional[dict] = None,
+                   device: Optional[RolloutDevice] = None):
+    """The scan sampler's split of one rollout worker's batch into device calls (`scan_plan.CallPlan`), as
+    `sampler.sample` makes it: `inference.scan_max_cache_bytes` per device, `auto` from the rollout device's
+    memory less the served weights (`device`, else the placement's), the CPU default where it is unknown."""
     dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
-    prompts = max(1, job.groups_per_step // job.n_rollout_workers)
-    p_len, t_len = bucket(prompt_tokens, 16), bucket(response_tokens, 16)
+    arch = to_levanter(job.model.model)
+    mesh = mesh or {"data": 1, "model": 1}
     itemsize = np.dtype(job.rollout_dtype()).itemsize
-    per_prompt = job.n_generations * 2 * dims.layers * dims.kv_dim * (p_len + t_len) * itemsize
-    chunk = min(bucket(prompts), _floor_bucket(max(1, job.inference.scan_max_cache_bytes // per_prompt)))
-    return float(chunk * per_prompt), chunk, math.ceil(prompts / chunk)
-
-
-def scan_cache_shards(job, mesh: dict, chunk: int) -> int:
-    """Devices one scan-sampler call's cache (`chunk` prompts) is split over: rows over data, KV heads over
-    model."""
-    rows = chunk * job.n_generations
-    return (mesh["data"] if rows % mesh["data"] == 0 else 1) * \
-        (mesh["model"] if to_levanter(job.model.model).num_kv_heads % mesh["model"] == 0 else 1)
+    per_prompt = scan_plan.kv_bytes_per_prompt(
+        layers=dims.layers, kv_heads=arch.num_kv_heads, head_size=dims.kv_dim // arch.num_kv_heads,
+        itemsize=itemsize, p_len=scan_plan.bucket(prompt_tokens, 16), t_len=scan_plan.bucket(response_tokens, 16),
+        n=job.n_generations)
+    budget = job.inference.scan_max_cache_bytes
+    if budget == "auto":
+        device = device or rollout_device(job)
+        weights = 0.0
+        if device.memory_bytes:
+            model = abstract_model(arch, job.model.vocab_size, jnp.dtype(job.rollout_dtype()))
+            weights = shard_bytes(model, rollout_mapping(job, mesh["model"]), mesh)
+        budget = scan_plan.auto_cache_budget(device.memory_bytes, weights)
+    return scan_plan.plan_calls(prompts=max(1, job.groups_per_step // job.n_rollout_workers), n=job.n_generations,
+                                per_prompt_bytes=per_prompt, budget_bytes=budget, kv_heads=arch.num_kv_heads,
+                                data=mesh["data"], model=mesh["model"])
 
 
 def default_response_tokens(job) -> int:

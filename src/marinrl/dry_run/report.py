@@ -133,9 +133,9 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
     if job.inference.backend == "engine":
         checks += programs.check_engine(job, layers, n_rollout, model_axis)
     else:
-        from marinrl.inference.sampler import bucket
+        from marinrl.inference.scan_plan import bucket
 
-        _, chunk, _ = memory.scan_cache_bytes(job, shapes.prompt_tokens, response)
+        chunk = memory.scan_call_plan(job, shapes.prompt_tokens, response, rollout.mesh).prompts_per_call
         checks += programs.check_scan_sampler(job, layers, n_rollout, model_axis, chunk,
                                               bucket(shapes.prompt_tokens, 16), bucket(response, 16))
 

@@ -92,23 +92,74 @@ def _linear(x, w, b):
     return y if b is None else y + b
 
 
-def _attend(q, k_cache, v_cache, key_ok, scale, soft_cap):
-    """q [B, KV, G, Q, D]; caches [B, KV, S, D]; key_ok [B, Q, S] -> [B, Q, KV*G*D] (float32 softmax).
-    The cache keeps (batch, kv_head) in front so both products are plain batched matmuls."""
-    scores = jnp.einsum("bkgqd,bksd->bkgqs", q, k_cache, preferred_element_type=jnp.float32) * scale
-    if soft_cap is not None:
-        scores = soft_cap * jnp.tanh(scores / soft_cap)
-    scores = jnp.where(key_ok[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-    out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v_cache)
-    b, nq = out.shape[:2]
-    return out.reshape(b, nq, -1)
+def _scores(q, k, scale, soft_cap, spec):
+    """float32 attention scores of `q` against keys `k` by the einsum `spec`, scaled and soft-capped."""
+    scores = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * scale
+    return scores if soft_cap is None else soft_cap * jnp.tanh(scores / soft_cap)
 
 
-def _layer(layer, packed: PackedLayer, x, pos, k_cache, v_cache, write_at, key_ok):
-    """One decoder layer on x (batch, position, embed) at absolute positions `pos` (batch, position).
-    Writes the new keys/values into the caches at slot `write_at` and attends over the cache. Norms,
-    rotary embeddings, QK norms and the activation are the layer's own modules."""
+class DenseAttention(eqx.Module):
+    """Attention over one cache per row [B, KV, S, D]: the new keys and values are written at slot `write_at`,
+    and each query attends to the slots `key_ok` [B, Q, S] allows. The prompts' prefill and the in-flight
+    sampler's recompute run this."""
+
+    write_at: jax.Array
+    key_ok: jax.Array
+
+    def __call__(self, q, k, v, cache, scale, soft_cap):
+        """q [B, KV, G, Q, D]; k, v [B, KV, Q, D]; cache (keys, values) -> ([B, Q, KV*G*D], cache)."""
+        k_cache = jax.lax.dynamic_update_slice_in_dim(cache[0], k, self.write_at, axis=2)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(cache[1], v, self.write_at, axis=2)
+        scores = _scores(q, k_cache, scale, soft_cap, "bkgqd,bksd->bkgqs")
+        scores = jnp.where(self.key_ok[:, None, None, :, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+        out = jnp.einsum("bkgqs,bksd->bqkgd", probs, v_cache)
+        b, nq = out.shape[:2]
+        return out.reshape(b, nq, -1), (k_cache, v_cache)
+
+
+class GroupedDecodeAttention(eqx.Module):
+    """One decode step of R = P × n rows, row i * n + j being sample j of prompt i, over a cache in two parts:
+    each prompt's keys and values once [P, KV, S_p, D] (left-padded), and each row's generated ones
+    [R, KV, T, D]. The step's key and value go to generated slot `write_at`; the query attends to its prompt's
+    slots from its padding on (`prompt_ok` [R, S_p]) and to the first `window` generated slots up to
+    `write_at`. One softmax over both parts, as over one cache: a prompt's keys are read once for its n rows
+    (n × G queries a key instead of G), and a generated slot no row has reached yet past `window` is never read
+    (`scan_plan.decode_windows`)."""
+
+    write_at: jax.Array
+    prompt_ok: jax.Array
+    window: int = eqx.field(static=True)
+
+    def __call__(self, q, k, v, cache, scale, soft_cap):
+        """q [R, KV, G, 1, D]; k, v [R, KV, 1, D]; cache (prompt keys, prompt values, generated keys, generated
+        values) -> ([R, 1, KV*G*D], cache)."""
+        kp, vp, kg, vg = cache
+        kg = jax.lax.dynamic_update_slice_in_dim(kg, k, self.write_at, axis=2)
+        vg = jax.lax.dynamic_update_slice_in_dim(vg, v, self.write_at, axis=2)
+        n_prompts, n_kv, s_p, _ = kp.shape
+        rows, _, group, _, head = q.shape
+        n = rows // n_prompts
+        q = q[:, :, :, 0]  # [R, KV, G, D]
+        grouped = q.reshape(n_prompts, n, n_kv, group, head)
+        s_prompt = _scores(grouped, kp, scale, soft_cap, "pnkgd,pksd->pnkgs").reshape(rows, n_kv, group, s_p)
+        k_seen, v_seen = kg[:, :, :self.window], vg[:, :, :self.window]
+        s_gen = _scores(q, k_seen, scale, soft_cap, "rkgd,rksd->rkgs")
+        s_prompt = jnp.where(self.prompt_ok[:, None, None, :], s_prompt, -jnp.inf)
+        s_gen = jnp.where(jnp.arange(self.window)[None, None, None, :] <= self.write_at, s_gen, -jnp.inf)
+        probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_gen], axis=-1), axis=-1).astype(vg.dtype)
+        p_prompt = probs[..., :s_p].reshape(n_prompts, n, n_kv, group, s_p)
+        out = jnp.einsum("pnkgs,pksd->pnkgd", p_prompt, vp, preferred_element_type=jnp.float32).reshape(
+            rows, n_kv * group * head)
+        out = out + jnp.einsum("rkgs,rksd->rkgd", probs[..., s_p:], v_seen,
+                               preferred_element_type=jnp.float32).reshape(rows, -1)
+        return out[:, None, :].astype(vg.dtype), (kp, vp, kg, vg)
+
+
+def _layer(layer, packed: PackedLayer, x, pos, cache, attention):
+    """One decoder layer on x (batch, position, embed) at absolute positions `pos` (batch, position), attending
+    with `attention` (`DenseAttention`, `GroupedDecodeAttention`) over this layer's `cache`, which it returns
+    updated. Norms, rotary embeddings, QK norms and the activation are the layer's own modules."""
     attn = layer.self_attn
     cfg = attn.config
     n_kv, group, head = cfg.KVHeads.size, cfg.QHeadsPerGroup.size, cfg.HeadSize.size
@@ -127,14 +178,13 @@ def _layer(layer, packed: PackedLayer, x, pos, k_cache, v_cache, write_at, key_o
         q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.rot_embs is not None:
         q, k = attn.rot_embs(q, pos).astype(q.dtype), attn.rot_embs(k, pos).astype(k.dtype)
+    cache_dtype = cache[0].dtype
     q = q.rearrange(("batch", "kv_head", "q_heads_per_group", "position", "head_size")).array
-    k = k.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(k_cache.dtype)
-    v = jnp.transpose(v, (0, 2, 1, 3)).astype(v_cache.dtype)
-    k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k, write_at, axis=2)
-    v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v, write_at, axis=2)
+    k = k.rearrange(("batch", "kv_head", "position", "head_size")).array.astype(cache_dtype)
+    v = jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)
     scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(head)
-    out = _attend(q, k_cache, v_cache, key_ok, scale, cfg.logits_soft_cap).astype(x.dtype)
-    attn_out = _named(_linear(out, packed.o, packed.o_bias), "batch", "position", "embed")
+    out, cache = attention(q, k, v, cache, scale, cfg.logits_soft_cap)
+    attn_out = _named(_linear(out.astype(x.dtype), packed.o, packed.o_bias), "batch", "position", "embed")
     if getattr(layer, "post_attn_layernorm", None) is not None:  # Llama's hybrid_norm only
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
@@ -147,7 +197,7 @@ def _layer(layer, packed: PackedLayer, x, pos, k_cache, v_cache, write_at, key_o
     mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
-    return residual + mlp_out, k_cache, v_cache
+    return residual + mlp_out, cache
 
 
 def head_logits(h, lm_head, lm_head_float32: bool = False):
@@ -160,22 +210,22 @@ def head_logits(h, lm_head, lm_head_float32: bool = False):
     return jnp.matmul(h, lm_head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def forward(model, layers, packed, lm_head, ids, pos, caches, write_at, key_ok, lm_head_float32: bool = False):
-    """Embed `ids` (batch, position), run every layer with the cache, return last-position logits [B, V]
-    (float32; the head itself in float32 with `lm_head_float32`, `head_logits`)."""
+def forward(model, layers, packed, lm_head, ids, pos, caches, attention, lm_head_float32: bool = False):
+    """Embed `ids` (batch, position), run every layer with its cache and `attention`, return last-position
+    logits [B, V] (float32; the head itself in float32 with `lm_head_float32`, `head_logits`) and the caches."""
     x = model.embeddings.embed(_named(ids, "batch", "position"))
     if sampler_family(model).embed_scale:  # Gemma: as its `activations` does, the factor in the embeddings' dtype
         x = x * jnp.sqrt(model.config.hidden_dim).astype(x.dtype)
     pos = _named(pos, "batch", "position")
     new_caches = []
-    for layer, p, (kc, vc) in zip(layers, packed, caches):
-        x, kc, vc = _layer(layer, p, x, pos, kc, vc, write_at, key_ok)
-        new_caches.append((kc, vc))
+    for layer, p, cache in zip(layers, packed, caches):
+        x, cache = _layer(layer, p, x, pos, cache, attention)
+        new_caches.append(cache)
     x = model.transformer.norm(x["position", -1])
     return head_logits(x.rearrange(("batch", "embed")).array, lm_head, lm_head_float32), new_caches
 
 
 def cache_layout(caches, mesh):
-    """KV caches [rows, kv_head, slot, head]: heads over the model axis, rows over the data axis."""
-    return [(constrain(kc, mesh, DATA, MODEL, None, None), constrain(vc, mesh, DATA, MODEL, None, None))
-            for kc, vc in caches]
+    """KV caches [rows, kv_head, slot, head] (per layer a tuple of them: prompt and generated keys and values, or
+    one cache's): heads over the model axis, rows (or prompts) over the data axis."""
+    return [tuple(constrain(c, mesh, DATA, MODEL, None, None) for c in cache) for cache in caches]

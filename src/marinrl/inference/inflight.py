@@ -26,7 +26,7 @@ import numpy as np
 
 from marinrl.config.inflight import INFLIGHT_KV, InflightKV
 from marinrl.inference import sampler as scan_sampler
-from marinrl.inference.decoder import cache_layout, forward, pack_layer
+from marinrl.inference.decoder import DenseAttention, cache_layout, forward, pack_layer
 
 
 @dataclasses.dataclass
@@ -73,27 +73,32 @@ class WeightSwaps:
         return True
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32"))
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy"))
 def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
-           mesh, lm_head_float32):
+           mesh, lm_head_float32, greedy):
     return scan_sampler._start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds,
-                               key_index, n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
+                               key_index, n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32,
+                               greedy=greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "lm_head_float32"), donate_argnames=("state",))
-def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32):
+@functools.partial(jax.jit, static_argnames=("mesh", "lm_head_float32", "greedy"), donate_argnames=("state",))
+def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32, greedy):
     return scan_sampler._decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, mesh=mesh,
-                                      lm_head_float32=lm_head_float32)
+                                      lm_head_float32=lm_head_float32, greedy=greedy)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
 def _recompute(model, state, stops, *, mesh):
     """The decode state with every row's KV cache rebuilt by `model` from its prompt and the tokens
-    sampled so far (slots past them get filler that decoding overwrites before it attends to them)."""
+    sampled so far (slots past them get filler that decoding overwrites before it attends to them): one
+    dense pass over each row's whole sequence, then its prompt part kept once per prompt (a prompt's rows
+    hold the same prompt) and its generated part per row, as `sampler._start` lays them out."""
     stop_len = stops.shape[1]
     generated = state["out_tokens"][:, stop_len - 1:]
     ids = jnp.concatenate([state["row_ids"], jnp.maximum(generated, 0)], axis=1)  # filler -> token 0
     rows, s_len = ids.shape
+    p_len = state["row_ids"].shape[1]
+    n = rows // state["prompt_caches"][0][0].shape[0]
     pad = state["pad"]
     slots = jnp.arange(s_len)
     pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
@@ -102,24 +107,28 @@ def _recompute(model, state, stops, *, mesh):
     layers = model.transformer.layers.unstacked()
     packed = [pack_layer(layer, mesh) for layer in layers]
     lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
-    empty = jnp.zeros_like(state["caches"][0][0])
+    kg = state["caches"][0][0]
+    empty = jnp.zeros((rows, kg.shape[1], s_len, kg.shape[3]), kg.dtype)
     caches = cache_layout([(empty, empty) for _ in layers], mesh)
-    _, caches = forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok)
-    return dict(state, caches=cache_layout(caches, mesh))
+    _, caches = forward(model, layers, packed, lm_head, ids, pos, caches,
+                        DenseAttention(jnp.asarray(0, jnp.int32), key_ok))
+    prompt_caches = cache_layout([(k[::n, :, :p_len], v[::n, :, :p_len]) for k, v in caches], mesh)
+    return dict(state, prompt_caches=prompt_caches,
+                caches=cache_layout([(k[:, :, p_len:], v[:, :, p_len:]) for k, v in caches], mesh))
 
 
 _outputs = jax.jit(scan_sampler._outputs)
 
 
 def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-             *, n: int, max_new: int, mesh, lm_head_float32: bool = False):
+             *, n: int, max_new: int, mesh, lm_head_float32: bool = False, greedy: bool = False):
     """One device call of the scan sampler in chunks of `swaps.every_tokens` steps, swapping weights
     between chunks. Returns what `sampler._generate` returns, plus int64 [max_new]: the weight step of
     the weights that sampled token t (the same for every row)."""
     swaps.check()  # before the prefill: a call (a turn of a multi-turn episode) starts with the newest weights
     steps_by_token = np.full((max_new,), swaps.step, dtype=np.int64)
     state = _start(swaps.model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
+                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
     t = 1  # the prefill sampled token 0
     while t < max_new:
         if t % swaps.every_tokens == 0 and swaps.check():  # chunks end at multiples of every_tokens
@@ -128,7 +137,7 @@ def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, t
                 state = _recompute(swaps.model, state, stops, mesh=mesh)
         t_stop = (t // swaps.every_tokens + 1) * swaps.every_tokens
         state = _decode(swaps.model, state, stops, stop_valid, budget, temperature, jnp.asarray(t_stop, jnp.int32),
-                        mesh=mesh, lm_head_float32=lm_head_float32)
+                        mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
         t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
         t = int(t)
         if finished:

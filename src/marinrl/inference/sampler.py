@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import logging
 from typing import Optional, Sequence
 
 import jax
@@ -28,14 +28,31 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from marinrl.inference.decoder import cache_layout, constrain, forward, pack_layer
+from marinrl.inference.decoder import (
+    DenseAttention,
+    GroupedDecodeAttention,
+    cache_layout,
+    constrain,
+    forward,
+    pack_layer,
+)
 from marinrl.inference.sampler_families import check_window, sampler_family
-from marinrl.inference.sharding import DATA
+from marinrl.inference.scan_plan import (
+    CPU_CACHE_BYTES,
+    CallPlan,
+    bucket,
+    decode_windows,
+    kv_bytes_per_prompt,
+    plan_calls,
+)
+from marinrl.inference.sharding import DATA, MODEL
 
 STOP_PAD = -1
 """Left padding of a stop sequence: matches anything."""
 TOKEN_PAD = -2
 """Filler of the output buffer before the first generated token and after a row stops."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +77,19 @@ def check_supported(model) -> None:
     sampler_family(model)
 
 
-def bucket(x: int, minimum: int = 1) -> int:
-    """Shape bucket: the next power of two up to 64, then the next multiple of 64. Few distinct shapes
-    means few compiles; the padding costs at most a factor 2 on tiny batches and 1.5% at large ones."""
-    x = max(x, minimum)
-    if x <= 64:
-        return 1 << (x - 1).bit_length()
-    return 64 * math.ceil(x / 64)
-
-
-def _floor_bucket(x: int) -> int:
-    """The largest bucket size <= x (x >= 1)."""
-    return 1 << (x.bit_length() - 1) if x < 64 else 64 * (x // 64)
+def call_plan(model, n_prompts: int, *, n: int, prompt_tokens: int, max_tokens: int, max_cache_bytes: int,
+              min_prompts: int = 1, mesh: Optional[Mesh] = None) -> CallPlan:
+    """How `sample` splits `n_prompts` prompts of up to `prompt_tokens` tokens into device calls
+    (`scan_plan.plan_calls`): `max_cache_bytes` is one call's cache budget per device."""
+    cfg = model.config
+    attn = cfg.attention_config()  # every family's head sizes, as its attention module has them
+    per_prompt = kv_bytes_per_prompt(
+        layers=cfg.num_layers, kv_heads=attn.num_kv_heads, head_size=attn.head_size,
+        itemsize=jnp.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize,
+        p_len=bucket(prompt_tokens, 16), t_len=bucket(max_tokens, 16), n=n)
+    data, model_axis = (1, 1) if mesh is None else (mesh.shape[DATA], mesh.shape[MODEL])
+    return plan_calls(prompts=n_prompts, n=n, per_prompt_bytes=per_prompt, budget_bytes=max_cache_bytes,
+                      kv_heads=attn.num_kv_heads, data=data, model=model_axis, min_prompts=min_prompts)
 
 
 def sample(
@@ -83,7 +101,7 @@ def sample(
     max_tokens: int,
     stop_sequences: Sequence[Sequence[int]],
     seed: int,
-    max_cache_bytes: int = 1 << 30,
+    max_cache_bytes: int = CPU_CACHE_BYTES,
     prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
     min_prompts: int = 1,
     mesh: Optional[Mesh] = None,
@@ -94,9 +112,10 @@ def sample(
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
 
-    All prompts go to one device call unless their KV cache would exceed `max_cache_bytes`; then they
-    are split into equal chunks that share one compiled shape. Sample j of prompt i depends only on
-    (seed, i, j), the prompt and the model: not on the other prompts, nor on how they were chunked.
+    All prompts go to one device call unless their KV cache would exceed `max_cache_bytes` on a device
+    (`call_plan`); then they are split into equal chunks that share one compiled shape. Sample j of
+    prompt i depends only on (seed, i, j), the prompt and the model: not on the other prompts, nor on
+    how they were chunked.
     `prompt_keys[i] = (seed_i, index_i)` replaces (seed, i) for prompt i, so that prompts of several
     HTTP requests, each with its own seed, share one device call and still get their own samples.
     `min_prompts` pads a call to at least that many prompt rows (within the cache budget): calls of
@@ -138,11 +157,14 @@ def sample(
     check_window(model, int(lens.max()), max_tokens)
     p_len = bucket(int(lens.max()), 16)
     t_len = bucket(max_tokens, 16)
-    cfg = model.config
-    itemsize = jnp.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize
-    attn = cfg.attention_config()  # every family's head sizes, as its attention module has them
-    per_prompt = n * 2 * cfg.num_layers * attn.num_kv_heads * (p_len + t_len) * attn.head_size * itemsize
-    chunk = min(bucket(max(n_prompts, min_prompts)), _floor_bucket(max(1, max_cache_bytes // per_prompt)))
+    plan = call_plan(model, n_prompts, n=n, prompt_tokens=int(lens.max()), max_tokens=max_tokens,
+                     max_cache_bytes=max_cache_bytes, min_prompts=min_prompts, mesh=mesh)
+    chunk = plan.prompts_per_call
+    if plan.calls > 1:
+        logger.info("scan sampler: %d prompts x %d samples in %d calls of %d rows (cache %.2f GiB a device, "
+                    "budget %.2f GiB)", n_prompts, n, plan.calls, plan.rows_per_call,
+                    plan.per_device_cache_bytes / 2**30, max_cache_bytes / 2**30)
+    greedy = temperature == 0
 
     s_max = max((len(s) for s in stop_sequences), default=1)
     stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)
@@ -170,11 +192,12 @@ def sample(
                 jnp.asarray(part_seeds), jnp.asarray(part_index))
         rows = len(part) * n
         if swaps is None:
-            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32)
+            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
+                            greedy=greedy)
             steps = None
         else:
             *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh,  # inflight.py builds on this module
-                                            lm_head_float32=lm_head_float32)
+                                            lm_head_float32=lm_head_float32, greedy=greedy)
             steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
@@ -209,36 +232,34 @@ def _cumsum_last(p, block: int = 32):
     return (within + before[:, :, None]).reshape(r, -1)[:, :v]
 
 
-def _pick(logits, temperature, u):
+def _pick(logits, temperature, u, greedy: bool):
     """Sample one token per row from logits [R, V] given one uniform number per row u [R]; returns
-    (tokens, logprobs at the sampling temperature).
+    (tokens, logprobs at the sampling temperature). `greedy` (temperature 0, known on the host): the argmax,
+    its logprob at T = 1; the choice is made when the program is traced, not by a branch at every step.
 
     Inverse-CDF sampling needs one uniform number per row, not one per vocabulary entry as Gumbel-max
     does; all of them are drawn before the decode loop, so no PRNG runs inside it (on a CPU, PRNG
     hashing was the largest cost of a decode step at small model sizes). The token is the first index
     whose CDF exceeds u * total, which never picks a zero-probability token."""
-    logp = jax.nn.log_softmax(logits / jnp.where(temperature == 0, 1.0, temperature), axis=-1)
-
-    def sampled(_):
+    if greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
         cdf = _cumsum_last(jnp.exp(logp))
         total = cdf[:, -1]
         x = jnp.minimum(u * total, jnp.nextafter(total, jnp.zeros_like(total)))
-        return jnp.sum(cdf <= x[:, None], axis=-1, dtype=jnp.int32)
-
-    def greedy(_):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-    tokens = jax.lax.cond(temperature == 0, greedy, sampled, None)
+        tokens = jnp.sum(cdf <= x[:, None], axis=-1, dtype=jnp.int32)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32"))
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy"))
 def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
-              max_new, mesh, lm_head_float32=False):
+              max_new, mesh, lm_head_float32=False, greedy=False):
     state = _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32)
+                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
     state = _decode_until(model, state, stops, stop_valid, budget, temperature, jnp.asarray(max_new, jnp.int32),
-                          mesh=mesh, lm_head_float32=lm_head_float32)
+                          mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
     return _outputs(state, stops)
 
 
@@ -264,12 +285,12 @@ def _record(state, t, tok, lp, stops, stop_valid, budget):
 
 
 def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
-           mesh, lm_head_float32=False):
-    """Prefills the prompts, copies their caches to `n` rows each and samples token 0: the decode state
-    (a dict of arrays) that `_decode_until` advances."""
+           mesh, lm_head_float32=False, greedy=False):
+    """Prefills the prompts once and samples token 0 of their `n` rows each: the decode state (a dict of arrays)
+    that `_decode_until` advances. The prompts' caches stay one per prompt (`prompt_caches`); each row's
+    generated tokens get a cache of their own (`caches`, `decoder.GroupedDecodeAttention`)."""
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
-    s_len = p_len + max_new
     stop_len = stops.shape[1]
     cfg = model.config
     kv_heads, head = cfg.attention_config().num_kv_heads, cfg.attention_config().head_size
@@ -282,16 +303,17 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
     pad = p_len - lens
     slots = jnp.arange(p_len)
     pos = jnp.maximum(slots[None, :] - pad[:, None], 0)
-    kslots = jnp.arange(s_len)
-    key_ok = (kslots[None, None, :] >= pad[:, None, None]) & (kslots[None, None, :] <= slots[None, :, None])
-    key_ok = key_ok | (kslots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
-    empty = jnp.zeros((b_prompts, kv_heads, s_len, head), dtype)
-    caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
-    logits, caches = forward(model, layers, packed, lm_head, ids, pos, caches, 0, key_ok, lm_head_float32)
+    key_ok = (slots[None, None, :] >= pad[:, None, None]) & (slots[None, None, :] <= slots[None, :, None])
+    key_ok = key_ok | (slots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
+    empty = jnp.zeros((b_prompts, kv_heads, p_len, head), dtype)
+    prompt_caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
+    logits, prompt_caches = forward(model, layers, packed, lm_head, ids, pos, prompt_caches,
+                                    DenseAttention(jnp.asarray(0, jnp.int32), key_ok), lm_head_float32)
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-    caches = cache_layout([(expand(kc), expand(vc)) for kc, vc in caches], mesh)
+    empty = jnp.zeros((rows, kv_heads, max_new, head), dtype)
+    caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
     # every device samples from whole rows of logits: the same draws as on one device
     logits = constrain(expand(logits), mesh, DATA, None)
     sample_idx = jnp.arange(rows) % n
@@ -302,43 +324,45 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
     # Output buffer with stop_len - 1 filler columns in front, so the window of the last stop_len tokens
     # ending at step t is columns [t, t + stop_len): stop sequences only match generated tokens.
     state = dict(
-        t=jnp.asarray(1, jnp.int32), caches=caches, pad=expand(pad), lens=expand(lens), uniforms=uniforms,
-        row_ids=expand(ids), out_tokens=jnp.full((rows, stop_len - 1 + max_new), TOKEN_PAD, jnp.int32),
+        t=jnp.asarray(1, jnp.int32), prompt_caches=prompt_caches, caches=caches, pad=expand(pad), lens=expand(lens),
+        uniforms=uniforms, row_ids=expand(ids),
+        out_tokens=jnp.full((rows, stop_len - 1 + max_new), TOKEN_PAD, jnp.int32),
         out_logprobs=jnp.zeros((rows, max_new), jnp.float32), lengths=jnp.zeros((rows,), jnp.int32),
         done=~expand(active), stopped=jnp.zeros((rows,), bool),
     )
-    tok, lp = _pick(logits, temperature, uniforms[:, 0])
+    tok, lp = _pick(logits, temperature, uniforms[:, 0], greedy)
     return dict(_record(state, 0, tok, lp, stops, stop_valid, budget), tok=tok)
 
 
-def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False):
-    """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached."""
+def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False,
+                  greedy=False):
+    """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached, in the
+    phases of `scan_plan.decode_windows`: a step reads only its phase's window of the generated cache."""
     p_len = state["row_ids"].shape[1]
-    s_len = state["caches"][0][0].shape[2]
     max_new = state["out_logprobs"].shape[1]
     layers = model.transformer.layers.unstacked()
     packed = [pack_layer(layer, mesh) for layer in layers]
     lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
     pad, lens, uniforms = state["pad"], state["lens"], state["uniforms"]
+    prompt_ok = jnp.arange(p_len)[None, :] >= pad[:, None]
     t_stop = jnp.minimum(t_stop, max_new)
 
-    def cond(state):
-        return (state["t"] < t_stop) & ~jnp.all(state["done"])
+    for window in decode_windows(max_new):
+        def cond(state, window=window):
+            return (state["t"] < jnp.minimum(t_stop, window)) & ~jnp.all(state["done"])
 
-    def body(state):
-        t = state["t"]
-        write_at = p_len + t - 1  # slot of the token sampled at step t - 1
-        step_pos = (lens + t - 1)[:, None]
-        key_ok = (jnp.arange(s_len)[None, :] >= pad[:, None]) & (jnp.arange(s_len)[None, :] <= write_at)
-        logits, caches = forward(
-            model, layers, packed, lm_head, state["tok"][:, None], step_pos, state["caches"], write_at,
-            key_ok[:, None, :], lm_head_float32
-        )
-        caches, logits = cache_layout(caches, mesh), constrain(logits, mesh, DATA, None)
-        tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False))
-        state = _record(dict(state, caches=caches), t, tok, lp, stops, stop_valid, budget)
-        return dict(state, t=t + 1, tok=tok)
+        def body(state, window=window):
+            t = state["t"]
+            attention = GroupedDecodeAttention(t - 1, prompt_ok, window)  # the token sampled at step t - 1
+            caches = [(*pc, *gc) for pc, gc in zip(state["prompt_caches"], state["caches"])]
+            logits, caches = forward(model, layers, packed, lm_head, state["tok"][:, None], (lens + t - 1)[:, None],
+                                     caches, attention, lm_head_float32)
+            caches = cache_layout([c[2:] for c in caches], mesh)
+            logits = constrain(logits, mesh, DATA, None)
+            tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False),
+                            greedy)
+            state = _record(dict(state, caches=caches), t, tok, lp, stops, stop_valid, budget)
+            return dict(state, t=t + 1, tok=tok)
 
-    return jax.lax.while_loop(cond, body, state)
-
-
+        state = jax.lax.while_loop(cond, body, state)
+    return state

@@ -26,13 +26,14 @@ import logging
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence
 
+import jax
 import numpy as np
 
 from marinrl.config.inflight import InflightConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
-from marinrl.inference import sharding
+from marinrl.inference import scan_plan, sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
@@ -52,6 +53,22 @@ def load_served_model(model_config: ModelConfig, config: InferenceServerConfig, 
     return build_model(model_config, axis_mapping=where.axis_mapping, mesh=where.mesh, dtype=dtype)
 
 
+def scan_cache_budget(setting, mesh: Optional[sharding.RolloutMesh]) -> int:
+    """The scan sampler's cache budget of one call per device for `inference.scan_max_cache_bytes` (`setting`):
+    `auto` reads the allocator of the first rollout device now, with the served weights on it
+    (`scan_plan.auto_cache_budget`); a number is taken as it is."""
+    if setting != "auto":
+        return int(setting)
+    device = mesh.mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    budget = scan_plan.auto_cache_budget(stats.get("bytes_limit"), stats.get("bytes_in_use", 0))
+    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    where = f"device limit {limit / 2**30:.2f} GiB, {used / 2**30:.2f} GiB in use" if limit else "the CPU default"
+    logger.info("scan sampler: a call's KV cache may take %.2f GiB a device (inference.scan_max_cache_bytes: auto, "
+                "%s)", budget / 2**30, where)
+    return budget
+
+
 class InferenceServer:
     """Implements `marinrl.inference.context.InferenceContext`. Thread-safe: `generate` may be called
     from several threads, and `reload` waits for nothing but a running engine call."""
@@ -66,6 +83,7 @@ class InferenceServer:
             model = _cast_floating(model, config.dtype)
         self._mesh = sharding.rollout_mesh(model, config.model_axis_size)
         self._model = sharding.place(model, self._mesh)
+        self._scan_cache_bytes = scan_cache_budget(config.scan_max_cache_bytes, self._mesh)
         self._weight_step = int(weight_step)
         self._lock = threading.Lock()
         self._engine: Optional[LevanterEngine] = None
@@ -314,7 +332,7 @@ class InferenceServer:
             max_tokens=sampling.max_tokens,
             stop_sequences=self._stops(sampling),
             seed=0,
-            max_cache_bytes=self.config.scan_max_cache_bytes,
+            max_cache_bytes=self._scan_cache_bytes,
             prompt_keys=[(r.seed, r.index) for r in requests],
             min_prompts=min_batch,
             mesh=None if self._mesh is None else self._mesh.mesh,
