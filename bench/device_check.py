@@ -48,8 +48,9 @@ _BENCH = pathlib.Path(__file__).resolve().parent
 _REPO = _BENCH.parent
 sys.path.insert(0, str(_REPO / "src"))  # the repo's code, installed or not (a device image has no venv of ours)
 RESULT_TAG = "DEVICE_CHECK_RESULT "
-SECTIONS = ("env", "two_processes", "train_step", "generation", "quickstart")
-SECTION_S = {"env": 60, "two_processes": 90, "train_step": 180, "generation": 200, "quickstart": 300}
+SECTIONS = ("env", "two_processes", "train_step", "train_step_no_remat", "generation", "quickstart")
+SECTION_S = {"env": 60, "two_processes": 90, "train_step": 180, "train_step_no_remat": 180, "generation": 200,
+             "quickstart": 300}
 """A section's own time limit (seconds), before the budget's."""
 RECIPES = {"gpu": "grpo_math_qwen3_0p6b_one_gpu_node.py", "tpu": "grpo_math_qwen3_0p6b_one_tpu_host.py",
            "cpu": "grpo_math_qwen3_0p6b_one_gpu_node.py"}
@@ -335,13 +336,13 @@ def _scale_overlay(scale: str) -> list[str]:
     return [f"--model.model.{k}={v}" for k, v in small.items()] + [f"--model.vocab_size={vocab}"]
 
 
-def _job_for_section(args, backend: str, rows: int | None = None):
-    """The recipe's job on one device, random weights, at this check's scale."""
+def _job_for_section(args, backend: str, rows: int | None = None, extra: tuple = ()):
+    """The recipe's job on one device, random weights, at this check's scale (`extra`: more overrides)."""
     scale = args.scale or ("full" if backend in ("gpu", "tpu") else "tiny")
     devices = "--ray.trainer.num_gpus=1" if backend == "gpu" else (
         "--ray.trainer.tpu_chips=1" if backend == "tpu" else "--ray.trainer.num_gpus=0")
     overlay = ["--model.hf_checkpoint=null", f"--run_root={tempfile.mkdtemp(prefix='marinrl-device-check-')}",
-               devices, "--n_rollout_workers=1", *_scale_overlay(scale)]
+               devices, "--n_rollout_workers=1", *_scale_overlay(scale), *extra]
     if getattr(args, "inference_backend", None):
         overlay.append(f"--inference.backend={args.inference_backend}")
     job = _recipe_job(backend, overlay)
@@ -358,7 +359,8 @@ def _job_for_section(args, backend: str, rows: int | None = None):
     return job, scale
 
 
-def section_train_step(args) -> dict:
+def section_train_step(args, remat: bool = True) -> dict:
+    """The recipe's train step; `remat=False`: the same with gradient checkpointing off (every activation kept)."""
     import functools
 
     import haliax as hax
@@ -377,7 +379,7 @@ def section_train_step(args) -> dict:
     from marinrl.train.worker import StepInput, _step_loss
 
     backend = jax.default_backend()
-    job, scale = _job_for_section(args, backend)
+    job, scale = _job_for_section(args, backend, extra=() if remat else ("--model.model.gradient_checkpointing=false",))
     response = args.new_tokens or default_response_tokens(job)
     length = train_row_length(job, args.prompt_tokens, response)
     rows = job.groups_per_step * job.n_generations
@@ -425,6 +427,7 @@ def section_train_step(args) -> dict:
     peak_flops = chip_peak_flops(chip)
     ref_flops = flops.model * (1 + 1 / 3 * (reference is not None))  # the reference's forward: one more pass
     return {"ok": True, "backend": backend, "chip": chip, "scale": scale, "rows": rows, "row_length": length,
+            "gradient_checkpointing": str(getattr(arch, "gradient_checkpointing", None)),
             "positions": sorted({b.Pos.size for b in batches}), "microbatch_rows": job.trainer.per_device_parallelism,
             "mp": str(job.trainer.mp), "steps": len(times), "first_step_s": times[0], "step_s": step_s,
             "trained_tokens_per_s": trained / step_s, "model_flops": flops.model, "executed_flops": flops.executed,
@@ -510,6 +513,8 @@ def section_generation(args) -> dict:
             out[name] = batch = {"prompts": prompts, "samples": samples, "rows": prompts * samples,
                                  "prompt_tokens": prompt_tokens, "max_new_tokens": new_tokens}
             sampling = SamplingParams(temperature=1.0, max_tokens=new_tokens)
+            if inference.backend == "scan":
+                batch.update(_scan_roofline(server, prompts, samples, prompt_tokens, new_tokens))
             for call in ("first", "second"):  # the first compiles (or reuses the compile of an earlier batch)
                 prompt_ids = rng.integers(2, 256, (prompts, prompt_tokens)).tolist()
                 t0 = time.perf_counter()
@@ -522,15 +527,50 @@ def section_generation(args) -> dict:
             batch["compile_s"] = batch["first_call_s"] - batch["second_call_s"]  # the first call's extra time
             batch["gen_tokens_per_s"] = batch["tokens"] / batch["second_call_s"]
             batch["s_per_new_token"] = batch["second_call_s"] / new_tokens  # ~ a decode step at this width
+            if batch.get("roofline_tokens_per_s"):
+                batch["roofline_fraction"] = batch["gen_tokens_per_s"] / batch["roofline_tokens_per_s"]
             batch["generation_flops_budget"] = generation_flops(dims, prompts, samples, prompt_tokens,
                                                                 new_tokens).total
     finally:
         server.shutdown()
     peak = _device_peak()
     out.update(ok=True, measured=peak, **{k: out["large"][k] for k in (
-        "prompts", "samples", "prompt_tokens", "max_new_tokens", "tokens", "gen_tokens_per_s")},
+        "prompts", "samples", "prompt_tokens", "max_new_tokens", "tokens", "gen_tokens_per_s") + tuple(
+        k for k in ("calls", "rows_per_call", "roofline_tokens_per_s", "roofline_fraction") if k in out["large"])},
         first_call_s=out["large"]["first_call_s"], call_s=out["large"]["second_call_s"],
         peak_ratio=(peak["peak_gib"] / out["predicted_peak_gib"]) if peak["peak_gib"] else None)
+    return out
+
+
+def _scan_roofline(server, prompts: int, samples: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """The scan sampler's split of a batch (`calls`, `rows_per_call`) and its decode roofline on this device: the
+    bytes a step reads (`scan_plan.decode_bytes_per_step`) over the chip's bandwidth (`chip_memory_bandwidth`)."""
+    import jax
+    import numpy as np
+
+    from marinrl.dry_run.flops import chip_memory_bandwidth
+    from marinrl.inference import sampler as scan_sampler
+    from marinrl.inference import scan_plan
+
+    model = server.model
+    mesh = None if server.mesh is None else server.mesh.mesh
+    plan = scan_sampler.call_plan(model, prompts, n=samples, prompt_tokens=prompt_tokens, max_tokens=new_tokens,
+                                  max_cache_bytes=server.scan_cache_bytes, mesh=mesh)
+    cfg = model.config
+    attn = cfg.attention_config()
+    itemsize = np.dtype(model.embeddings.token_embeddings.weight.dtype).itemsize
+    weights = float(sum(x.nbytes for x in jax.tree_util.tree_leaves(model) if hasattr(x, "nbytes")))
+    t_len = scan_plan.bucket(new_tokens, 16)
+    per_step = scan_plan.decode_bytes_per_step(
+        weights_bytes=weights, kv_bytes_per_token=2 * cfg.num_layers * attn.num_kv_heads * attn.head_size * itemsize,
+        prompts=plan.prompts_per_call, n=samples, p_len=scan_plan.bucket(prompt_tokens, 16), t_len=t_len,
+        steps=new_tokens)
+    bandwidth = chip_memory_bandwidth(jax.local_devices()[0].device_kind)
+    out = {"calls": plan.calls, "rows_per_call": plan.rows_per_call,
+           "cache_budget_gib": server.scan_cache_bytes / 2**30, "bytes_per_step": per_step,
+           "decode_windows": list(scan_plan.decode_windows(t_len))}
+    if bandwidth:
+        out.update(bandwidth=bandwidth, roofline_tokens_per_s=plan.rows_per_call * bandwidth / per_step)
     return out
 
 
@@ -587,6 +627,7 @@ def section_quickstart(args) -> dict:
 
 def run_section(args) -> dict:
     fn = {"env": section_env, "pair_member": section_pair_member, "train_step": section_train_step,
+          "train_step_no_remat": lambda a: section_train_step(a, remat=False),
           "generation": section_generation, "quickstart": section_quickstart}[args.section]
     try:
         return fn(args)

@@ -164,3 +164,26 @@ def chip_peak_flops(device_kind: str) -> Optional[float]:
     H100, `TPU v5 lite` a v5e, not a v5p); None for a chip not in the table (a CPU)."""
     names = [n for n in CHIP_PEAK_FLOPS if device_kind.startswith(n)]
     return CHIP_PEAK_FLOPS[max(names, key=len)] if names else None
+
+
+CHIP_MEMORY_BANDWIDTH = {
+    "NVIDIA H200": 4.8e12,
+    "NVIDIA H100": 3.35e12,
+    "NVIDIA A100": 2.04e12,
+    "TPU v6 lite": 1.64e12,
+    "TPU v5 lite": 0.819e12,
+    "TPU v5": 2.765e12,
+    "TPU v4": 1.2e12,
+}
+"""Memory bandwidth (bytes/s) of one chip's HBM by the start of JAX's `device_kind`, from vendors' data sheets
+(H200 SXM 4.8 TB/s, H100 SXM 3.35, A100 80GB 2.04; TPU v6e 1.64, v5e 0.819, v5p 2.765, v4 1.2). A decode step
+of the scan sampler is bound by it: `scan_plan.decode_bytes_per_step` over this is its roofline."""
+PLAN_DEVICES = {"h100": "NVIDIA H100", "h200": "NVIDIA H200", "a100": "NVIDIA A100", "v5p": "TPU v5",
+                "v5e": "TPU v5 lite", "v6e": "TPU v6 lite", "v4": "TPU v4"}
+"""Short names for `bench/generation.py --plan DEVICE`, to the `device_kind` prefixes above."""
+
+
+def chip_memory_bandwidth(device_kind: str) -> Optional[float]:
+    """The bandwidth of the longest `CHIP_MEMORY_BANDWIDTH` name `device_kind` starts with; None if none does."""
+    names = [n for n in CHIP_MEMORY_BANDWIDTH if device_kind.startswith(n)]
+    return CHIP_MEMORY_BANDWIDTH[max(names, key=len)] if names else None

@@ -111,3 +111,13 @@ def generated_slots_read(t_len: int, steps: int) -> int:
     for t in range(1, steps):
         total += next(w for w in windows if t < w)
     return total
+
+
+def decode_bytes_per_step(*, weights_bytes: float, kv_bytes_per_token: int, prompts: int, n: int, p_len: int,
+                          t_len: int, steps: int) -> float:
+    """Bytes one decode step of a call reads on average over `steps` steps (the memory-bound cost of decode):
+    every weight once, each prompt's `p_len` cached slots once for its `n` rows, and each row's generated slots
+    of its phase's window (`decode_windows`)."""
+    steps = max(2, min(steps, t_len))
+    gen_slots = generated_slots_read(t_len, steps) / (steps - 1)
+    return weights_bytes + kv_bytes_per_token * (prompts * p_len + prompts * n * gen_slots)

@@ -170,6 +170,11 @@ class InferenceServer:
         return self._mesh
 
     @property
+    def scan_cache_bytes(self) -> int:
+        """The scan sampler's cache budget of one call per device (`scan_cache_budget`)."""
+        return self._scan_cache_bytes
+
+    @property
     def weight_step(self) -> int:
         """Weight step of the weights `generate` uses now."""
         return self._weight_step
