@@ -714,6 +714,7 @@ class TrainerProcess:
 
     def __init__(self, config, curriculum, tokens_per_s: float):
         from marinrl.curriculum.actor import CurriculumClient
+        from marinrl.job.plan import build_trainer
         from marinrl.train.worker import TrainWorker
 
         self.update = TimedUpdate(tokens_per_s)
@@ -724,7 +725,7 @@ class TrainerProcess:
         self._reads_seen = 0
         original = RolloutReader.read_new_with_paths
 
-        def timed(reader, *a, **kw):  # the TrainWorker builds its own reader: its polls are timed in place
+        def timed(reader, *a, **kw):  # the plan's replay part builds its own reader: its polls are timed in place
             start = time.perf_counter()
             out = original(reader, *a, **kw)
             if out:
@@ -732,8 +733,8 @@ class TrainerProcess:
             return out
 
         RolloutReader.read_new_with_paths = timed  # this actor's process only
-        self.worker = TrainWorker(config, curriculum=CurriculumClient(curriculum), update=self.update,
-                                  on_step=self._on_step)
+        self.worker = TrainWorker(config, build_trainer(config), curriculum=CurriculumClient(curriculum),
+                                  update=self.update, on_step=self._on_step)
         threading.Thread(target=self._run, daemon=True).start()
 
     def _on_step(self, step: int, m: dict) -> None:

@@ -76,23 +76,23 @@ def test_resume_skips_a_checkpoint_whose_files_changed_even_if_it_loads(tmp_path
 
 
 def test_the_death_message_never_advises_a_damaged_checkpoint(tmp_path):
-    from marinrl.job.rl_job import _trainer_death_message
+    from marinrl.job.outcomes import trainer_death_message
 
     good = _checkpoint(tmp_path, 1, 0)
     bad = _checkpoint(tmp_path, 3, 1)
     (bad / "model" / "w" / "c.1").write_bytes(b"\x02" * 1000)
-    message = _trainer_death_message(RuntimeError("the trainer process was killed"), str(tmp_path))
+    message = trainer_death_message(RuntimeError("the trainer process was killed"), str(tmp_path))
     assert f"resume from its last checkpoint, {good}" in message and str(bad) not in message
 
 
 def test_a_nan_loss_after_a_resume_blames_that_checkpoint(tmp_path):
-    from marinrl.job.rl_job import _trainer_death_message
+    from marinrl.job.outcomes import trainer_death_message
 
     folder = _checkpoint(tmp_path, 3, 1)
     error = RuntimeError(f"Loss is NaN at the first step after resuming from {folder}: that checkpoint's state "
                          "is probably broken")
-    message = _trainer_death_message(error, str(tmp_path))
+    message = trainer_death_message(error, str(tmp_path))
     assert message.splitlines()[1].startswith(f"move {folder} out of {tmp_path} and run the same config again")
     assert "resume from its last checkpoint" not in message
-    plain_nan = _trainer_death_message(RuntimeError("Loss is NaN"), str(tmp_path))
+    plain_nan = trainer_death_message(RuntimeError("Loss is NaN"), str(tmp_path))
     assert "lower optimizer.learning_rate" in plain_nan and "run the same config again to resume" not in plain_nan

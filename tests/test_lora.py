@@ -24,13 +24,14 @@ from test_train_worker import (
     assert_same_state,
     checkpoint_arrays,
     lineage_files,
+    train,
     worker_config,
 )
 
 from marinrl.config.lora import LoraRLConfig
 from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
-from marinrl.job.plan import rollout_worker_config, train_worker_config
+from marinrl.job.plan import build_trainer, rollout_worker_config, train_worker_config
 from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.models.lora import (
     AdapterMergingClient,
@@ -85,7 +86,7 @@ def test_lora_trains_only_the_adapters_and_publishes_only_them(tmp_path):
     cfg = lora_config(tmp_path, steps=3, run_id="lora", loss=LossConfig.preset("grpo", kl_beta=0.04))
     producer = _adapt_client(Producer(cfg.weights, cfg.rollout_root), cfg.weights, LORA)
     producer.start()
-    worker = TrainWorker(cfg)
+    worker = TrainWorker(cfg, build_trainer(cfg))
     result = worker.run()
     producer.stop_after(3)
     assert (result.first_step, result.final_step) == (0, 3)
@@ -174,8 +175,8 @@ def test_lora_resume_restores_adapters_and_optimizer_exactly(tmp_path):
 
     producer = _adapt_client(Producer(cfg_for(2).weights, cfg_for(2).rollout_root), cfg_for(2).weights, LORA)
     producer.start()
-    first = TrainWorker(cfg_for(2)).run()
-    second = TrainWorker(cfg_for(3)).run()
+    first = train(cfg_for(2))
+    second = train(cfg_for(3))
     producer.stop_after(3)
     assert (first.first_step, first.final_step, second.first_step, second.final_step) == (0, 2, 2, 3)
     published = [arrays for step, arrays in producer.received if step == 2]
@@ -193,7 +194,7 @@ def test_lora_resume_restores_adapters_and_optimizer_exactly(tmp_path):
     replayer = _adapt_client(FileReplayer(cfg.weights, dict(files), pathlib.Path(cfg.rollout_root)), cfg.weights, LORA)
     replayer.start()
     try:
-        whole = TrainWorker(cfg).run()
+        whole = train(cfg)
     finally:
         replayer.halt.set()
         replayer.join(timeout=60)

@@ -27,6 +27,7 @@ from levanter.optim import OptimizerConfig
 from test_train_worker import GROUPS, G, Producer, worker_config
 
 from marinrl.config.loss import LossConfig
+from marinrl.job.plan import build_trainer
 from marinrl.multihost import PEER_LOST_EXIT_CODE
 from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
@@ -73,7 +74,7 @@ def child_main(process_id: int, port: int, tmp: str, log_path: str, steps: int, 
             f.write(json.dumps({"step": step, "groups": metrics["groups"]}) + "\n")
 
     cfg = sgd_config(pathlib.Path(tmp), steps=steps, run_id=run_id, checkpoint_every=checkpoint_every, kl_beta=kl_beta)
-    result = TrainWorker(cfg, on_step=on_step).run()
+    result = TrainWorker(cfg, build_trainer(cfg), on_step=on_step).run()
     with open(log_path, "a") as f:
         f.write(json.dumps({"first_step": result.first_step, "final_step": result.final_step,
                             "losses": [h["loss"] for h in result.history], "groups": result.trained_groups}) + "\n")
@@ -130,7 +131,7 @@ def test_two_processes_train_like_one_with_four_devices(tmp_path, kl_beta):
     one = sgd_config(tmp_path / "one", steps=steps, run_id="one", kl_beta=kl_beta)
     producer = Producer(one.weights, one.rollout_root)
     producer.start()
-    single = TrainWorker(one).run()
+    single = TrainWorker(one, build_trainer(one)).run()
     producer.stop_after(steps)
     ref_weights = [arrays for _, arrays in sorted(producer.received, key=lambda r: r[0])]
     assert [s for s, _ in sorted(producer.received, key=lambda r: r[0])] == list(range(steps + 1))

@@ -45,6 +45,7 @@ from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.envs.base import Grade, Problem, SingleTurnEnv
 from marinrl.inference.context import SamplingParams
 from marinrl.inference.server import InferenceServer
+from marinrl.job.plan import build_trainer
 from marinrl.levanter_configs import cpu_trainer_config
 from marinrl.models.policy_model import build_model
 from marinrl.models.tokenizers import byte_tokenizer
@@ -197,7 +198,7 @@ def test_first_on_policy_update_has_ratio_one_on_every_token(tmp_path: pathlib.P
     rollout_side = RolloutSide(cfg.weights, cfg.rollout_root)
     rollout_side.start()
     try:
-        result = TrainWorker(cfg).run()
+        result = TrainWorker(cfg, build_trainer(cfg)).run()
     except Exception as e:
         rollout_side.join(DEADLINE_S)
         if rollout_side.error is not None:

@@ -21,7 +21,7 @@ from marinrl.config.replay import ReplayConfig
 from marinrl.config.rollout_worker import ModelStream
 from marinrl.config.trainer import RLAdamConfig
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
-from marinrl.job.plan import rollout_worker_config, train_worker_config
+from marinrl.job.plan import build_trainer, rollout_worker_config, train_worker_config
 from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
@@ -159,7 +159,7 @@ def test_a_rollout_of_an_undefined_policy_stops_the_trainer_at_ingestion(tmp_pat
     cfg.replay = dataclasses.replace(cfg.replay, timeout_s=60)
     RolloutWriter(cfg.rollout_root).write(_retag(make_rollout_batch(0, np.random.default_rng(0)), "critic", "duo"))
     with pytest.raises(ReplayIngestionError, match=r"lesson 'duo'.*policy 'critic'") as caught:
-        TrainWorker(cfg).run()
+        TrainWorker(cfg, build_trainer(cfg)).run()
     assert isinstance(caught.value.__cause__, UnknownPolicyError)
 
 

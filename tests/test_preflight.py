@@ -140,10 +140,10 @@ def test_preflight_of_the_quickstart_is_quick(tmp_path):
 # ------------------------------------------------------------------------- a trainer that dies
 
 
-def _trainer_death_message(error, checkpoints):
-    from marinrl.job.rl_job import _trainer_death_message
+def trainer_death_message(error, checkpoints):
+    from marinrl.job.outcomes import trainer_death_message
 
-    return _trainer_death_message(error, checkpoints)
+    return trainer_death_message(error, checkpoints)
 
 
 def _task_error(cause: BaseException) -> ray.exceptions.RayTaskError:
@@ -152,23 +152,23 @@ def _task_error(cause: BaseException) -> ray.exceptions.RayTaskError:
 
 def test_a_dead_trainer_names_its_checkpoint_only_when_one_exists(tmp_path):
     checkpoints = str(tmp_path / "checkpoints")
-    message = _trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
+    message = trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
     assert message.startswith("the trainer died: MemoryError: out of memory\n")
     assert "no checkpoint was written" in message and "starts from step 0" in message
     assert "resume" not in message
 
     save_checkpoint({"x": jnp.zeros(2)}, step=4, checkpoint_path=f"{checkpoints}/step-4")
-    message = _trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
+    message = trainer_death_message(_task_error(MemoryError("out of memory")), checkpoints)
     assert f"resume from its last checkpoint, {checkpoints}/step-4" in message
 
 
 def test_a_trainer_killed_by_an_input_error_says_to_fix_it_not_to_resume(tmp_path):
     checkpoints = str(tmp_path / "checkpoints")
-    message = _trainer_death_message(_task_error(FileNotFoundError("no such file: tok.json")), checkpoints)
+    message = trainer_death_message(_task_error(FileNotFoundError("no such file: tok.json")), checkpoints)
     assert message.splitlines() == ["the trainer died: FileNotFoundError: no such file: tok.json",
                                     "this is a config or input error: fix it, then run the config again"]
     save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
-    message = _trainer_death_message(_task_error(ValueError("bad")), checkpoints)
+    message = trainer_death_message(_task_error(ValueError("bad")), checkpoints)
     assert message.endswith(f"fix it, then run the config again (it resumes from {checkpoints}/step-2)")
 
 
@@ -177,7 +177,7 @@ def test_a_trainer_killed_by_ray_for_memory_gets_advice_in_two_lines(tmp_path):
     save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
     killed = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\n"
                                              "Memory on the node (IP: 10.0.0.2) where the task was running ...\n" * 30)
-    message = _trainer_death_message(killed, checkpoints)
+    message = trainer_death_message(killed, checkpoints)
     assert message.splitlines() == [
         "the trainer died: Ray killed it for memory (the node's memory use passed Ray's limit)",
         message.splitlines()[1]]
@@ -203,7 +203,7 @@ def test_a_trainer_that_ran_out_of_disk_says_so_naming_the_checkpoint_folder(tmp
     save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
     for error in (_disk_full_error(),  # the OS's own
                   ValueError("Error writing local file \"/ckpt/step-4/d/0\": [OS error: No space left on device]")):
-        message = _trainer_death_message(_task_error(error), checkpoints)
+        message = trainer_death_message(_task_error(error), checkpoints)
         advice = message.splitlines()[-1]
         assert advice == (f"no space left on the device of {checkpoints}: free space there (or move run_root), "
                           f"then run the same config again (it resumes from {checkpoints}/step-2)")

@@ -13,12 +13,11 @@ import uuid
 import numpy as np
 import pytest
 from factories import make_batch
-from test_train_worker import GROUPS, Producer, make_rollout_batch, worker_config
+from test_train_worker import GROUPS, Producer, make_rollout_batch, train, worker_config
 
 from marinrl.storage import format as rollout_format
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.train.replay.sampling import OnPolicyConfig
-from marinrl.train.worker import TrainWorker
 
 
 def corrupt_tensor_chunk(step_dir: pathlib.Path) -> pathlib.Path:
@@ -53,7 +52,7 @@ def test_resume_skips_a_garbled_latest_checkpoint_and_trains_every_group_once(tm
     first_cfg = worker_config(tmp_path, steps=6, sampling=OnPolicyConfig(), run_id="fallback", checkpoint_every=2)
     producer = Producer(first_cfg.weights, first_cfg.rollout_root)
     producer.start()
-    first = TrainWorker(first_cfg).run()
+    first = train(first_cfg)
     ckpts = tmp_path / "ckpt" / "fallback"
     assert first.checkpoint == str(ckpts / "step-5")  # Levanter's index of update 6: weights 6
     chunk = garble_tensor_chunk(ckpts / "step-5")
@@ -61,7 +60,7 @@ def test_resume_skips_a_garbled_latest_checkpoint_and_trains_every_group_once(tm
 
     steps: dict[int, dict] = {}
     second_cfg = worker_config(tmp_path, steps=8, sampling=OnPolicyConfig(), run_id="fallback", checkpoint_every=2)
-    second = TrainWorker(second_cfg, on_step=lambda s, m: steps.__setitem__(s, m)).run()
+    second = train(second_cfg, on_step=lambda s, m: steps.__setitem__(s, m))
     producer.halt.set()
 
     # Resumed from the previous checkpoint (weights 4), saying which one it skipped and why.
@@ -93,14 +92,14 @@ def test_resume_with_no_loadable_checkpoint_names_every_checkpoint_tried(tmp_pat
     cfg = worker_config(tmp_path, steps=2, sampling=OnPolicyConfig(), run_id="broken", checkpoint_every=1)
     producer = Producer(cfg.weights, cfg.rollout_root)
     producer.start()
-    TrainWorker(cfg).run()
+    train(cfg)
     producer.halt.set()
     ckpts = tmp_path / "ckpt" / "broken"
     chunk = corrupt_tensor_chunk(ckpts / "step-1")
     (ckpts / "step-0" / "marinrl.json").unlink()
 
     with pytest.raises(ValueError) as caught:
-        TrainWorker(worker_config(tmp_path, steps=3, sampling=OnPolicyConfig(), run_id="broken")).run()
+        train(worker_config(tmp_path, steps=3, sampling=OnPolicyConfig(), run_id="broken"))
     message = str(caught.value)
     assert message.startswith(f"no checkpoint under {ckpts} loads (2 tried, newest first): ")
     assert "\n" not in message  # one line: a job's error report shows only the first
@@ -128,7 +127,7 @@ def test_checkpoint_retention_keeps_the_last_n_and_every_kth(tmp_path):
 
     producer = Producer(cfg.weights, cfg.rollout_root)
     producer.start()
-    result = TrainWorker(cfg, on_step=on_step).run()
+    result = train(cfg, on_step=on_step)
     producer.halt.set()
     # Folder step-N holds weights N + 1; weights 3 and 6 are multiples of checkpoint_keep_every.
     assert seen == {
@@ -218,9 +217,9 @@ def test_quarantined_files_reach_the_trainer_metrics_every_step_and_survive_a_re
     producer = Producer(cfg.weights, cfg.rollout_root)
     producer.start()
     steps: dict[int, dict] = {}
-    first = TrainWorker(cfg, on_step=lambda s, m: steps.__setitem__(s, m)).run()
-    second = TrainWorker(worker_config(tmp_path, steps=3, sampling=OnPolicyConfig(), run_id="quarantine"),
-                         on_step=lambda s, m: steps.__setitem__(s, m)).run()
+    first = train(cfg, on_step=lambda s, m: steps.__setitem__(s, m))
+    second = train(worker_config(tmp_path, steps=3, sampling=OnPolicyConfig(), run_id="quarantine"),
+                         on_step=lambda s, m: steps.__setitem__(s, m))
     producer.halt.set()
     assert (first.final_step, second.first_step, second.final_step) == (2, 2, 3)
     assert [steps[s]["replay/quarantined_files"] for s in (1, 2, 3)] == [2, 2, 2]  # a running total

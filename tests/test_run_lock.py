@@ -246,15 +246,15 @@ def test_a_job_on_a_held_run_is_refused_before_ray_starts(tmp_path):
 
 def test_a_superseded_trainer_is_not_told_to_rerun_its_config(tmp_path):
     """The weight publisher's "superseded" means another trainer publishes into this run now: rerunning
-    would fight it, so the job's message says not to (marinrl/job/rl_job.py, `_trainer_death_message`)."""
+    would fight it, so the job's message says not to (marinrl/job/rl_job.py, `trainer_death_message`)."""
     import ray
 
-    from marinrl.job.rl_job import _trainer_death_message
+    from marinrl.job.outcomes import trainer_death_message
     from marinrl.transfer.base import WeightPublishError
 
     cause = WeightPublishError("w/LATEST points to weight step 6 of a newer server (epoch 2 > this server's 1): "
                                "this trainer was superseded")
     error = ray.exceptions.RayTaskError("TrainerActor.run", "Traceback (most recent call last): ...", cause)
-    message = _trainer_death_message(error, str(tmp_path / "checkpoints"))
+    message = trainer_death_message(error, str(tmp_path / "checkpoints"))
     assert message.startswith("the trainer died: WeightPublishError: ") and "superseded" in message
     assert "do not run this config again while it runs" in message and "run the same config again" not in message

@@ -20,12 +20,13 @@ from marinrl.config.model import ModelConfig
 from marinrl.config.replay import ReplayConfig
 from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.config.transfer import FilesystemTransferConfig
+from marinrl.job.plan import build_trainer
 from marinrl.levanter_configs import cpu_trainer_config
 from marinrl.models.policy_model import build_model
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.buffer import ReplayBuffer
 from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig
-from marinrl.train.worker import TrainWorker
+from marinrl.train.worker import TrainResult, TrainWorker
 from marinrl.transfer.endpoints import build_client
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
@@ -172,13 +173,18 @@ def worker_config(tmp: pathlib.Path, *, steps: int, sampling, run_id: str, check
     )
 
 
+def train(cfg: TrainWorkerConfig, **kwargs) -> TrainResult:
+    """`cfg`'s TrainWorker with the parts the plan builds for it (as the job's trainer actor gets them), run."""
+    return TrainWorker(cfg, build_trainer(cfg), **kwargs).run()
+
+
 def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
     cfg = worker_config(tmp_path, steps=4, sampling=OnPolicyConfig(), run_id="onpolicy",
                         loss=LossConfig.preset("grpo", kl_beta=0.04), layout="shared")
     producer = Producer(cfg.weights, cfg.rollout_root)
     producer.start()
     steps: dict[int, dict] = {}
-    result = TrainWorker(cfg, on_step=lambda s, m: steps.__setitem__(s, m)).run()
+    result = train(cfg, on_step=lambda s, m: steps.__setitem__(s, m))
     producer.halt.set()
     assert (result.first_step, result.final_step) == (0, 4)
     assert sorted(steps) == [1, 2, 3, 4]
@@ -211,7 +217,7 @@ def test_rollout_files_of_format_version_1_still_train(tmp_path):
         (folder / f"v1-{i:06d}-old.parquet").write_bytes(encode_batch_v1(batch))
         written |= {g.group_id for g in batch.groups}
     steps: dict[int, dict] = {}
-    result = TrainWorker(cfg, on_step=lambda s, m: steps.__setitem__(s, m)).run()
+    result = train(cfg, on_step=lambda s, m: steps.__setitem__(s, m))
     assert (result.first_step, result.final_step) == (0, 2)
     assert {gid for m in steps.values() for gid, _ in m["groups"]} == written
     assert all(np.isfinite(m["loss"]) for m in steps.values())
@@ -228,7 +234,7 @@ def child_main(tmp: str, log_path: str) -> None:
         with open(log_path, "a") as f:
             f.write(json.dumps({"step": step, "groups": metrics["groups"]}) + "\n")
 
-    result = TrainWorker(cfg, on_step=on_step).run()
+    result = train(cfg, on_step=on_step)
     with open(log_path, "a") as f:
         f.write(json.dumps({"first_step": result.first_step, "final_step": result.final_step}) + "\n")
 
@@ -322,7 +328,7 @@ def uninterrupted_run(tmp: pathlib.Path, files: dict[int, list[pathlib.Path]], s
     replayer = FileReplayer(cfg.weights, dict(files), pathlib.Path(cfg.rollout_root))
     replayer.start()
     try:
-        return TrainWorker(cfg).run()
+        return train(cfg)
     finally:
         replayer.halt.set()
         replayer.join(timeout=60)
@@ -401,9 +407,9 @@ def test_off_policy_resume_continues_the_buffer_exactly(tmp_path):
         writer.write(make_rollout_batch(0, rng))
     shutil.copytree(tmp_path / "rollouts", tmp_path / "whole" / "rollouts")
 
-    first = TrainWorker(worker_config(tmp_path, steps=2, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
-    resumed = TrainWorker(worker_config(tmp_path, steps=4, sampling=sampling, run_id="offp", checkpoint_every=2)).run()
-    whole = TrainWorker(worker_config(tmp_path / "whole", steps=4, sampling=sampling, run_id="whole")).run()
+    first = train(worker_config(tmp_path, steps=2, sampling=sampling, run_id="offp", checkpoint_every=2))
+    resumed = train(worker_config(tmp_path, steps=4, sampling=sampling, run_id="offp", checkpoint_every=2))
+    whole = train(worker_config(tmp_path / "whole", steps=4, sampling=sampling, run_id="whole"))
     assert (resumed.first_step, resumed.final_step) == (2, 4)
     lineage = first.trained_groups + resumed.trained_groups
     flat = [g for step in lineage for g in step]
@@ -426,8 +432,8 @@ def test_checkpoint_and_resume_on_gcs(tmp_path, gcs_root):
 
     producer = Producer(cfg_for(2).weights, cfg_for(2).rollout_root)
     producer.start()
-    first = TrainWorker(cfg_for(2)).run()
-    second = TrainWorker(cfg_for(3)).run()
+    first = train(cfg_for(2))
+    second = train(cfg_for(3))
     producer.halt.set()
     producer.join(timeout=60)
     assert (first.first_step, first.final_step) == (0, 2)

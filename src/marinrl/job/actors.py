@@ -18,7 +18,7 @@ from marinrl.config.job import RLJobConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.curriculum.actor import CurriculumClient
 from marinrl.job.placement import device_problem
-from marinrl.job.plan import build_rollout_host
+from marinrl.job.plan import build_rollout_host, build_trainer
 from marinrl.logs import log_to_file, overdue_waits
 from marinrl.startup import StartupClock, import_tensorboardx_without_torch
 
@@ -97,9 +97,10 @@ class TrainerActor:
                  log_dir: Optional[str] = None, job_started_at: Optional[float] = None, log_name: str = "trainer",
                  placement: Optional[PlacementConfig] = None):
         """`plan` derives the trainer's config here, in the actor (`job.plan.train_worker_config`: it imports
-        Levanter, which the driver never does). `curriculum_name` None: a trainer that does not keep the
-        curriculum's clock (the other policy models' trainers of a job of several: the first one's keeps it).
-        `placement`: a one-process trainer's, whose devices are checked first (`check_devices`)."""
+        Levanter, which the driver never does), and `job.plan.build_trainer` its parts. `curriculum_name`
+        None: a trainer that does not keep the curriculum's clock (the other policy models' trainers of a job
+        of several: the first one's keeps it). `placement`: a one-process trainer's, whose devices are checked
+        first (`check_devices`)."""
         clock = StartupClock(job_started_at)  # first: its "ready" phase ends here
         if placement is not None:
             check_devices(placement, "ray.trainer")
@@ -111,7 +112,8 @@ class TrainerActor:
 
         curriculum = (CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace))
                       if curriculum_name is not None else None)
-        self.worker = TrainWorker(plan(), curriculum=curriculum, startup=clock)
+        config = plan()
+        self.worker = TrainWorker(config, build_trainer(config), curriculum=curriculum, startup=clock)
 
     def run(self) -> dict:
         result = self.worker.run()

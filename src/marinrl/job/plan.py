@@ -2,8 +2,10 @@
 their configs in one place, so that the Ray actors (job/actors.py) and `marinrl eval` (eval.py) are thin
 shells around the same wiring.
 
-- the trainer: `train_worker_config` (with Levanter's `TrainerConfig` and optimizer); the TrainWorker builds
-  its weight server inside Levanter's trainer context;
+- the trainer: `train_worker_config` (with Levanter's `TrainerConfig` and optimizer) and `build_trainer`,
+  its parts (`TrainerParts`: the weight server, the replay buffer over the run's rollout files, the
+  checkpoint writer, the audit trail, the frozen reference), handed to the TrainWorker, whose `run()` is
+  the loop; a part that needs what Levanter loads is a function the loop calls;
 - a rollout host: `build_rollout_host` — the tokenizer, one inference server per policy model in the dtype
   its trainer publishes (behind a `PolicyRouter` when there are several), each lesson's runtime, a weight
   client per stream, and the `RolloutWorkerConfig`;
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
     from marinrl.inference.context import SamplingParams
     from marinrl.rollout.manager import LessonRuntime
     from marinrl.startup import StartupClock
+    from marinrl.train.parts import TrainerParts
+    from marinrl.train.replay.buffer import ReplayBuffer
     from marinrl.transfer.base import WeightTransferClient
 
 
@@ -54,6 +58,43 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
         checkpoint_keep_every=job.checkpoint_keep_every, lora=job.lora,
         policies=policies if policies is not None else policy_names(job), publish_dtype=job.rollout_dtype(),
         audit_root=f"{job.run_dir}/trained")
+
+
+def build_trainer(config: TrainWorkerConfig) -> TrainerParts:
+    """What a TrainWorker of `config` trains with besides Levanter's Trainer, built in the process that runs
+    it (in a multi-host trainer, after `multihost.initialize`: only process 0 reads rollouts and keeps the
+    audit trail)."""
+    import functools
+
+    from marinrl import multihost
+    from marinrl.train.audit import AuditTrail, new_trainer_id
+    from marinrl.train.initial_weights import frozen_reference
+    from marinrl.train.parts import TrainerParts
+    from marinrl.train.saved_state import CheckpointWriter
+    from marinrl.transfer.endpoints import build_server
+
+    leader = multihost.current_cohort().is_leader
+    trainer_id = new_trainer_id()
+    return TrainerParts(
+        trainer_id=trainer_id, weight_server=functools.partial(build_server, config.weights),
+        replay=functools.partial(replay_buffer, config) if leader else None,
+        audit=(AuditTrail(config.audit_root, trainer_id, config.storage_options)
+               if config.audit_root is not None and leader else None),
+        # with LoRA the reference is the policy's own frozen base, taken from each step's state
+        reference=frozen_reference if config.loss.uses_reference and config.lora is None else None,
+        checkpoints=CheckpointWriter(trainer_id, keep=config.checkpoint_keep, keep_every=config.checkpoint_keep_every))
+
+
+def replay_buffer(config: TrainWorkerConfig, start_step: int) -> ReplayBuffer:
+    """The trainer's replay buffer over the run's rollout files, from weight step `start_step`."""
+    from marinrl.config.replay import overlong_reward_fn
+    from marinrl.storage.rollouts import RolloutReader
+    from marinrl.train.replay.buffer import ReplayBuffer
+
+    reader = RolloutReader(config.rollout_root, storage_options=config.storage_options)
+    return ReplayBuffer(config.replay.for_loss(config.loss), reader, start_step=start_step,
+                        advantage=config.loss.advantage, reward_fn=overlong_reward_fn(config.loss),
+                        max_tokens=config.batching.max_length, policies=config.policies)
 
 
 def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:

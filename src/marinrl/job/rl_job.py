@@ -7,6 +7,8 @@ resume from; normal completion and Ctrl-C leave no actor behind, nor does the dr
 (`kill -9` included: marinrl/job/reaper.py). A trainer that spans several hosts
 (`ray.trainer.num_hosts`, or a multi-host `ray.trainer.tpu` slice) is a `TrainerGroup`: one actor per
 host in one placement group, one JAX process group (marinrl/job/trainer_group.py, docs/multihost.md).
+This module is the job's lifecycle; what each role is built with is job/plan.py's, what the terminal shows
+job/terminal.py's, and what a user is told when a trainer dies or stops job/outcomes.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ import dataclasses
 import functools
 import logging
 import math
-import re
 import sys
 import time
 from typing import Any, Optional
@@ -27,11 +28,13 @@ from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobC
 from marinrl.config.policies import policy_models, resolve_policies
 from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
 from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
+from marinrl.job.outcomes import MEMORY_ADVICE, first_line, killed_for_memory, stopped_line, trainer_death_message
 from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
 from marinrl.job.plan import train_worker_config
 from marinrl.job.preflight import check_job
 from marinrl.job.reaper import Reaper
 from marinrl.job.run_lock import RunLock, RunLockHeld, RunLockLost  # noqa: F401  (RunLockHeld: raised by run())
+from marinrl.job.terminal import ProgressBar, StallNotices
 from marinrl.job.trainer_group import TrainerGroup, TrainerGroupDied
 from marinrl.logs import local_log_dir, log_actor_to_file
 from marinrl.rollout.errors import EnvironmentFailedError
@@ -131,20 +134,7 @@ class RLJob:
             curriculum_name = self._start_curriculum(namespace)
             curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
-            if group is None:  # one trainer per policy model; the first keeps the curriculum's clock
-                trainers = []
-                for k, m in enumerate(models):
-                    trainers.append(TrainerActor.options(**actor_options(m.job.ray.trainer, k)).remote(
-                        functools.partial(train_worker_config, m.job, m.policies),
-                        curriculum_name if k == 0 else None, namespace, self._log_dir,
-                        started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.job.ray.trainer))
-                self._actors.extend(trainers)
-                train_refs = [t.run.remote() for t in trainers]
-            else:
-                self._group = group
-                group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
-                            placement_timeout_s=cfg.ray.placement_timeout_s)
-                trainers, train_refs = [group.leader], group.refs
+            trainers, train_refs = self._start_trainers(group, models, curriculum_name, namespace)
             self._n_trainers = len(trainers)  # the rollout workers' slots follow the trainers'
             trainer = trainers[0]
             waited = dict(zip(train_refs, range(len(trainers))))  # a trainer's result ref -> its index
@@ -158,8 +148,8 @@ class RLJob:
             restarts = 0
             summaries: list[dict] = [{} for _ in rollouts]
             pending = {ref: i for i, ref in enumerate(refs)}
-            bar = _ProgressBar(cfg.num_train_steps)
-            stalls = _StallNotices()
+            bar = ProgressBar(cfg.num_train_steps)
+            stalls = StallNotices()
             try:
                 while True:
                     live = [r for r in train_refs if waited.get(r) not in results]
@@ -191,8 +181,8 @@ class RLJob:
                                     f"rollout-{i}.log). Fix the environment or its args, then run the same config "
                                     "again: it resumes from the last checkpoint") from None
                             if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
-                                raise RuntimeError(f"rollout worker {i} keeps dying: {_first_line(e)}"
-                                                   + (f"\n{MEMORY_ADVICE}" if _killed_for_memory(e) else
+                                raise RuntimeError(f"rollout worker {i} keeps dying: {first_line(e)}"
+                                                   + (f"\n{MEMORY_ADVICE}" if killed_for_memory(e) else
                                                       f"\nits log: {self._log_dir}/rollout-{i}.log")) from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
@@ -214,6 +204,26 @@ class RLJob:
             return JobResult(results[0], summaries, restarts, time.time() - started, curriculum_step, per_model)
         finally:
             self.shutdown()
+
+    def _start_trainers(self, group: Optional[TrainerGroup], models, curriculum_name: str,
+                        namespace: Optional[str]) -> tuple[list, list]:
+        """(trainer actors, their `run` refs): one trainer per policy model, the first keeping the curriculum's
+        clock; or a multi-host trainer's group (its leader, each process's ref). Each derives its config and
+        builds its parts in its own process (job/plan.py)."""
+        cfg = self.config
+        if group is not None:
+            self._group = group
+            group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
+                        placement_timeout_s=cfg.ray.placement_timeout_s)
+            return [group.leader], group.refs
+        trainers = []
+        for k, m in enumerate(models):
+            trainers.append(TrainerActor.options(**actor_options(m.job.ray.trainer, k)).remote(
+                functools.partial(train_worker_config, m.job, m.policies),
+                curriculum_name if k == 0 else None, namespace, self._log_dir,
+                self._started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.job.ray.trainer))
+        self._actors.extend(trainers)
+        return trainers, [t.run.remote() for t in trainers]
 
     def _stop_trainers(self, stopping: list[tuple[Any, Any, bool]]) -> None:
         """Ctrl-C: each trainer (actor, its `run` ref, whether it has answered a call: its actor is built)
@@ -249,7 +259,7 @@ class RLJob:
                           file=sys.stderr, flush=True)
                     continue
                 try:
-                    print(f"[marinrl] {_stopped_line(ray.get(ref))}", file=sys.stderr, flush=True)
+                    print(f"[marinrl] {stopped_line(ray.get(ref))}", file=sys.stderr, flush=True)
                 except Exception as e:  # it died while stopping
                     print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
                           flush=True)
@@ -285,7 +295,7 @@ class RLJob:
                 raise RunLockLost(f"{self._lock.lost}; this job stopped: do not run it again while that "
                                   "one runs") from e
             checkpoints = f"{run_dir or self.config.run_dir}/checkpoints"
-            raise RuntimeError(_trainer_death_message(e, checkpoints)) from e
+            raise RuntimeError(trainer_death_message(e, checkpoints)) from e
 
     def shutdown(self) -> None:
         if self._group is not None:
@@ -312,175 +322,6 @@ class RLJob:
 STOP_ANSWER_S = 2.0
 """Ctrl-C: how long a trainer that has not answered a call yet has to answer its stop (a flag set on an idle
 thread of its actor); one that has not is still being built, has trained nothing and is not waited for."""
-
-
-def _stopped_line(result: dict) -> str:
-    """What a trainer stopped by Ctrl-C left: the checkpoint a rerun resumes from."""
-    if result.get("checkpoint"):
-        return (f"stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the same config "
-                "again to resume")
-    if result.get("resumed_from"):  # stopped before its first step: the checkpoint it started from still holds
-        return (f"stopped at step {result['final_step']} before training a step (nothing new to checkpoint); run "
-                f"the same config again to resume from {result['resumed_from']}")
-    return (f"stopped at step {result['final_step']} before training a step: no checkpoint yet, running the config "
-            "again starts from step 0")
-
-
-# Errors a rerun with the same config repeats: the config or an input it names must change first.
-_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
-
-
-def _trainer_death_message(error: Exception, checkpoints: str) -> str:
-    """What the trainer died of and what to do: fix an input error; resume from a checkpoint that
-    exists (named); or know that a rerun starts from step 0."""
-    cause = getattr(error, "cause", None)  # RayTaskError: the trainer's own exception
-    if isinstance(error, TrainerGroupDied):  # which process died, and what the others said (several lines)
-        what = str(error)
-    else:
-        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
-        what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
-    latest = _latest_checkpoint(checkpoints)
-    after_resume = re.search(r"after resuming from (\S+?):", what)
-    if _killed_for_memory(error):
-        what = "Ray killed it for memory (the node's memory use passed Ray's limit)"
-        advice = MEMORY_ADVICE + (f"; then run the same config again (it resumes from {latest})" if latest else "")
-    elif after_resume:  # a rerun would load the same state and fail the same way
-        advice = (f"move {after_resume.group(1)} out of {checkpoints} and run the same config again (it resumes "
-                  "from the checkpoint before it); if the loss is still NaN, lower optimizer.learning_rate")
-    elif "Loss is NaN" in what or "Loss is Inf" in what:
-        advice = ("the loss diverged: lower optimizer.learning_rate (or check the loss settings), then run the "
-                  "config again" + (f" (it resumes from {latest})" if latest else ""))
-    elif "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
-        advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
-                  "(`python -m marinrl.job.run_lock show <run_dir>` names the job holding the run)")
-    elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
-        advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
-                  "the same config again" + (f" (it resumes from {latest})" if latest else ""))
-    elif isinstance(cause, _INPUT_ERRORS):
-        advice = ("this is a config or input error: fix it, then run the config again"
-                  + (f" (it resumes from {latest})" if latest else ""))
-    elif latest:
-        advice = f"run the same config again to resume from its last checkpoint, {latest}"
-    else:
-        advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
-                  "running the config again starts from step 0")
-    return f"the trainer died: {what}\n{advice}"
-
-
-MEMORY_ADVICE = ("give the trainer and rollout workers more memory: fewer n_rollout_workers per node, a smaller "
-                 "trainer.train_batch_size or batching.max_length, a smaller model, or a machine with more memory "
-                 "(Ray kills a process once the node's memory use passes RAY_memory_usage_threshold, 0.95)")
-
-
-def _killed_for_memory(error: BaseException) -> bool:
-    """Ray's memory monitor killed the process (an OutOfMemoryError, or an actor death that says so)."""
-    return (isinstance(error, ray.exceptions.OutOfMemoryError)
-            or isinstance(getattr(error, "cause", None), ray.exceptions.OutOfMemoryError)
-            or "memory pressure" in str(error) or "killed due to memory" in str(error).lower())
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _is_disk_full(error: BaseException, what: str) -> bool:
-    """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
-    (tensorstore reports a full disk as a ValueError naming the OS error)."""
-    import errno
-
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return "no space left on device" in what.lower()
-
-
-def _latest_checkpoint(checkpoints: str) -> Optional[str]:
-    """The checkpoint a rerun resumes from: the newest whose files match their digest (never a damaged one)."""
-    from marinrl.train.checkpoints import newest_loadable
-
-    try:
-        newest = newest_loadable(checkpoints)
-    except Exception:  # unreadable storage: say nothing rather than something wrong
-        return None
-    return newest.path if newest is not None else None
-
-
-STALL_NOTICE_S = 15.0
-"""A rollout worker's wait on an environment server (a session, a step) is printed once it is this old."""
-
-
-class _StallNotices:
-    """The rollout workers' overdue waits on environment servers (`RolloutActor.waits`), printed on the
-    terminal: a server that accepts and never answers is seen in seconds, not after minutes of retries
-    in a log file. Each wait once, then once a minute while it lasts. Polls without blocking the job."""
-
-    def __init__(self, every_s: float = 5.0, repeat_s: float = 60.0):
-        self._every_s, self._repeat_s = every_s, repeat_s
-        self._asked = -math.inf
-        self._pending: dict[Any, int] = {}  # a `waits` call in flight -> its worker's index
-        self._shown: dict[str, float] = {}
-
-    def poll(self, rollouts: list) -> None:
-        done = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)[0] if self._pending else []
-        for ref in done:
-            i = self._pending.pop(ref)
-            try:
-                overdue = ray.get(ref)
-            except Exception:  # a worker that died: the job restarts it and says so
-                continue
-            for line in self.lines(i, overdue, time.monotonic()):
-                _ProgressBar.write(line)
-        now = time.monotonic()
-        if now - self._asked >= self._every_s:
-            self._asked = now
-            busy = set(self._pending.values())
-            for i, actor in enumerate(rollouts):
-                if i not in busy:  # one call at a time per worker: one still starting does not pile them up
-                    self._pending[actor.waits.remote(STALL_NOTICE_S)] = i
-
-    def lines(self, worker: int, overdue: list[str], now: float) -> list[str]:
-        out = []
-        for what in overdue:
-            key = f"{worker}:{what.split(': no answer for ')[0]}"
-            if now - self._shown.get(key, -math.inf) >= self._repeat_s:
-                self._shown[key] = now
-                out.append(f"[marinrl] rollout worker {worker} is waiting: {what} (its log: logs/rollout-{worker}.log)")
-        return out
-
-
-class _ProgressBar:
-    """The trainer's step, train reward and step time, polled from its actor."""
-
-    def __init__(self, total: int):
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
-        self.answered = False
-        """Whether the trainer has answered: its actor is built (Ctrl-C waits for its answer to `stop`)."""
-
-    def update(self, trainer) -> None:
-        try:
-            p = ray.get(trainer.progress.remote(), timeout=2.0)
-        except Exception:  # compiling, or gone: the main loop notices the latter
-            return
-        self.answered = True
-        self._bar.update(p["step"] - self._bar.n)
-        if "batch/reward_mean" in p:
-            self._bar.set_postfix(reward=f"{p['batch/reward_mean']:.2f}", step_s=f"{p['train/step_s']:.2f}",
-                                  stale=f"{p['batch/staleness_mean']:.1f}", refresh=False)
-
-    def close(self) -> None:
-        self._bar.close()
-
-    @staticmethod
-    def write(line: str) -> None:
-        """A line on stderr above the bar."""
-        from tqdm import tqdm
-
-        tqdm.write(line, file=sys.stderr)
 
 
 def main(config: RLJobConfig) -> JobResult:

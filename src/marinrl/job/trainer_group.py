@@ -33,6 +33,7 @@ from marinrl.config.placement import PlacementConfig
 from marinrl.config.trainer_group import TrainerGroupConfig
 from marinrl.curriculum.actor import CurriculumClient
 from marinrl.job.placement import bundles, ray_options, slice_selectors
+from marinrl.job.plan import build_trainer
 from marinrl.logs import log_to_file
 
 logger = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class TrainerHostActor:
     def run(self, plan, group: multihost.ProcessGroupConfig, curriculum_name: Optional[str],
             namespace: Optional[str]) -> dict:
         """`plan()` is the trainer's `TrainWorkerConfig`, derived here (job/plan.py: the driver never imports
-        Levanter)."""
+        Levanter); its parts are built once this process joined the group (`plan.build_trainer`)."""
         multihost.initialize(group)
         from levanter.tracker import NoopConfig
 
@@ -82,7 +83,7 @@ class TrainerHostActor:
         if group.process_id != 0:  # one writer per run: process 0 logs for the group (Levanter's trackers
             # would otherwise race to create the same TensorBoard folder and duplicate every line)
             config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, tracker=NoopConfig()))
-        self.worker = TrainWorker(config, curriculum=curriculum)
+        self.worker = TrainWorker(config, build_trainer(config), curriculum=curriculum)
         result = self.worker.run()
         import jax
 

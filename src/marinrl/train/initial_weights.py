@@ -118,3 +118,10 @@ def is_initial_policy(config: ModelConfig, trainer: Trainer, state, resumed: boo
         return False
     dtype = jnp.dtype(config.dtype)
     return all(x.dtype == dtype for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
+
+
+def frozen_reference(source: CheckpointWeights, trainer: Trainer, state, resumed: bool):
+    """The KL reference for a policy whose state was just loaded: a copy of the policy when it is exactly the
+    config's fresh init (`is_initial_policy`), else built or read from `source`."""
+    fresh = is_initial_policy(source.config, trainer, state, resumed=resumed)
+    return build_reference(source, trainer, initial_policy=state.model if fresh else None)

@@ -1,0 +1,105 @@
+"""What the driver tells a user about a trainer that died or stopped: what it died of, and what to do (fix an
+input, free memory or disk, or run the same config again to resume from the checkpoint named)."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import ray
+
+from marinrl.job.trainer_group import TrainerGroupDied
+
+
+def stopped_line(result: dict) -> str:
+    """What a trainer stopped by Ctrl-C left: the checkpoint a rerun resumes from."""
+    if result.get("checkpoint"):
+        return (f"stopped at step {result['final_step']}; checkpoint {result['checkpoint']}; run the same config "
+                "again to resume")
+    if result.get("resumed_from"):  # stopped before its first step: the checkpoint it started from still holds
+        return (f"stopped at step {result['final_step']} before training a step (nothing new to checkpoint); run "
+                f"the same config again to resume from {result['resumed_from']}")
+    return (f"stopped at step {result['final_step']} before training a step: no checkpoint yet, running the config "
+            "again starts from step 0")
+
+
+# Errors a rerun with the same config repeats: the config or an input it names must change first.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def trainer_death_message(error: Exception, checkpoints: str) -> str:
+    """What the trainer died of and what to do: fix an input error; resume from a checkpoint that
+    exists (named); or know that a rerun starts from step 0."""
+    cause = getattr(error, "cause", None)  # RayTaskError: the trainer's own exception
+    if isinstance(error, TrainerGroupDied):  # which process died, and what the others said (several lines)
+        what = str(error)
+    else:
+        what = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else str(error)
+        what = what.strip().splitlines()[0] if what.strip() else type(error).__name__
+    latest = _latest_checkpoint(checkpoints)
+    after_resume = re.search(r"after resuming from (\S+?):", what)
+    if killed_for_memory(error):
+        what = "Ray killed it for memory (the node's memory use passed Ray's limit)"
+        advice = MEMORY_ADVICE + (f"; then run the same config again (it resumes from {latest})" if latest else "")
+    elif after_resume:  # a rerun would load the same state and fail the same way
+        advice = (f"move {after_resume.group(1)} out of {checkpoints} and run the same config again (it resumes "
+                  "from the checkpoint before it); if the loss is still NaN, lower optimizer.learning_rate")
+    elif "Loss is NaN" in what or "Loss is Inf" in what:
+        advice = ("the loss diverged: lower optimizer.learning_rate (or check the loss settings), then run the "
+                  "config again" + (f" (it resumes from {latest})" if latest else ""))
+    elif "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
+        advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
+                  "(`python -m marinrl.job.run_lock show <run_dir>` names the job holding the run)")
+    elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
+        advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
+                  "the same config again" + (f" (it resumes from {latest})" if latest else ""))
+    elif isinstance(cause, _INPUT_ERRORS):
+        advice = ("this is a config or input error: fix it, then run the config again"
+                  + (f" (it resumes from {latest})" if latest else ""))
+    elif latest:
+        advice = f"run the same config again to resume from its last checkpoint, {latest}"
+    else:
+        advice = (f"no checkpoint was written under {checkpoints} (checkpoint_every sets how often): "
+                  "running the config again starts from step 0")
+    return f"the trainer died: {what}\n{advice}"
+
+
+MEMORY_ADVICE = ("give the trainer and rollout workers more memory: fewer n_rollout_workers per node, a smaller "
+                 "trainer.train_batch_size or batching.max_length, a smaller model, or a machine with more memory "
+                 "(Ray kills a process once the node's memory use passes RAY_memory_usage_threshold, 0.95)")
+
+
+def killed_for_memory(error: BaseException) -> bool:
+    """Ray's memory monitor killed the process (an OutOfMemoryError, or an actor death that says so)."""
+    return (isinstance(error, ray.exceptions.OutOfMemoryError)
+            or isinstance(getattr(error, "cause", None), ray.exceptions.OutOfMemoryError)
+            or "memory pressure" in str(error) or "killed due to memory" in str(error).lower())
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _is_disk_full(error: BaseException, what: str) -> bool:
+    """ENOSPC anywhere in the exception's chain, or in the message of one that carries no errno
+    (tensorstore reports a full disk as a ValueError naming the OS error)."""
+    import errno
+
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "no space left on device" in what.lower()
+
+
+def _latest_checkpoint(checkpoints: str) -> Optional[str]:
+    """The checkpoint a rerun resumes from: the newest whose files match their digest (never a damaged one)."""
+    from marinrl.train.checkpoints import newest_loadable
+
+    try:
+        newest = newest_loadable(checkpoints)
+    except Exception:  # unreadable storage: say nothing rather than something wrong
+        return None
+    return newest.path if newest is not None else None
