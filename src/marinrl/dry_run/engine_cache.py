@@ -32,6 +32,7 @@ CPU_PAGE_SIZE = 64
 """The engine's page size on a CPU when `inference.engine.page_size` is unset (`resolved_engine_config`)."""
 DEVICE_MEMORY_GIB = {
     "H100": 79.18,
+    "H200": 139.8,
     "v4": 32.0,
     "v5litepod": 16.0,
     "v5p": 95.0,
@@ -39,7 +40,8 @@ DEVICE_MEMORY_GIB = {
 }
 """One device's memory (GiB) as JAX's allocator would have it all, by GPU `accelerator_type` or TPU generation:
 the H100's measured (`memory_stats()['bytes_limit']` 59.38 GiB at JAX's default fraction 0.75,
-docs/device_checks/2026-11-26-h100.json); the TPU chips' HBM from Google's data sheets (v4 32, v5e 16, v5p 95,
+docs/device_checks/2026-11-26-h100.json), the H200's from nvidia-smi's 143,771 MiB less the share the H100
+keeps from JAX; the TPU chips' HBM from Google's data sheets (v4 32, v5e 16, v5p 95,
 v6e 32 GiB; the runtime keeps a little of it). A device not listed leaves the engine's cache at `max_seqs`
 sequences, with a note."""
 GPU_MEMORY_FRACTION = 0.75

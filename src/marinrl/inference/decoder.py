@@ -123,9 +123,11 @@ class GroupedDecodeAttention(eqx.Module):
     each prompt's keys and values once [P, KV, S_p, D] (left-padded), and each row's generated ones
     [R, KV, T, D]. The step's key and value go to generated slot `write_at`; the query attends to its prompt's
     slots from its padding on (`prompt_ok` [R, S_p]) and to the first `window` generated slots up to
-    `write_at`. One softmax over both parts, as over one cache: a prompt's keys are read once for its n rows
-    (n × G queries a key instead of G), and a generated slot no row has reached yet past `window` is never read
-    (`scan_plan.decode_windows`)."""
+    `write_at`. One softmax over both parts, as over one cache (their shared max, then each part's exponentials
+    against its values, normalized once in float32): a prompt's keys and values are read once for its n rows
+    (one [n × G, D] query matrix per prompt and KV head), and no generated slot past `window` is read
+    (`scan_plan.decode_windows`). No concatenation of the parts: on a CPU that copy cost more than the
+    sharing saved at the reference shape."""
 
     write_at: jax.Array
     prompt_ok: jax.Array
@@ -141,18 +143,25 @@ class GroupedDecodeAttention(eqx.Module):
         rows, _, group, _, head = q.shape
         n = rows // n_prompts
         q = q[:, :, :, 0]  # [R, KV, G, D]
-        grouped = q.reshape(n_prompts, n, n_kv, group, head)
-        s_prompt = _scores(grouped, kp, scale, soft_cap, "pnkgd,pksd->pnkgs").reshape(rows, n_kv, group, s_p)
+        # a prompt's n × G queries of each KV head as one matrix: [P, KV, n * G, D]
+        grouped = q.reshape(n_prompts, n, n_kv, group, head).transpose(0, 2, 1, 3, 4).reshape(
+            n_prompts, n_kv, n * group, head)
+        s_prompt = _scores(grouped, kp, scale, soft_cap, "pkmd,pksd->pkms").reshape(
+            n_prompts, n_kv, n, group, s_p).transpose(0, 2, 1, 3, 4).reshape(rows, n_kv, group, s_p)
         k_seen, v_seen = kg[:, :, :self.window], vg[:, :, :self.window]
         s_gen = _scores(q, k_seen, scale, soft_cap, "rkgd,rksd->rkgs")
         s_prompt = jnp.where(self.prompt_ok[:, None, None, :], s_prompt, -jnp.inf)
         s_gen = jnp.where(jnp.arange(self.window)[None, None, None, :] <= self.write_at, s_gen, -jnp.inf)
-        probs = jax.nn.softmax(jnp.concatenate([s_prompt, s_gen], axis=-1), axis=-1).astype(vg.dtype)
-        p_prompt = probs[..., :s_p].reshape(n_prompts, n, n_kv, group, s_p)
-        out = jnp.einsum("pnkgs,pksd->pnkgd", p_prompt, vp, preferred_element_type=jnp.float32).reshape(
-            rows, n_kv * group * head)
-        out = out + jnp.einsum("rkgs,rksd->rkgd", probs[..., s_p:], v_seen,
-                               preferred_element_type=jnp.float32).reshape(rows, -1)
+        # one softmax over both parts: their shared max, then each part's exponentials and sum
+        top = jnp.maximum(s_prompt.max(-1, keepdims=True), s_gen.max(-1, keepdims=True))
+        e_prompt, e_gen = jnp.exp(s_prompt - top), jnp.exp(s_gen - top)
+        total = e_prompt.sum(-1) + e_gen.sum(-1)  # [R, KV, G]
+        e_prompt = e_prompt.astype(vg.dtype).reshape(n_prompts, n, n_kv, group, s_p).transpose(0, 2, 1, 3, 4).reshape(
+            n_prompts, n_kv, n * group, s_p)
+        out = jnp.einsum("pkms,pksd->pkmd", e_prompt, vp, preferred_element_type=jnp.float32).reshape(
+            n_prompts, n_kv, n, group, head).transpose(0, 2, 1, 3, 4).reshape(rows, n_kv, group, head)
+        out = out + jnp.einsum("rkgs,rksd->rkgd", e_gen.astype(vg.dtype), v_seen, preferred_element_type=jnp.float32)
+        out = (out / total[..., None]).reshape(rows, n_kv * group * head)
         return out[:, None, :].astype(vg.dtype), (kp, vp, kg, vg)
 
 
