@@ -11,17 +11,16 @@ import json
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 from typing import Callable
 
 import faulty_envs
 import pytest
 import ray
+from job_process import WAIT_S, TrainCommand, all_exit, endless_job, poll
 from test_job import job_config
 from test_policy_models import ROLES
 
@@ -35,10 +34,6 @@ pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default 
 
 DEADLINE_S = 150.0
 """A job's replay deadline in the broken-environment script: the failure budget must end the job before it."""
-WAIT_S = 900.0
-"""How long a test waits for a job to get somewhere (a checkpoint, a step, its rollouts): long enough for a
-cold compile cache on a machine loaded many times over (three suites at once, load 8–13, missed 150 s), shorter
-than the file's timeout, which names a job that hangs."""
 
 
 def _actors_of(job: RLJob, class_name: str) -> list:
@@ -47,18 +42,11 @@ def _actors_of(job: RLJob, class_name: str) -> list:
 
 
 def _poll(condition: Callable[[], object], what: str, deadline_s: float = WAIT_S):
-    """Polls until `condition()` is true. In a `_Saboteur` whose job has ended it stops at once, naming how the
-    job ended: a job that fails on its own is reported as itself, not as a wait that ran out."""
-    end = time.monotonic() + deadline_s
+    """`job_process.poll`; in a `_Saboteur` whose job has ended it stops at once, naming how the job ended: a
+    job that fails on its own is reported as itself, not as a wait that ran out."""
     me = threading.current_thread()
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        if isinstance(me, _Saboteur) and me.job_ended.is_set():
-            raise AssertionError(f"the job ended before {what}: {me.job_outcome}")
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out after {deadline_s:.0f}s waiting for {what}")
+    ended = (lambda: me.job_outcome if me.job_ended.is_set() else None) if isinstance(me, _Saboteur) else None
+    return poll(condition, what, deadline_s, ended=ended)
 
 
 def _committed_checkpoint_step(ckpt_root: str) -> int:
@@ -296,51 +284,7 @@ def test_two_node_cluster_places_trainer_and_rollout_worker_by_resource(tmp_path
     assert rollout_node == out["rollout_node"]  # the only node with the "rollout" resource
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process under `pid` (from /proc), zombies excluded."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-_CTRL_C_JOB = """
-run_id: job
-run_root: {root}
-model:
-  model: {{type: llama, seq_len: 32, hidden_dim: 32, intermediate_dim: 64, num_layers: 2, num_heads: 2,
-          num_kv_heads: 2, gradient_checkpointing: false, scan_layers: false}}
-  vocab_size: 512
-curriculum:
-  lessons:
-    - {{lesson_id: echo, env: {{name: echo, args: {{alphabet_size: 10}}}}, max_tokens: 1, graduate_at: null}}
-num_train_steps: 100000
-groups_per_step: 4
-n_generations: 4
-eval_every: 100000
-eval_examples: 4
-batching: {{max_length: 32, min_bucket: 8}}
-"""
+_ECHO_LESSON = "    - {lesson_id: echo, env: {name: echo, args: {alphabet_size: 10}}, max_tokens: 1, graduate_at: null}"
 
 
 def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
@@ -348,34 +292,20 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
     sends it: the trainer saves a resumable checkpoint, the command exits 130, and every process it
     started (Ray's GCS, raylet, workers, actors) is gone."""
     config = tmp_path / "job.yaml"
-    config.write_text(_CTRL_C_JOB.format(root=tmp_path))
-    log = tmp_path / "train.log"
-    # A shell's background job (CI under `cmd &`) inherits SIGINT ignored, and so would this child:
-    # give it the default disposition a terminal's foreground command has.
-    proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(config)], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    try:
-        rollouts = tmp_path / "job" / "rollouts"
-        _poll(lambda: proc.poll() is not None or len(list(rollouts.glob("step=*"))) >= 3,
-              "three trainer steps' rollouts")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        started = _descendants(proc.pid)
+    config.write_text(endless_job(tmp_path, _ECHO_LESSON))
+    rollouts = tmp_path / "job" / "rollouts"
+    with TrainCommand(config, tmp_path / "train.log") as job:
+        started = job.running_once(lambda: len(list(rollouts.glob("step=*"))) >= 3, "three trainer steps' rollouts")
         assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = log.read_text()
-    assert proc.returncode == 130, out[-3000:]
+        job.interrupt(timeout_s=180)
+    out = job.output()
+    assert job.proc.returncode == 130, out[-3000:]
     assert "stopped at step" in out and "run the same config again to resume" in out, out[-3000:]
     assert not (tmp_path / "job" / "run.lock").exists()  # Ctrl-C released the run's lease
     (ckpt,) = (tmp_path / "job" / "checkpoints").glob("step-*")
     sidecar = json.loads((ckpt / SIDECAR).read_text())
     assert sidecar["step"] >= 1 and (ckpt / "metadata.json").exists()
-    _poll(lambda: not any(_alive(p) for p in started), "every process the job started to exit", deadline_s=30)
+    all_exit(started)
 
 
 def test_the_drivers_death_takes_its_local_ray_with_it(tmp_path):
@@ -384,22 +314,16 @@ def test_the_drivers_death_takes_its_local_ray_with_it(tmp_path):
     well within the 30 s polled here. Without it Ray's two agents lived 60 s (reporting the raylet's death
     to the dead GCS) and the trainer trained on for about 2 s; with it, 0.2 s on a 2-core machine."""
     config = tmp_path / "job.yaml"
-    config.write_text(_CTRL_C_JOB.format(root=tmp_path))
-    log = tmp_path / "train.log"
-    proc = subprocess.Popen([sys.executable, "-m", "marinrl.cli", "train", str(config)], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    config.write_text(endless_job(tmp_path, _ECHO_LESSON))
+    rollouts = tmp_path / "job" / "rollouts"
+    job = TrainCommand(config, tmp_path / "train.log")
     try:
-        rollouts = tmp_path / "job" / "rollouts"
-        _poll(lambda: proc.poll() is not None or len(list(rollouts.glob("step=*"))) >= 3,
-              "three trainer steps' rollouts")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        started = _descendants(proc.pid)
+        started = job.running_once(lambda: len(list(rollouts.glob("step=*"))) >= 3, "three trainer steps' rollouts")
         assert len(started) >= 4  # Ray's GCS, the raylet, its agents, the actors' workers, the watchdog
     finally:
-        proc.kill()  # the driver only: its process group and session are left alone
-        proc.wait(timeout=30)
-    _poll(lambda: not any(_alive(p) for p in started), "every process of the job to exit", deadline_s=30)
-    out = log.read_text()
+        job.proc.kill()  # the driver only: its process group and session are left alone
+        job.proc.wait(timeout=30)
+    all_exit(started, "every process of the job to exit")
+    out = job.output()
     assert re.search(r"\[marinrl\] the job's driver ended: killed [1-9]\d* processes of its local Ray", out), \
         out[-3000:]

@@ -183,7 +183,7 @@ def test_the_url_is_checked_before_a_job_with_the_cause_in_one_line(silent_url, 
 def test_a_wait_on_a_server_that_never_answers_is_visible_while_it_lasts(silent_url, server):
     """What the job's driver prints (`RolloutActor.waits`, marinrl/logs.py `WAITS`) names the wait within
     seconds of it starting, long before its 4 s deadline; its end fails the call with the cause."""
-    from marinrl.job.rl_job import _StallNotices
+    from marinrl.job.terminal import StallNotices
     from marinrl.logs import ENV_ERRORS, WAITS
 
     env = make_env(EnvConfig("openenv", _args(silent_url, request_timeout=4.0, max_retries=0)))
@@ -198,7 +198,7 @@ def test_a_wait_on_a_server_that_never_answers_is_visible_while_it_lasts(silent_
         assert caller.is_alive() and time.monotonic() < deadline, WAITS.overdue(0.0)
         time.sleep(0.02)
     (line,) = [w for w in WAITS.overdue(0.0) if w.startswith(what)]
-    notices = _StallNotices(repeat_s=60.0)
+    notices = StallNotices(repeat_s=60.0)
     (printed,) = notices.lines(0, [line], now=100.0)
     assert printed.startswith(f"[marinrl] rollout worker 0 is waiting: {what}: no answer for ")
     assert notices.lines(0, [line], now=130.0) == [] and len(notices.lines(0, [line], now=161.0)) == 1
@@ -277,28 +277,12 @@ def mute_url():
     loop.close()
 
 
-_STUCK_JOB = """
-run_id: job
-run_root: {root}
-model:
-  model: {{type: llama, seq_len: 32, hidden_dim: 32, intermediate_dim: 64, num_layers: 2, num_heads: 2,
-          num_kv_heads: 2, gradient_checkpointing: false, scan_layers: false}}
-  vocab_size: 512
-curriculum:
-  lessons:
+_STUCK_LESSON = """\
     - lesson_id: letters
       env: {{name: openenv, args: {{url: "{url}", action_field: message, observation_field: prompt, chat: false,
                                    request_timeout: {wait_s}, max_retries: 3}}}}
       max_tokens: 1
-      graduate_at: null
-num_train_steps: 100000
-groups_per_step: 4
-n_generations: 4
-eval_every: 100000
-eval_examples: 4
-batching: {{max_length: 32, min_bucket: 8}}
-ray: {{stop_timeout_s: {wait_s}}}
-"""
+      graduate_at: null"""
 
 LONG_WAIT_S = 300.0
 """The stuck job's long timeouts: each session open's answer (`request_timeout`, 4 tries) and the trainer's
@@ -315,38 +299,23 @@ def test_ctrl_c_stops_a_job_whose_rollout_worker_waits_on_a_server_that_never_an
     answers (the trainer waits for rollouts that never come, or is still starting): once the stall notice
     shows, Ctrl-C to the process group stops the job without waiting out the server's or the trainer's
     timeouts, exits 130, and leaves no process of the job behind (issue 33)."""
-    import os
-    import signal
-
-    from test_job_faults import _alive, _descendants, _poll
+    from job_process import TrainCommand, all_exit, endless_job
 
     config = tmp_path / "job.yaml"
-    config.write_text(_STUCK_JOB.format(root=tmp_path, url=mute_url, wait_s=LONG_WAIT_S))
-    log = tmp_path / "train.log"
-    # As a terminal's foreground job: SIGINT not ignored (a shell's background job inherits it ignored), set
-    # before exec rather than in a preexec_fn (a fork of this process, which runs JAX's threads)
-    train = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-             "os.execv(sys.executable, [sys.executable, '-m', 'marinrl.cli', 'train', sys.argv[1]])")
-    proc = subprocess.Popen([sys.executable, "-c", train, str(config)], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    config.write_text(endless_job(tmp_path, _STUCK_LESSON.format(url=mute_url, wait_s=LONG_WAIT_S),
+                                  f"ray: {{stop_timeout_s: {LONG_WAIT_S}}}\n"))
     notice = f"[marinrl] rollout worker 0 is waiting: openenv: opening a session on {mute_url} (up to 4 tries of 300 s)"
-    try:
-        _poll(lambda: proc.poll() is not None or notice in log.read_text(), "the stall notice")
-        assert proc.poll() is None, log.read_text()[-3000:]
-        started = _descendants(proc.pid)
+    with TrainCommand(config, tmp_path / "train.log") as job:
+        started = job.running_once(lambda: notice in job.output(), "the stall notice")
         assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
-        os.killpg(proc.pid, signal.SIGINT)
         try:
-            proc.wait(timeout=STOP_BOUND_S)
+            job.interrupt(timeout_s=STOP_BOUND_S)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"Ctrl-C did not stop the job in {STOP_BOUND_S:.0f} s:\n{log.read_text()[-3000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    out = log.read_text()
-    assert proc.returncode == 130, out[-3000:]
+            pytest.fail(f"Ctrl-C did not stop the job in {STOP_BOUND_S:.0f} s:\n{job.output()[-3000:]}")
+    out = job.output()
+    assert job.proc.returncode == 130, out[-3000:]
     stopped = re.findall(r"\[marinrl\] stopped [^\r\n]*", out)
     assert stopped and ("before training a step" in stopped[0] or "while the trainer was starting" in stopped[0]), \
         out[-3000:]
     assert "did not stop in time" not in out and "checkpoint None" not in out, out[-3000:]
-    _poll(lambda: not any(_alive(p) for p in started), "every process the job started to exit", deadline_s=30)
+    all_exit(started)

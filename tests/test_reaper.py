@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+
+from job_process import alive, poll
 
 from marinrl.job.reaper import OWNER_ENV, Reaper, job_processes
 
@@ -46,20 +47,6 @@ _DRIVER = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _until(condition, what: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < end, f"timed out after {deadline_s:.0f} s waiting for {what}"
-        time.sleep(0.05)
-
-
 def _driver(token: str, how: str, job_s: float) -> tuple[subprocess.Popen, int, int, int]:
     """A driver with its watchdog, a marked process (living `job_s`) with an unmarked child, and an unmarked
     process of its own."""
@@ -71,7 +58,7 @@ def _driver(token: str, how: str, job_s: float) -> tuple[subprocess.Popen, int, 
 
 def _kill(*pids: int) -> None:
     for pid in pids:
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -82,11 +69,11 @@ def test_a_killed_driver_takes_its_processes_and_no_other():
     proc, job, child, other = _driver(token, "kill", job_s=3.0)
     try:
         assert list(job_processes(token)) == [job]  # the mark is in the job's process only
-        _until(lambda: not _alive(job), "the marked process to exit, handing its child to init")
+        poll(lambda: not alive(job), "the marked process to exit, handing its child to init", deadline_s=30)
         proc.kill()
         proc.wait(timeout=30)
-        _until(lambda: not _alive(child), "the job's process to be killed", deadline_s=30)
-        assert _alive(other)
+        poll(lambda: not alive(child), "the job's process to be killed", deadline_s=30)
+        assert alive(other)
         assert "the job's driver ended: killed 1 processes of its local Ray" in proc.stderr.read()  # at its exit
     finally:
         _kill(job, child, other)
@@ -97,8 +84,8 @@ def test_a_driver_that_stops_its_watchdog_has_it_sweep_quietly():
     proc, job, child, other = _driver(token, "end", job_s=600.0)
     try:
         assert proc.stdout.readline().strip() == "stopped"
-        assert not _alive(job) and not _alive(child)  # `job` a zombie until its driver reaps it
-        assert _alive(other) and proc.poll() is None
+        assert not alive(job) and not alive(child)  # `job` a zombie until its driver reaps it
+        assert alive(other) and proc.poll() is None
         watchdog = f"reaper.py {proc.pid} {token}"
         assert not [p for p in os.listdir("/proc") if p.isdigit() and watchdog in _cmdline(int(p))]  # it exited
     finally:
