@@ -124,7 +124,8 @@ def test_rollout_weights_and_cache_take_half_the_bytes_in_bfloat16():
     job = _recipe()
     assert job.rollout_dtype() == "bfloat16"  # the recipes' mp: p=f32,c=bfloat16
     e = job.inference.engine  # a fixed page budget: on a TPU the engine would size it from free memory
-    job = _with(job, "inference", engine=dataclasses.replace(e, max_pages=e.max_seqs * -(-e.max_seq_len // 128)))
+    job = _with(job, "inference", engine=dataclasses.replace(e, max_pages=e.max_seqs * -(-e.max_seq_len // 128)),
+                model_axis_size=4)  # by default one chip holds this model: data parallel (tests/test_scan_plan.py)
     bf16 = predicted_memory(job, "rollout", 4)
     f32 = predicted_memory(_with(job, "inference", dtype="float32"), "rollout", 4)
     assert bf16.bytes_per_device["weights"] * 2 == f32.bytes_per_device["weights"]
@@ -154,14 +155,15 @@ def test_the_engine_cache_is_sized_as_the_engine_sizes_it_on_each_device_kind():
 
     job = _recipe()
     e = job.inference.engine
-    cpu = predicted_memory(job, "rollout", 4, cpu=True)
+    tpu = _with(job, "inference", model_axis_size=4)  # tensor parallel (by default one v5e chip holds this model)
+    cpu = predicted_memory(tpu, "rollout", 4, cpu=True)
     kv_cpu = e.max_seqs * -(-e.max_seq_len // 64) * _kv_bytes_per_page(job, 64, 4)
     assert kv_cpu <= cpu.bytes_per_device["cache"] <= kv_cpu * 1.01
     assert "CPU" in cpu.notes[0] and "pages of 64 tokens" in cpu.notes[0]
 
     gpu = _with(job, "ray", rollout=dataclasses.replace(job.ray.rollout, tpu=None, num_gpus=1,
                                                         accelerator_type="H100"))
-    for plan_job, limit, devices in ((job, DEVICE_MEMORY_GIB["v5litepod"] * 2**30, 4),
+    for plan_job, limit, devices in ((tpu, DEVICE_MEMORY_GIB["v5litepod"] * 2**30, 4),
                                      (gpu, DEVICE_MEMORY_GIB["H100"] * GPU_MEMORY_FRACTION * 2**30, 1)):
         plan = predicted_memory(plan_job, "rollout", devices)
         per_page = _kv_bytes_per_page(job, 128, devices)

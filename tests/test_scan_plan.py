@@ -137,3 +137,33 @@ def test_a_long_decode_in_phases_equals_a_full_forward_pass(model, temperature):
             np.testing.assert_array_equal(tokens, argmax)
     if temperature:
         assert len({tuple(out.tokens[r, :lengths[r]]) for r in range(3)}) == 3  # a prompt's samples differ
+
+
+# ------------------------------------------------------------------------------ data-parallel sampling
+
+
+def test_a_model_one_device_holds_is_sampled_data_parallel():
+    from marinrl.inference.sharding import DATA_PARALLEL_WEIGHT_SHARE, choose_model_axis_size
+
+    h100 = 59.38 * GiB
+    # Qwen3-0.6B in bfloat16 (1.2 GB) on 2 H100s: each samples its own rows
+    assert choose_model_axis_size(2, 8, 16, 3072, 1.2e9, h100) == 1
+    # an 8B model (16 GB) on 2 H100s: tensor parallel, the KV cache gets the room
+    assert choose_model_axis_size(2, 8, 32, 14336, 16e9, h100) == 2
+    assert choose_model_axis_size(8, 8, 32, 14336, DATA_PARALLEL_WEIGHT_SHARE * h100 + 1, h100) == 8
+    # unknown memory: tensor parallel over the largest divisor that splits the heads
+    assert choose_model_axis_size(4, 2, 8, 128, 1.0, None) == 2
+
+
+def test_the_dry_run_chooses_the_same_axis():
+    import runpy
+
+    from marinrl.dry_run.engine_cache import RolloutDevice
+    from marinrl.dry_run.memory import rollout_model_axis_size
+    from marinrl.recipe import parse_recipe
+
+    recipe = runpy.run_path("experiments/grpo_math_qwen3_0p6b_one_gpu_node.py", run_name="recipe")["RECIPE"]
+    job = parse_recipe(recipe, ["--model.hf_checkpoint=null"])
+    assert rollout_model_axis_size(job, 2, RolloutDevice("gpu", "H100", 59.38 * GiB)) == 1
+    assert rollout_model_axis_size(job, 2, RolloutDevice("gpu", "tiny", 2 * GiB)) == 2
+    assert rollout_model_axis_size(job, 2, RolloutDevice("gpu")) == 2  # memory unknown

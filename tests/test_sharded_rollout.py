@@ -67,7 +67,7 @@ def one_device(model):
     srv.shutdown()
 
 
-@pytest.fixture(scope="module", params=[4, 2], ids=["model4", "data2_x_model2"])
+@pytest.fixture(scope="module", params=[4, 2, 1], ids=["model4", "data2_x_model2", "data4"])
 def sharded(request, model):
     srv = _server(model, model_axis_size=request.param)
     yield srv

@@ -93,8 +93,10 @@ class InferenceServerConfig:
     """Tensor parallelism of the rollout model: how many of this host's local devices share each
     weight matrix (whole KV heads and MLP columns per device); the remaining factor of the local
     device count splits generation rows. Must divide the local device count, num_kv_heads, num_heads
-    and intermediate_dim. None: all local devices on TPU/GPU (or the largest divisor that splits the
-    model); on a CPU one device and no mesh (fake CPU devices share the same cores)."""
+    and intermediate_dim. None: on TPU/GPU, 1 (every device samples its own rows with the whole model, no
+    all-reduces) when the weights take at most a quarter of one device's memory, else all local devices (or the
+    largest divisor that splits the model), as the dry run predicts (`inference/sharding.py`); on a CPU one
+    device and no mesh (fake CPU devices share the same cores)."""
 
     def __post_init__(self):
         if self.backend not in ("scan", "engine"):

@@ -146,14 +146,19 @@ def trainer_mesh(job, n_devices: int) -> dict:
     return {"replica": replica, "data": n_devices // (replica * model), "model": model}
 
 
-def rollout_model_axis_size(job, n_devices: int) -> int:
-    """`inference.model_axis_size`, else the accelerator's default: the largest divisor of `n_devices` that
-    splits the model's heads, KV heads and MLP (marinrl.inference.sharding)."""
+def rollout_model_axis_size(job, n_devices: int, device: Optional[RolloutDevice] = None) -> int:
+    """`inference.model_axis_size`, else the accelerator's default (`sharding.choose_model_axis_size`): 1 (data
+    parallel) where one `device` (else the placement's) holds the weights with room to spare, else the largest
+    divisor of `n_devices` that splits the model's heads, KV heads and MLP."""
+    from marinrl.inference import sharding
+
     cfg = to_levanter(job.model.model)
     size = job.inference.model_axis_size
     if size is None:
-        size = max(d for d in range(1, n_devices + 1) if n_devices % d == 0 and cfg.num_kv_heads % d == 0
-                   and cfg.num_heads % d == 0 and cfg.intermediate_dim % d == 0)
+        device = device or rollout_device(job)
+        weights = total_bytes(abstract_model(cfg, job.model.vocab_size, jnp.dtype(job.rollout_dtype())))
+        size = sharding.choose_model_axis_size(n_devices, cfg.num_kv_heads, cfg.num_heads, cfg.intermediate_dim,
+                                               weights, device.memory_bytes)
     for what, n in (("the rollout devices", n_devices), ("num_kv_heads", cfg.num_kv_heads),
                     ("num_heads", cfg.num_heads), ("intermediate_dim", cfg.intermediate_dim)):
         if n % size:
@@ -312,7 +317,7 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
 
 def _rollout_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int, cpu: bool = False,
                   device: Optional[RolloutDevice] = None) -> MemoryPlan:
-    model_axis = rollout_model_axis_size(job, n_devices)
+    model_axis = rollout_model_axis_size(job, n_devices, device or rollout_device(job, cpu))
     mesh = {"data": n_devices // model_axis, "model": model_axis}
     mapping = rollout_mapping(job, model_axis)
     model = abstract_model(to_levanter(job.model.model), job.model.vocab_size, jnp.dtype(job.rollout_dtype()))

@@ -73,15 +73,38 @@ def check_model_axis_size(size: int, model, n_devices: int, field: str = "infere
                              f"gcd(num_kv_heads, intermediate_dim) = {np.gcd(kv_heads, mlp)}")
 
 
+DATA_PARALLEL_WEIGHT_SHARE = 0.25
+"""A model whose weights take at most this share of one device's memory is sampled data-parallel: every local
+device holds the whole model and samples its own rows, with no all-reduce per layer and step. A larger one is
+split tensor-parallel, so each device keeps room for its share of the KV cache."""
+
+
+def choose_model_axis_size(n_devices: int, kv_heads: int, heads: int, mlp: int, weights_bytes: float,
+                           device_bytes: Optional[float]) -> int:
+    """The default model axis on an accelerator: 1 (all devices data-parallel) when one device holds the model
+    with room to spare (`DATA_PARALLEL_WEIGHT_SHARE` of `device_bytes`); else, or where the device's memory is
+    unknown, the largest divisor of `n_devices` that splits the heads, KV heads and MLP evenly. The dry run
+    (`dry_run.memory.rollout_model_axis_size`) chooses with the same function."""
+    if device_bytes and weights_bytes <= DATA_PARALLEL_WEIGHT_SHARE * device_bytes:
+        return 1
+    return max(d for d in range(1, n_devices + 1)
+               if n_devices % d == 0 and kv_heads % d == 0 and heads % d == 0 and mlp % d == 0)
+
+
 def default_model_axis_size(model, n_devices: int) -> int:
-    """All local devices on an accelerator, or the largest divisor of their number that splits the
-    model's heads and MLP evenly. 1 on a CPU: fake CPU devices share the same cores."""
+    """`choose_model_axis_size` for `model` on this host's devices (their allocator's limit). 1 on a CPU: fake
+    CPU devices share the same cores."""
     if jax.default_backend() == "cpu":
         return 1
     heads, kv_heads, mlp = _heads_and_mlp(model)
-    size = max(d for d in range(1, n_devices + 1)
-               if n_devices % d == 0 and kv_heads % d == 0 and heads % d == 0 and mlp % d == 0)
-    if size < n_devices:
+    arrays = [x for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_array)) if hasattr(x, "nbytes")]
+    weights = float(sum(x.nbytes for x in arrays))
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    size = choose_model_axis_size(n_devices, kv_heads, heads, mlp, weights, limit)
+    if size == 1 and n_devices > 1:
+        logger.info("rollout model: %.2f GiB of weights fit each of the %d local devices: data-parallel sampling "
+                    "(no tensor parallelism)", weights / 2**30, n_devices)
+    elif size < n_devices:
         logger.warning("rollout model: tensor parallel over %d of %d local devices (num_kv_heads %d, "
                        "intermediate_dim %d); the other factor %d splits generation rows", size, n_devices,
                        kv_heads, mlp, n_devices // size)
@@ -90,11 +113,12 @@ def default_model_axis_size(model, n_devices: int) -> int:
 
 def rollout_mesh(model, model_axis_size: Optional[int]) -> Optional[RolloutMesh]:
     """The mesh a rollout server uses for `model`, or None for no mesh (one device, as on a CPU by
-    default). Raises ValueError naming `inference.model_axis_size` when it cannot split the model."""
+    default, or one accelerator). Raises ValueError naming `inference.model_axis_size` when it cannot split the
+    model."""
     devices = jax.local_devices()
     if model_axis_size is None:
         model_axis_size = default_model_axis_size(model, len(devices))
-        if model_axis_size == 1 and jax.default_backend() == "cpu":
+        if model_axis_size == 1 and (jax.default_backend() == "cpu" or len(devices) == 1):
             return None
     check_model_axis_size(model_axis_size, model, len(devices))
     grid = np.asarray(devices).reshape(len(devices) // model_axis_size, model_axis_size)
