@@ -167,3 +167,22 @@ def test_the_dry_run_chooses_the_same_axis():
     assert rollout_model_axis_size(job, 2, RolloutDevice("gpu", "H100", 59.38 * GiB)) == 1
     assert rollout_model_axis_size(job, 2, RolloutDevice("gpu", "tiny", 2 * GiB)) == 2
     assert rollout_model_axis_size(job, 2, RolloutDevice("gpu")) == 2  # memory unknown
+
+
+def test_the_generation_bench_plans_the_recipe_on_an_h100_as_one_call_of_256_rows():
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "bench" / "generation.py"
+    out = subprocess.run([sys.executable, str(bench), "--plan", "h100", "--shape", "recipe"], capture_output=True,
+                         text=True, timeout=300, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    plan = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (plan["calls"], plan["rows_per_call"], plan["device"]) == (1, 256, "NVIDIA H100")
+    # the roofline of the bytes a step reads: about 54k tokens/s at 3.35 TB/s (docs/inference.md)
+    assert 15e9 < plan["bytes_per_step"] < 16.5e9
+    assert plan["roofline_tokens_per_s"] == pytest.approx(256 * 3.35e12 / plan["bytes_per_step"])
+    bad = subprocess.run([sys.executable, str(bench), "--plan", "h900"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "h900" in bad.stderr
