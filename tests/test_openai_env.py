@@ -25,9 +25,10 @@ from marinrl.config.env import EnvConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.envs import Grade, Problem, safe_sample
+from marinrl.envs.agent_calls import Call, stitch
 from marinrl.envs.base import make_env
 from marinrl.envs.openai_agents import EchoChatAgent, TwoTurnEchoAgent
-from marinrl.envs.openai_env import Call, OpenAIAgentEnv, stitch
+from marinrl.envs.openai_env import OpenAIAgentEnv
 from marinrl.inference.context import SamplingParams, chat_prompt_tokens
 from marinrl.inference.server import InferenceServer
 from marinrl.models.policy_model import build_model

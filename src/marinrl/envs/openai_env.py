@@ -10,7 +10,7 @@ train unchanged, through the inference server's OpenAI-compatible endpoint.
 The env gives each episode an `openai.AsyncOpenAI` whose base URL is the server's endpoint
 (`endpoint_url(ctx)`) and whose API key is the endpoint's (`endpoint_api_key(ctx)`: agents never need
 to know it). Under that client sits one `httpx.AsyncClient` (one connection pool, sized to
-`max_concurrency`) whose transport retries and records: every chat completion an episode makes is
+`max_concurrency`) whose transport retries and records (`agent_calls.py`): every chat completion an episode makes is
 kept with its `prompt_token_ids`, `token_ids`, logprobs and finish reason (the endpoint returns them;
 the transport asks for logprobs), and the episode becomes a rollout by the stitching rule:
 
@@ -38,27 +38,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import dataclasses
 import importlib
-import json
 import logging
 import random
 import time
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional
 
 import httpx
 import numpy as np
 import openai
 
 from marinrl.config.checks import require_above, require_at_least
+from marinrl.envs.agent_calls import CURRENT_EPISODE, AgentTransport, Counts, EpisodeCalls, Segment, Unusable, stitch
 from marinrl.envs.base import Grade, Mode, check_sample_args, make_rollout, new_group_id, register_env
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.types import RolloutGroup
 
 logger = logging.getLogger(__name__)
-
-RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,160 +92,6 @@ class OpenAIEnvConfig:
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before retry `attempt` + 1 (attempt 0 is the first retry)."""
         return min(self.backoff_max, self.backoff_initial * 2**attempt) * random.uniform(0.5, 1.0)
-
-
-# ------------------------------------------------------------------------------ recording calls
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """One chat completion an episode made, as the endpoint sampled it."""
-
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str
-    temperature: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Consecutive calls stitched into one sequence: a rollout's prompt and response."""
-
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    loss_mask: list[int]
-    finish_reason: str
-
-
-def stitch(calls: Sequence[Call]) -> list[Segment]:
-    """The segments of an episode's calls (module docstring): a call extends the current segment when
-    its prompt starts with the segment's prompt + response; otherwise it starts a new segment."""
-    segments: list[Segment] = []
-    full: list[int] = []
-    for call in calls:
-        prompt = list(call.prompt)
-        if segments and len(prompt) >= len(full) and prompt[: len(full)] == full:
-            seg = segments[-1]
-            between = prompt[len(full):]
-            seg.tokens.extend(between + list(call.tokens))
-            seg.logprobs.extend([0.0] * len(between) + list(call.logprobs))
-            seg.loss_mask.extend([0] * len(between) + [1] * len(call.tokens))
-            segments[-1] = dataclasses.replace(seg, finish_reason=call.finish_reason)
-        else:
-            segments.append(Segment(prompt, list(call.tokens), list(call.logprobs), [1] * len(call.tokens),
-                                    call.finish_reason))
-        full = prompt + list(call.tokens)
-    return segments
-
-
-class _Unusable(Exception):
-    """An episode whose calls cannot become rollouts (the message says why)."""
-
-
-class _Episode:
-    """What one episode sent and got back; the transport finds it through `_CURRENT`."""
-
-    def __init__(self, seed: int, sampling: SamplingParams, enforce: bool):
-        self.seed = seed
-        self.sampling = sampling
-        self.enforce = enforce
-        self.calls: list[Call] = []
-        self.problems: list[str] = []
-
-    def rewrite(self, request: httpx.Request) -> httpx.Request:
-        """Ask for logprobs, give the lesson's sampling settings and a seed per call."""
-        body = json.loads(request.content)
-        body["logprobs"] = True
-        if self.enforce:
-            body["temperature"] = self.sampling.temperature
-            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-                body["max_tokens"] = self.sampling.max_tokens
-        if body.get("seed") is None:
-            body["seed"] = (self.seed + len(self.calls) + len(self.problems)) % (1 << 31)
-        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "content-length"]
-        return httpx.Request(request.method, request.url, headers=headers, content=json.dumps(body).encode(),
-                             extensions=request.extensions)
-
-    def record(self, request: httpx.Request, body: bytes) -> None:
-        sent, got = json.loads(request.content), json.loads(body)
-        try:
-            prompt = tuple(int(t) for t in got["prompt_token_ids"])
-            choices = got["choices"]
-            if len(choices) != 1:
-                raise _Unusable(f"a call asked for n={len(choices)} choices; an episode can train on n=1 only")
-            (choice,) = choices
-            tokens = tuple(int(t) for t in choice["token_ids"])
-            logprobs = tuple(float(c["logprob"]) for c in choice["logprobs"]["content"])
-        except (KeyError, TypeError) as e:
-            raise _Unusable(f"the response has no token ids or logprobs ({e!r}): is this a marinrl endpoint?") from e
-        if len(tokens) != len(logprobs):
-            raise _Unusable(f"the response has {len(tokens)} token ids but {len(logprobs)} logprobs")
-        self.calls.append(Call(prompt, tokens, logprobs, choice["finish_reason"], float(sent.get("temperature", 1.0))))
-
-
-_CURRENT: contextvars.ContextVar[Optional[_Episode]] = contextvars.ContextVar("marinrl_openai_episode", default=None)
-
-
-@dataclasses.dataclass
-class _Counts:
-    requests: int = 0
-    requests_retried: int = 0
-    requests_failed: int = 0
-
-
-class _AgentTransport(httpx.AsyncBaseTransport):
-    """The shared pool's transport: retries with backoff, and records the current episode's chat
-    completions (requests outside an episode pass through unrecorded)."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport, config: OpenAIEnvConfig, counts: _Counts):
-        self._inner = inner
-        self._config = config
-        self._counts = counts
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        episode = _CURRENT.get()
-        chat = episode is not None and request.method == "POST" and request.url.path.endswith("/chat/completions")
-        if chat:
-            request = episode.rewrite(request)
-        response = await self._send(request)
-        if not (chat and response.status_code == 200):
-            return response
-        body = await response.aread()
-        await response.aclose()
-        try:
-            episode.record(request, body)
-        except _Unusable as e:
-            episode.problems.append(str(e))
-        headers = [(k, v) for k, v in response.headers.multi_items()
-                   if k.lower() not in ("content-length", "content-encoding", "transfer-encoding")]
-        return httpx.Response(response.status_code, headers=headers, content=body, request=request,
-                              extensions={k: v for k, v in response.extensions.items() if k != "network_stream"})
-
-    async def _send(self, request: httpx.Request) -> httpx.Response:
-        self._counts.requests += 1
-        for attempt in range(self._config.max_retries + 1):
-            last = attempt == self._config.max_retries
-            try:
-                response = await self._inner.handle_async_request(request)
-            except httpx.TransportError:  # connection errors and timeouts
-                if last:
-                    self._counts.requests_failed += 1
-                    raise
-            else:
-                if response.status_code not in RETRY_STATUS:
-                    return response
-                if last:
-                    self._counts.requests_failed += 1
-                    return response
-                await response.aclose()
-            self._counts.requests_retried += 1
-            await asyncio.sleep(self._config.backoff(attempt))
-        raise AssertionError("unreachable")
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
 
 
 # ---------------------------------------------------------------------------------- the env
@@ -326,7 +169,7 @@ class OpenAIAgentEnv:
         url, api_key = endpoint_url(ctx), endpoint_api_key(ctx)
         problems = list(self.agent.problems(n_examples, rng, mode))
         jobs = [(i, p, int(rng.integers(0, 2**31 - 1))) for i, p in enumerate(problems) for _ in range(n_generations)]
-        counts = _Counts()
+        counts = Counts()
         started = time.perf_counter()
         outcomes = _run_coroutine(lambda: self._run_all(url, api_key, jobs, sampling, counts))
         elapsed = time.perf_counter() - started
@@ -335,10 +178,11 @@ class OpenAIAgentEnv:
     # -------------------------------------------------------------- running episodes
 
     async def _run_all(self, url: str, api_key: str, jobs, sampling: SamplingParams,
-                       counts: _Counts) -> list[_Outcome]:
+                       counts: Counts) -> list[_Outcome]:
         k = self.config.max_concurrency
         pool = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=k, max_keepalive_connections=k))
-        transport = _AgentTransport(pool, self.config, counts)
+        transport = AgentTransport(pool, counts, max_retries=self.config.max_retries,
+                                   backoff=self.config.backoff)
         async with httpx.AsyncClient(transport=transport, timeout=self.config.request_timeout) as http:
             client = openai.AsyncOpenAI(base_url=url, api_key=api_key, http_client=http, max_retries=0,
                                         timeout=self.config.request_timeout)
@@ -352,8 +196,8 @@ class OpenAIAgentEnv:
             return list(await asyncio.gather(*tasks))
 
     async def _episode(self, client, problem_index: int, problem, seed: int, sampling: SamplingParams) -> _Outcome:
-        episode = _Episode(seed, sampling, self.config.enforce_sampling)
-        _CURRENT.set(episode)  # this task's context only; asyncio.wait_for's task inherits it
+        episode = EpisodeCalls(seed, sampling, self.config.enforce_sampling)
+        CURRENT_EPISODE.set(episode)  # this task's context only; asyncio.wait_for's task inherits it
         started = time.perf_counter()
         out = _Outcome(problem_index, "failed")
         try:
@@ -366,7 +210,7 @@ class OpenAIAgentEnv:
             out.status = "timed_out"
             logger.warning("%s: episode of problem %d cut after %.1f s", self.env_name, problem_index,
                            self.config.episode_timeout)
-        except _Unusable as e:
+        except Unusable as e:
             out.status = "unusable"
             logger.warning("%s: episode of problem %d not trainable: %s", self.env_name, problem_index, e)
         except Exception:
@@ -374,17 +218,17 @@ class OpenAIAgentEnv:
         out.calls, out.seconds = len(episode.calls), time.perf_counter() - started
         return out
 
-    def _usable(self, episode: _Episode) -> tuple[tuple[Segment, ...], float]:
+    def _usable(self, episode: EpisodeCalls) -> tuple[tuple[Segment, ...], float]:
         if episode.problems:
-            raise _Unusable(episode.problems[0])
+            raise Unusable(episode.problems[0])
         if not episode.calls:
-            raise _Unusable("the episode made no chat completion")
+            raise Unusable("the episode made no chat completion")
         temperatures = {c.temperature for c in episode.calls}
         if len(temperatures) > 1:
-            raise _Unusable(f"calls sampled at several temperatures {sorted(temperatures)}; a rollout has one")
+            raise Unusable(f"calls sampled at several temperatures {sorted(temperatures)}; a rollout has one")
         segments = stitch(episode.calls)
         if len(segments) > 1 and self.config.on_mismatch == "fail":
-            raise _Unusable(f"a call's prompt does not extend the episode so far ({len(segments)} segments)")
+            raise Unusable(f"a call's prompt does not extend the episode so far ({len(segments)} segments)")
         return tuple(segments), temperatures.pop()
 
     # -------------------------------------------------------------- rollouts and metrics
@@ -410,7 +254,7 @@ class OpenAIAgentEnv:
             groups.append(RolloutGroup(tuple(rollouts)))
         return groups
 
-    def _metrics(self, outcomes: list[_Outcome], counts: _Counts, elapsed: float) -> dict[str, float]:
+    def _metrics(self, outcomes: list[_Outcome], counts: Counts, elapsed: float) -> dict[str, float]:
         ok = [o for o in outcomes if o.status == "ok"]
         m: dict[str, float] = {f"episodes_{s}": float(sum(o.status == s for o in outcomes))
                                for s in ("ok", "failed", "timed_out", "unusable")}
