@@ -97,19 +97,19 @@ def test_registry_builds_by_short_name_and_by_dotted_path():
 
 
 def test_each_builtin_name_is_registered_by_the_module_the_lazy_table_names():
-    """`base.BUILTIN_ENVS` is what makes a built-in name importable on demand: a module that registers a
+    """`registry.BUILTIN_ENVS` is what makes a built-in name importable on demand: a module that registers a
     name the table lacks (or under another module) would make that name unknown to a fresh process."""
     import importlib
 
-    from marinrl.envs import base
+    from marinrl.envs import registry
 
     registered_by: dict[str, str] = {}
-    for module in sorted(set(base.BUILTIN_ENVS.values())):
+    for module in sorted(set(registry.BUILTIN_ENVS.values())):
         importlib.import_module(f"marinrl.envs.{module}")
-    for name, cls in base._REGISTRY.items():
+    for name, cls in registry._REGISTRY.items():
         if cls.__module__.startswith("marinrl.envs."):
             registered_by[name] = cls.__module__.removeprefix("marinrl.envs.")
-    assert registered_by == base.BUILTIN_ENVS
+    assert registered_by == registry.BUILTIN_ENVS
 
 
 def test_a_fresh_process_imports_only_the_environment_it_builds():
@@ -129,7 +129,7 @@ def test_a_fresh_process_imports_only_the_environment_it_builds():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     before, after = json.loads(out.stdout.strip().splitlines()[-1])
-    assert before == ["marinrl.envs.base"]
+    assert before == ["marinrl.envs.base", "marinrl.envs.registry"]
     assert "marinrl.envs.toy" in after and "marinrl.envs.openai_env" not in after and "openai" not in after
 
 

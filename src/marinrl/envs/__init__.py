@@ -1,9 +1,9 @@
-"""Environments: the `Env` protocol and its registry (`base`), toy tasks a tiny model learns on a CPU
+"""Environments: the `Env` protocol (`base`) and its registry (`registry`), toy tasks a tiny model learns on a CPU
 (`toy`), math with verifiable answers (`math`), multi-turn episodes (`episode`, games in `games`),
 multi-agent systems (`multiagent`), agent code over the OpenAI protocol (`openai_env`), and adapters
 to the ecosystem's environments (`reasoning_gym_env`, `textarena_env`, `openenv_env`, `verifiers_env`), whose packages
 load only when a lesson builds one. Importing this package imports no task module: an environment's module
-is imported when a config names it (`base.BUILTIN_ENVS`) or its class is first used from here."""
+is imported when a config names it (`registry.BUILTIN_ENVS`) or its class is first used from here."""
 
 import importlib
 

@@ -1,4 +1,4 @@
-"""The environment protocol, its registry, the helpers environments build rollouts with, and
+"""The environment protocol, its registry (`registry.py`), the helpers environments build rollouts with, and
 `safe_sample`, which runs an environment so that nothing it does can take its caller down.
 
 An environment turns an inference context plus sampling settings into rollout groups and metrics
@@ -13,27 +13,43 @@ not know *who ran it, with which weights, for which lesson*: its rollouts carry 
 rollout corrupted after it was built (a NaN written into a reward array) is caught there too.
 
 To add an environment: write a class with `sample(...)` (or subclass `SingleTurnEnv` for a prompt-and-grade
-task) and decorate it with `@register_env("name")`; a lesson then names it (`env: {name: ..., args: {...}}`).
-A class outside this package needs no registration: a lesson names it by its dotted path. A built-in one's
-module goes in `BUILTIN_ENVS`, so it is imported when a config names it. docs/environments.md has the recipe.
+task) and decorate it with `@register_env("name")` (the registry: `registry.py`, its names re-exported here); a
+lesson then names it (`env: {name: ..., args: {...}}`). A class outside this package needs no registration: a
+lesson names it by its dotted path. A built-in one's module goes in `BUILTIN_ENVS`, so it is imported when a
+config names it. docs/environments.md has the recipe.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import math
 import time
 import uuid
-from typing import Any, Callable, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from marinrl.config.env import EnvConfig
+from marinrl.envs.registry import (
+    BUILTIN_ENVS,
+    make_env,
+    needs_endpoint,
+    optional_package,
+    register_env,
+    registered_envs,
+    with_endpoint_if_needed,
+)
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, chat_prompt_tokens
 from marinrl.logs import ENV_ERRORS
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, Rollout, RolloutGroup, RolloutMetadata
+
+__all__ = [
+    "BUILTIN_ENVS", "COUNTERS", "MODES", "UNSTAMPED", "UNSTAMPED_LESSON", "Env", "EnvConfig", "Grade", "Mode",
+    "Problem", "SingleTurnEnv", "check_sample_args", "completion_text", "encode_prompt", "make_env", "make_rollout",
+    "needs_endpoint", "new_group_id", "optional_package", "register_env", "registered_envs", "safe_sample",
+    "with_endpoint_if_needed",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -67,106 +83,6 @@ class Env(Protocol):
         rng: np.random.Generator,
         mode: Mode,
     ) -> tuple[list[RolloutGroup], dict[str, float]]: ...
-
-
-# --------------------------------------------------------------------------------------- registry
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register_env(name: str) -> Callable[[type], type]:
-    """Class decorator: make an environment constructible as `EnvConfig(name=..., args={...})`."""
-    if not name or "." in name or ":" in name:
-        raise ValueError(f"register_env: name must be non-empty, without '.' or ':', got {name!r}")
-
-    def add(cls: type) -> type:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"register_env: {name!r} is already registered to {_REGISTRY[name].__qualname__}")
-        if not callable(getattr(cls, "sample", None)):
-            raise TypeError(f"register_env: {cls.__qualname__} has no sample() method")
-        _REGISTRY[name] = cls
-        return cls
-
-    return add
-
-
-BUILTIN_ENVS: dict[str, str] = {
-    "echo": "toy", "parity": "toy", "arithmetic": "math", "math": "math", "guess": "games", "calculator": "games",
-    "solve_check": "multiagent", "two_roles": "multiagent", "openai_agent": "openai_env", "openenv": "openenv_env",
-    "reasoning_gym": "reasoning_gym_env", "textarena": "textarena_env", "verifiers": "verifiers_env",
-}
-"""Each built-in environment's module in marinrl.envs, imported (and so registered) when a config names it:
-a process builds only the environments it uses and imports only their modules (`openai_env` alone is 0.5 s)."""
-
-
-def registered_envs() -> dict[str, type]:
-    """Short name -> class of every registered environment (the built-ins included)."""
-    for module in sorted(set(BUILTIN_ENVS.values())):
-        importlib.import_module(f"marinrl.envs.{module}")
-    return dict(_REGISTRY)
-
-
-def _resolve(name: str) -> type:
-    if name in BUILTIN_ENVS:
-        importlib.import_module(f"marinrl.envs.{BUILTIN_ENVS[name]}")
-    elif name not in _REGISTRY and "." not in name and ":" not in name:
-        registered_envs()  # an unknown short name: the error lists every registered one
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    if "." not in name and ":" not in name:
-        raise ValueError(f"unknown environment {name!r}; registered: {sorted(_REGISTRY)}, "
-                         "or give a dotted class path such as 'my_package.my_module.MyEnv'")
-    module_name, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"environment path {name!r} must look like 'package.module.Class' or 'package.module:Class'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"environment {name!r}: cannot import module {module_name!r}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"environment {name!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not isinstance(obj, type) or not callable(getattr(obj, "sample", None)):
-        raise TypeError(f"environment {name!r} is not a class with a sample() method")
-    return obj
-
-
-def optional_package(module: str, env_name: str, distribution: str, extra: str):
-    """`module` of an optional extra, or an ImportError naming the environment and the extra to install:
-    adapters import their package only when a lesson builds them (docs/environments.md)."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"environment {env_name!r} needs the {distribution} package: "
-                          f"pip install 'marinrl[{extra}]'") from e
-
-
-def needs_endpoint(config: EnvConfig) -> bool:
-    """Whether the environment talks to the OpenAI-compatible endpoint (class attribute `needs_endpoint`),
-    so the server that runs it must serve HTTP."""
-    return bool(getattr(_resolve(config.name), "needs_endpoint", False))
-
-
-def with_endpoint_if_needed(inference, envs):
-    """`inference` (an InferenceServerConfig) with `serve_http` turned on when one of `envs` (EnvConfigs)
-    drives the OpenAI endpoint: a lesson of such an environment never fails for a missing flag."""
-    if inference.serve_http or not any(needs_endpoint(env) for env in envs):
-        return inference
-    logger.info("serving the OpenAI endpoint: a lesson's environment drives it")
-    return dataclasses.replace(inference, serve_http=True)
-
-
-def make_env(config: EnvConfig) -> Env:
-    """The environment `config` names, constructed with `config.args`. Errors name the environment."""
-    if not isinstance(config.args, Mapping):
-        raise TypeError(f"EnvConfig.args of {config.name!r} must be a mapping, got {type(config.args).__name__}")
-    cls = _resolve(config.name)
-    try:
-        return cls(**dict(config.args))
-    except TypeError as e:
-        raise ValueError(f"environment {config.name!r} rejected args {dict(config.args)!r}: {e}") from e
 
 
 # ------------------------------------------------------------------------ building rollouts
