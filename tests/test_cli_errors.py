@@ -361,7 +361,7 @@ def test_an_unreachable_ray_address_is_refused_before_ray(tmp_path):
 
 
 def test_a_finished_run_says_so_instead_of_checkpoint_none():
-    from marinrl.cli import summary_line
+    from marinrl.cli.train import summary_line
 
     train = {"first_step": 30, "final_step": 30, "checkpoint": None, "resumed_from": "runs/q/checkpoints/step-29"}
     assert summary_line("q", train, 3.0, 0) == ("[marinrl] q: already at step 30 (checkpoint runs/q/checkpoints/"

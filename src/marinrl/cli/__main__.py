@@ -1,0 +1,7 @@
+"""`python -m marinrl.cli ...`, as the `marinrl` console script."""
+
+import sys
+
+from marinrl.cli import main
+
+sys.exit(main())
