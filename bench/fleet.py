@@ -56,12 +56,11 @@ from machine import machine  # noqa: E402
 
 from marinrl.config.curriculum import CurriculumConfig, LessonConfig  # noqa: E402
 from marinrl.config.env import EnvConfig  # noqa: E402
-from marinrl.config.replay import ReplayConfig  # noqa: E402
+from marinrl.config.replay import OffPolicyConfig, ReplayConfig  # noqa: E402
 from marinrl.dry_run.fleet import FleetShape, plan_fleet  # noqa: E402
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter  # noqa: E402
 from marinrl.storage.simulated import RequestStats, SimulatedStore, _Link, label_by_role  # noqa: E402
 from marinrl.train.replay.buffer import ReplayBuffer  # noqa: E402
-from marinrl.train.replay.sampling import OffPolicyConfig  # noqa: E402
 from marinrl.transfer.base import PollBackoff  # noqa: E402
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata  # noqa: E402
 

@@ -173,7 +173,7 @@ def test_the_accelerator_is_required_where_the_placement_asks_for_one(tmp_path):
 def test_the_trainers_replay_takes_the_jobs_sampling_and_seed(tmp_path):
     """What `replay.sampling` / `replay.seed` would set is derived from the job's own fields (the YAML forms are
     refused above), and reaches the trainer."""
-    from marinrl.train.replay.sampling import ReplaySamplingConfig
+    from marinrl.config.replay import ReplaySamplingConfig
 
     job = _parse(tmp_path, args=("--max_uses", "3", "--max_staleness", "2", "--seed", "5"))
     job.validate()
@@ -193,9 +193,9 @@ def test_wandb_mode_is_the_users(monkeypatch):
 
 def test_range_checks_name_the_one_bad_field_and_refuse_nan():
     """`config_checks.require_at_least` / `require_above`: one message per field, NaN refused like any bad value."""
+    from marinrl.config.replay import ReplaySamplingConfig
     from marinrl.envs.openai_env import OpenAIEnvConfig
     from marinrl.multihost import ProcessGroupConfig
-    from marinrl.train.replay.sampling import ReplaySamplingConfig
 
     with pytest.raises(ValueError, match=r"^replay\.uses must be >= 1, got 0$"):
         ReplaySamplingConfig(uses=0)

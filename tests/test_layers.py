@@ -1,8 +1,9 @@
-"""The package's layers (docs/architecture.md, "Layers"): no import cycle anywhere (function-level imports
-count: a cycle through one still ties two modules together), and the config layer parses and checks a job
-config without JAX, Levanter, Ray, torch or transformers. The config layer mirrors the Levanter configs a
-job sets (model architecture, trainer, trackers, AdamW); every mirrored field must exist in Levanter's class
-with Levanter's default unless marinrl's own is declared, and convert to the object Levanter builds."""
+"""The package's layers (docs/architecture.md, "Layers"): no import cycle anywhere and no import from a layer
+up to a higher one (function-level imports count: one still ties two modules together), and the config layer
+parses and checks a job config without JAX, Levanter, Ray, torch or transformers. The config layer mirrors
+the Levanter configs a job sets (model architecture, trainer, trackers, AdamW); every mirrored field must
+exist in Levanter's class with Levanter's default unless marinrl's own is declared, and convert to the
+object Levanter builds."""
 
 from __future__ import annotations
 
@@ -246,18 +247,75 @@ def test_the_driver_checks_the_quickstart_without_jax_levanter_or_transformers(t
 # ----------------------------------------------------------------------------- the tree
 
 
-NUMPY_STRATEGIES = {"marinrl.train.advantages", "marinrl.train.replay.sampling", "marinrl.train.replay.filters",
-                    "marinrl.train.replay.staleness"}
-"""Modules of the runtime that the config layer may name: NumPy functions and the strategy registries."""
+LAYERS = {  # docs/architecture.md, "Layers", top to bottom: a top-level module or folder of the package -> its layer
+    "cli": "entrypoints",
+    **dict.fromkeys(["job", "dry_run", "eval", "serve", "recipe", "report"], "orchestration"),
+    **dict.fromkeys(["rollout", "train", "inference", "transfer", "envs", "curriculum", "models", "storage", "data",
+                     "multihost", "levanter_configs", "logs", "startup", "program_audit"], "runtime"),
+    **dict.fromkeys(["config", "types"], "configs and types"),
+}
+ORDER = ["entrypoints", "orchestration", "runtime", "configs and types"]
+NEVER = [  # (importers, imported) within the runtime: the lower runtime never reaches the roles that use it
+    ({"storage", "models", "transfer", "inference"}, {"envs", "rollout", "train"}),
+    ({"envs"}, {"rollout", "train"}),
+    ({"rollout"}, {"train"}),
+    ({"train"}, {"rollout"}),
+]
 
 
-def test_the_config_package_imports_only_itself_types_and_the_numpy_strategies():
-    graph = import_graph()
-    allowed = {"marinrl", "marinrl.types", "marinrl.config"} | NUMPY_STRATEGIES
-    for module, edges in graph.items():
-        if module.startswith("marinrl.config") or module in NUMPY_STRATEGIES:
-            outside = {e for e in edges if not e.startswith("marinrl.config.") and e not in allowed}
-            assert outside == set(), f"{module} imports {sorted(outside)}"
+def _part(module: str) -> str | None:
+    """The top-level module or folder of `module` (`marinrl.train.replay.buffer` -> `train`); None for the root."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def arrows_back_up(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that breaks the order of the layers: one to a higher layer (function-level imports count),
+    one the `NEVER` table refuses, and a module no layer holds."""
+    wrong = []
+    for module, edges in sorted(graph.items()):
+        part = _part(module)
+        if part is None:
+            continue
+        if part not in LAYERS:
+            wrong.append(f"{module} is in no layer (place it in LAYERS and docs/architecture.md)")
+            continue
+        for edge in sorted(edges):
+            other = _part(edge)
+            if other is None or other == part or other not in LAYERS:
+                continue
+            if ORDER.index(LAYERS[other]) < ORDER.index(LAYERS[part]):
+                wrong.append(f"{module} ({LAYERS[part]}) imports {edge} ({LAYERS[other]})")
+            elif any(part in importers and other in imported for importers, imported in NEVER):
+                wrong.append(f"{module} imports {edge} ({part}/ never imports {other}/)")
+    return wrong
+
+
+def test_imports_run_down_the_layers():
+    """Config and types at the bottom (they import only each other); the runtime never imports the job or any
+    orchestration; storage, models, transfer and inference never import envs, rollout or train, envs never
+    imports rollout or train, and rollout and train never import each other."""
+    assert arrows_back_up(import_graph()) == []
+
+
+def test_the_layer_check_finds_an_arrow_back_up_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "marinrl"
+    for folder in ("config", "train", "rollout", "inference", "job"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config" / "loss.py").write_text("def f():\n    import marinrl.train.advantages\n")
+    (pkg / "train" / "advantages.py").write_text("from marinrl.config import loss\n")
+    (pkg / "inference" / "context.py").write_text("import marinrl.rollout.router\n")
+    (pkg / "rollout" / "router.py").write_text("from marinrl.train.advantages import f\n")
+    (pkg / "job" / "plan.py").write_text("from marinrl.rollout import router\n")
+    (pkg / "stray.py").write_text("from marinrl.job import plan\n")
+    assert arrows_back_up(import_graph(pkg)) == [
+        "marinrl.config.loss (configs and types) imports marinrl.train.advantages (runtime)",
+        "marinrl.inference.context imports marinrl.rollout.router (inference/ never imports rollout/)",
+        "marinrl.rollout.router imports marinrl.train.advantages (rollout/ never imports train/)",
+        "marinrl.stray is in no layer (place it in LAYERS and docs/architecture.md)",
+    ]
 
 
 def test_the_package_root_holds_at_most_twelve_modules():

@@ -31,6 +31,7 @@ from test_train_worker import (
 from marinrl.config.lora import LoraRLConfig
 from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
+from marinrl.config.replay import OnPolicyConfig
 from marinrl.job.plan import build_trainer, rollout_worker_config, train_worker_config
 from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.models.lora import (
@@ -42,7 +43,6 @@ from marinrl.models.lora import (
     without_adapters,
 )
 from marinrl.models.policy_model import build_model
-from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.base import ModelSkeleton
 from marinrl.transfer.packed import read_packed

@@ -655,7 +655,8 @@ def test_every_advantage_kind_has_one_estimator_and_a_hand_reference():
     to any of them alone fails here (train/advantages.py says how to add one)."""
     from typing import get_args
 
-    from marinrl.train.advantages import ADVANTAGE_ESTIMATORS, AdvantageKind
+    from marinrl.config.loss import AdvantageKind
+    from marinrl.train.advantages import ADVANTAGE_ESTIMATORS
 
     assert set(get_args(AdvantageKind)) == set(ADVANTAGE_ESTIMATORS) == set(HAND_ADVANTAGES)
     with pytest.raises(ValueError, match="unknown advantage kind 'median'; expected one of group_std"):

@@ -27,9 +27,9 @@ from levanter.optim import OptimizerConfig
 from test_train_worker import GROUPS, G, Producer, worker_config
 
 from marinrl.config.loss import LossConfig
+from marinrl.config.replay import OnPolicyConfig
 from marinrl.job.plan import build_trainer
 from marinrl.multihost import PEER_LOST_EXIT_CODE
-from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 
 EPS32 = float(np.finfo(np.float32).eps)

@@ -38,7 +38,7 @@ from levanter.tracker.json_logger import JsonLoggerConfig
 from marinrl.config.batching import BatchingConfig
 from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
-from marinrl.config.replay import ReplayConfig
+from marinrl.config.replay import OnPolicyConfig, ReplayConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.config.transfer import FilesystemTransferConfig
@@ -54,7 +54,6 @@ from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.batching import make_training_batch
 from marinrl.train.losses import token_logprobs
 from marinrl.train.mismatch import mismatch_metrics
-from marinrl.train.replay.sampling import OnPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.endpoints import build_client
 from marinrl.types import Rollout

@@ -17,7 +17,7 @@ from marinrl.config.lora import LoraRLConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.config.policies import PolicyConfig, policy_models, policy_names, resolve_policies
-from marinrl.config.replay import ReplayConfig
+from marinrl.config.replay import OffPolicyConfig, ReplayConfig
 from marinrl.config.rollout_worker import ModelStream
 from marinrl.config.trainer import RLAdamConfig
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
@@ -25,7 +25,6 @@ from marinrl.job.plan import build_trainer, rollout_worker_config, train_worker_
 from marinrl.job.rl_job import ConfigError, RLJob
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, UnknownPolicyError
-from marinrl.train.replay.sampling import OffPolicyConfig
 from marinrl.train.worker import TrainWorker
 from marinrl.types import RolloutBatch, RolloutGroup
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from test_replay import make_group
 
-from marinrl.inference.context import SamplingParams
-from marinrl.rollout.policy_router import PolicyRouter, policy_context, split_by_model
+from marinrl.inference.context import SamplingParams, policy_context
+from marinrl.rollout.policy_router import PolicyRouter, split_by_model
 from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

@@ -13,19 +13,26 @@ from factories import HAND_ADVANTAGES
 
 from marinrl.config.batching import BatchingConfig
 from marinrl.config.loss import LOSS_PRESETS, LossConfig
-from marinrl.config.replay import ReplayConfig, overlong_reward_fn
+from marinrl.config.replay import (
+    GroupFilterConfig,
+    OffPolicyConfig,
+    OnPolicyConfig,
+    ReplayConfig,
+    ReplaySamplingConfig,
+    RewardMeanFilter,
+    RewardStdQuantileFilter,
+    SamplingConfig,
+    TrimOutliersFilter,
+    ZeroVarianceFilter,
+)
 from marinrl.storage.fs import RolloutStorageError
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
 from marinrl.train.advantages import group_advantages
 from marinrl.train.replay.buffer import ReplayBuffer, ReplayIngestionError, ReplayTimeoutError
-from marinrl.train.replay.filters import (
-    RewardMeanFilter,
-    RewardStdQuantileFilter,
-    TrimOutliersFilter,
-    ZeroVarianceFilter,
-)
+from marinrl.train.replay.filters import FILTERS
 from marinrl.train.replay.groups import BufferedGroup
-from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
+from marinrl.train.replay.ingest import overlong_reward_fn
+from marinrl.train.replay.sampling import CHOOSERS, choose
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 
@@ -272,13 +279,13 @@ def test_recency_weighting_draws_in_proportion_to_decay_power_staleness():
                   for seq, (gid, w) in enumerate([("new", 3), ("old", 0)])]
     rng = np.random.default_rng(0)
     trials = 20000
-    old = sum(strategy.choose(candidates, 1, 3, rng)[0].group_id == "old" for _ in range(trials))
+    old = sum(choose(strategy, candidates, 1, 3, rng)[0].group_id == "old" for _ in range(trials))
     assert abs(old / trials - 0.125 / 1.125) < 0.01  # weights 0.5**3 and 0.5**0
     uniform = ReplaySamplingConfig(staleness=3, recency_decay=1.0)
-    old = sum(uniform.choose(candidates, 1, 3, rng)[0].group_id == "old" for _ in range(trials))
+    old = sum(choose(uniform, candidates, 1, 3, rng)[0].group_id == "old" for _ in range(trials))
     assert abs(old / trials - 0.5) < 0.015
     # k = all candidates takes all of them, oldest first.
-    assert [g.group_id for g in strategy.choose(candidates, 2, 3, rng)] == ["old", "new"]
+    assert [g.group_id for g in choose(strategy, candidates, 2, 3, rng)] == ["old", "new"]
 
 
 def test_replay_draws_are_reproducible_from_seed_and_step():
@@ -292,6 +299,13 @@ def test_replay_draws_are_reproducible_from_seed_and_step():
 
 
 # ----------------------------------------------------------------------------- filters
+
+
+def test_every_registered_strategy_and_filter_has_its_code():
+    """The config layer registers the names (`replay.sampling`, `replay.filters`); the buffer's code is a table
+    keyed by the same names, so a name registered without code (or code left for a removed name) fails here."""
+    assert sorted(CHOOSERS) == sorted(SamplingConfig.get_known_choices())
+    assert sorted(FILTERS) == sorted(GroupFilterConfig.get_known_choices())
 
 
 def test_zero_variance_filter():

@@ -15,9 +15,9 @@ import pytest
 from factories import make_batch
 from test_train_worker import GROUPS, Producer, make_rollout_batch, train, worker_config
 
+from marinrl.config.replay import OnPolicyConfig
 from marinrl.storage import format as rollout_format
 from marinrl.storage.rollouts import RolloutReader, RolloutWriter
-from marinrl.train.replay.sampling import OnPolicyConfig
 
 
 def corrupt_tensor_chunk(step_dir: pathlib.Path) -> pathlib.Path:

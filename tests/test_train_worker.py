@@ -17,7 +17,7 @@ from levanter.models.llama import LlamaConfig
 from marinrl.config.batching import BatchingConfig
 from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
-from marinrl.config.replay import ReplayConfig
+from marinrl.config.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig
 from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.job.plan import build_trainer
@@ -25,7 +25,6 @@ from marinrl.levanter_configs import cpu_trainer_config
 from marinrl.models.policy_model import build_model
 from marinrl.storage.rollouts import RolloutWriter
 from marinrl.train.replay.buffer import ReplayBuffer
-from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig
 from marinrl.train.worker import TrainResult, TrainWorker
 from marinrl.transfer.endpoints import build_client
 from marinrl.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
@@ -205,7 +204,7 @@ def test_rollout_files_of_format_version_1_still_train(tmp_path):
     weight step, and trained on."""
     from factories import encode_batch_v1
 
-    from marinrl.train.replay.sampling import OffPolicyConfig
+    from marinrl.config.replay import OffPolicyConfig
 
     cfg = worker_config(tmp_path, steps=2, sampling=OffPolicyConfig(staleness=1), run_id="v1files")
     rng = np.random.default_rng(5)

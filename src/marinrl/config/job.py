@@ -17,7 +17,7 @@ from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.config.policies import PolicyConfig, check_policies
-from marinrl.config.replay import ReplayConfig
+from marinrl.config.replay import OffPolicyConfig, OnPolicyConfig, ReplayConfig, ReplaySamplingConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.config.trainer import (
     JobOptimizerConfig,
@@ -29,7 +29,6 @@ from marinrl.config.trainer import (
 )
 from marinrl.config.trainer_group import TrainerGroupConfig
 from marinrl.config.transfer import WeightTransferConfig
-from marinrl.train.replay.sampling import OffPolicyConfig, OnPolicyConfig, ReplaySamplingConfig
 
 logger = logging.getLogger(__name__)
 

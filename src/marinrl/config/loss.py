@@ -8,8 +8,10 @@ import math
 from types import MappingProxyType
 from typing import Any, Literal, Mapping, get_args
 
-from marinrl.train.advantages import AdvantageKind, OverlongMode
-
+AdvantageKind = Literal["group_std", "group_mean", "rloo"]
+"""The group advantage estimators of `train/advantages.ADVANTAGE_ESTIMATORS` (its docstring says how to add one)."""
+OverlongMode = Literal["none", "mask", "penalty"]
+"""DAPO's overlong shaping modes (`train/advantages.overlong_shaping`)."""
 Objective = Literal["ppo", "cispo"]
 """The per-token objectives of `train/losses.OBJECTIVES` (its docstring says how to add one)."""
 RatioLevel = Literal["token", "sequence"]

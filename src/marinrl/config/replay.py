@@ -1,24 +1,214 @@
-"""The replay buffer's config (`replay:` in the job config) and the loss's reward shaping for it."""
+"""The replay buffer's config (`replay:` in the job config): its sampling strategies and group filters as
+registered choices (their names, fields and checks; the buffer's code in train/replay/ dispatches on them),
+the staleness reductions, and the loss's filter for it."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Literal, Optional
 
+import draccus
 import numpy as np
 
 from marinrl.config.checks import require_at_least
-from marinrl.train.advantages import overlong_shaping
-from marinrl.train.replay.filters import GroupFilterConfig, ZeroVarianceFilter
-from marinrl.train.replay.sampling import OffPolicyConfig, SamplingConfig
-from marinrl.train.replay.staleness import TOKEN_VERSION_REDUCTIONS, TokenVersionReduction
 from marinrl.types import RolloutGroup
 
 RewardFn = Callable[[RolloutGroup], "np.ndarray | tuple[np.ndarray, np.ndarray]"]
 """Maps a group to the rewards its filters and advantages use, one per rollout, or to `(rewards,
 trainable)` where `trainable[i] = False` keeps rollout i in its group's baseline but trains none of its
 tokens (DAPO's overlong masking). Must be a pure function of the group: it runs again when a file is
-re-read after a restart. `overlong_reward_fn` builds one from a loss config."""
+re-read after a restart. `train/replay/ingest.overlong_reward_fn` builds one from a loss config."""
+
+TokenVersionReduction = Literal["oldest", "newest", "mean"]
+TOKEN_VERSION_REDUCTIONS: tuple[str, ...] = ("oldest", "newest", "mean")
+"""How a group's weight step is read from its tokens' steps (`train/replay/staleness.group_weight_step`)."""
+
+
+# ----------------------------------------------------------------------------- sampling strategies
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig(draccus.ChoiceRegistry):
+    """Which groups a step may use and which it takes. A registered choice (`type: off_policy`).
+
+    A strategy has `max_staleness` (usable while `0 <= step - weight_step <= max_staleness`) and
+    `max_uses` (times one group may be trained on); which `k` of an environment's usable groups a step
+    takes is its chooser in `train/replay/sampling.CHOOSERS`, under the same registered name. Adding a
+    strategy is a registered dataclass here and its chooser there (docs/replay.md, "Sampling strategies").
+    """
+
+    @classmethod
+    def default_choice_name(cls) -> str | None:
+        return "off_policy"
+
+    @property
+    def max_staleness(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def max_uses(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def name(self) -> str:
+        return SamplingConfig.get_choice_name(type(self))
+
+    def describe(self) -> str:
+        return f"{self.name} (max_staleness={self.max_staleness}, max_uses={self.max_uses})"
+
+
+@SamplingConfig.register_subclass("on_policy")
+@dataclasses.dataclass(frozen=True)
+class OnPolicyConfig(SamplingConfig):
+    """Exact on-policy: only groups of the trainer's current weights, each trained on once, oldest first;
+    the trainer waits for them."""
+
+    @property
+    def max_staleness(self) -> int:
+        return 0
+
+    @property
+    def max_uses(self) -> int:
+        return 1
+
+
+@SamplingConfig.register_subclass("off_policy")
+@dataclasses.dataclass(frozen=True)
+class OffPolicyConfig(SamplingConfig):
+    """Each group trained on once, up to `max_staleness` weight versions old; oldest first, so the
+    groups closest to expiry are used before they expire."""
+
+    staleness: int = 1
+    """Largest `step - weight_step` a group may have; 1 overlaps generation of batch N with training on N-1."""
+
+    def __post_init__(self):
+        require_at_least(self, 0, "staleness", prefix="off_policy")
+
+    @property
+    def max_staleness(self) -> int:
+        return self.staleness
+
+    @property
+    def max_uses(self) -> int:
+        return 1
+
+
+@SamplingConfig.register_subclass("replay")
+@dataclasses.dataclass(frozen=True)
+class ReplaySamplingConfig(SamplingConfig):
+    """Each group trained on up to `uses` times while at most `staleness` versions old; groups are
+    drawn without replacement with probability ∝ `recency_decay ** (step - weight_step)`."""
+
+    staleness: int = 4
+    """Largest `step - weight_step` a group may have."""
+    uses: int = 2
+    """How many steps may train on one group."""
+    recency_decay: float = 0.5
+    """Weight of a group one version older relative to a fresher one; 1 draws uniformly."""
+
+    def __post_init__(self):
+        require_at_least(self, 0, "staleness", prefix="replay")
+        require_at_least(self, 1, "uses", prefix="replay")
+        if not 0 < self.recency_decay <= 1:
+            raise ValueError(f"replay.recency_decay must be in (0, 1], got {self.recency_decay}")
+
+    @property
+    def max_staleness(self) -> int:
+        return self.staleness
+
+    @property
+    def max_uses(self) -> int:
+        return self.uses
+
+
+# ----------------------------------------------------------------------------- group filters
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupFilterConfig(draccus.ChoiceRegistry):
+    """One step of the ingestion filter chain (`filters: [{type: zero_variance}, ...]`).
+
+    Its code is `train/replay/filters.FILTERS[name]`: it takes the groups of one ingested rollout file and
+    returns those it keeps, possibly with fewer rollouts (trimmed). What it leaves out is counted under
+    its registered name. Adding a filter is a registered dataclass here and its function there.
+    """
+
+    @property
+    def name(self) -> str:
+        return GroupFilterConfig.get_choice_name(type(self))
+
+
+@GroupFilterConfig.register_subclass("zero_variance")
+@dataclasses.dataclass(frozen=True)
+class ZeroVarianceFilter(GroupFilterConfig):
+    """Drops groups whose rewards are all equal (DAPO dynamic sampling): their advantages are all zero."""
+
+
+def _check_filter_ratio(name: str, ratio: Optional[float]) -> None:
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ValueError(f"{name}.filter_ratio must be in (0, 1] or null, got {ratio}")
+
+
+@GroupFilterConfig.register_subclass("reward_mean")
+@dataclasses.dataclass(frozen=True)
+class RewardMeanFilter(GroupFilterConfig):
+    """Keeps groups whose mean reward lies in [low, high] (e.g. drop prompts that are always or never
+    solved), then, with `filter_ratio`, only the top share of those by mean reward."""
+
+    low: float = float("-inf")
+    high: float = float("inf")
+    filter_ratio: Optional[float] = None
+    """Of a rollout file's groups within [low, high], keep this share (0, 1] with the highest mean
+    reward, per policy (`train/replay/filters.top_ratio`); null keeps them all."""
+
+    def __post_init__(self):
+        if not self.low <= self.high:
+            raise ValueError(f"reward_mean needs low <= high, got low={self.low}, high={self.high}")
+        _check_filter_ratio("reward_mean", self.filter_ratio)
+
+
+@GroupFilterConfig.register_subclass("reward_std_quantile")
+@dataclasses.dataclass(frozen=True)
+class RewardStdQuantileFilter(GroupFilterConfig):
+    """Keeps groups whose reward std lies between the `low` and `high` quantiles of the stds of the
+    groups in the same rollout file (e.g. `low: 0.5` keeps the more informative half), then, with
+    `filter_ratio`, only the top share of those by std. Quantiles and shares are taken per file so a
+    file always filters the same way, whenever and however often it is read."""
+
+    low: float = 0.0
+    high: float = 1.0
+    filter_ratio: Optional[float] = None
+    """Of a rollout file's groups within the quantile band, keep this share (0, 1] with the highest
+    reward std (the most informative), per policy (`train/replay/filters.top_ratio`); null keeps them all."""
+
+    def __post_init__(self):
+        if not 0 <= self.low <= self.high <= 1:
+            raise ValueError(f"reward_std_quantile needs 0 <= low <= high <= 1, got low={self.low}, high={self.high}")
+        _check_filter_ratio("reward_std_quantile", self.filter_ratio)
+
+
+@GroupFilterConfig.register_subclass("trim_outliers")
+@dataclasses.dataclass(frozen=True)
+class TrimOutliersFilter(GroupFilterConfig):
+    """Removes rollouts whose `metric` is more than `max_z` standard deviations from their group's mean
+    (z-scores over the whole group; with G samples no |z| can exceed (G-1)/sqrt(G)). A group left with
+    fewer than `min_size` rollouts is dropped. Advantages are computed after trimming."""
+
+    metric: str = "reward"
+    """`reward` (after reward_fn) or `response_length`."""
+    max_z: float = 3.0
+    min_size: int = 2
+
+    def __post_init__(self):
+        if self.metric not in ("reward", "response_length"):
+            raise ValueError(f"trim_outliers.metric must be 'reward' or 'response_length', got {self.metric!r}")
+        if self.max_z <= 0:
+            raise ValueError(f"trim_outliers.max_z must be > 0, got {self.max_z}")
+        if self.min_size < 1:
+            raise ValueError(f"trim_outliers.min_size must be >= 1, got {self.min_size}")
+
+
+# ----------------------------------------------------------------------------- the buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,31 +260,9 @@ class ReplayConfig:
     def for_loss(self, loss) -> ReplayConfig:
         """This config with a `zero_variance` filter first when the loss (`losses.LossConfig`) sets
         `drop_zero_variance_groups`. The loss also decides the buffer's `advantage` (pass
-        `loss.advantage` to `ReplayBuffer`) and its overlong shaping (`overlong_reward_fn(loss)`)."""
+        `loss.advantage` to `ReplayBuffer`) and its overlong shaping (`train/replay/ingest.overlong_reward_fn`)."""
         filters = list(self.filters)
         if loss.drop_zero_variance_groups and not any(isinstance(f, ZeroVarianceFilter) for f in filters):
             filters.insert(0, ZeroVarianceFilter())
         return dataclasses.replace(self, filters=filters)
 
-
-def overlong_reward_fn(loss) -> RewardFn | None:
-    """The `reward_fn` of a loss config's overlong shaping (`advantages.overlong_shaping`), None for `none`.
-
-    A response is truncated when its `finish_reason` is `length`; its length is its number of response
-    tokens (environment tokens of multi-turn episodes included: they count against the same budget).
-    """
-    if loss.overlong == "none":
-        return None
-
-    def shape(group: RolloutGroup):
-        return overlong_shaping(
-            group.rewards,
-            np.array([r.response_tokens.size for r in group.rollouts], dtype=np.int64),
-            np.array([r.finish_reason == "length" for r in group.rollouts]),
-            mode=loss.overlong,
-            max_response_tokens=loss.max_response_tokens,
-            cache_tokens=loss.overlong_cache_tokens,
-            penalty=loss.overlong_penalty,
-        )
-
-    return shape

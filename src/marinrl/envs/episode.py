@@ -36,8 +36,7 @@ from marinrl.envs.base import (
     make_rollout,
     new_group_id,
 )
-from marinrl.inference.context import Generation, InferenceContext, SamplingParams
-from marinrl.rollout.policy_router import policy_context
+from marinrl.inference.context import Generation, InferenceContext, SamplingParams, policy_context
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, FinishReason, RolloutGroup
 
 

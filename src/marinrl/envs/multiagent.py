@@ -31,8 +31,7 @@ from marinrl.envs.base import (
     register_env,
 )
 from marinrl.envs.episode import Feedback
-from marinrl.inference.context import Generation, InferenceContext, SamplingParams
-from marinrl.rollout.policy_router import policy_context
+from marinrl.inference.context import Generation, InferenceContext, SamplingParams, policy_context
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutGroup
 
 

@@ -48,9 +48,8 @@ from marinrl.envs.base import (
 )
 from marinrl.envs.episode import EpisodeRecord, episode_metrics, episode_rollout
 from marinrl.envs.openai_env import _run_coroutine
-from marinrl.inference.context import InferenceContext, SamplingParams
+from marinrl.inference.context import InferenceContext, SamplingParams, policy_context
 from marinrl.logs import ENV_ERRORS, WAITS
-from marinrl.rollout.policy_router import policy_context
 from marinrl.types import DEFAULT_AGENT, DEFAULT_POLICY, RolloutGroup
 
 logger = logging.getLogger(__name__)

@@ -43,8 +43,7 @@ from marinrl.envs.base import (
     register_env,
 )
 from marinrl.envs.multiagent import Agent
-from marinrl.inference.context import InferenceContext, SamplingParams
-from marinrl.rollout.policy_router import policy_context
+from marinrl.inference.context import InferenceContext, SamplingParams, policy_context
 from marinrl.types import DEFAULT_POLICY, Rollout, RolloutGroup
 
 NETWORK_MARKERS = re.compile(r"\bnltk\b|\brequests\.|urlopen|\bjury\b|OpenRouter|EnglishDictionary|load_dataset|"

@@ -124,3 +124,10 @@ def lesson_sampling(lesson, tokenizer, mode: Literal["train", "eval"] = "train")
     return SamplingParams(temperature=lesson.temperature if mode == "train" else lesson.eval_temperature,
                           max_tokens=lesson.max_tokens,
                           stop_sequences=stop_sequences(tokenizer, lesson.stop) if lesson.stop else ())
+
+
+def policy_context(ctx, policy: str):
+    """The context that samples `policy`'s turns: its model's server behind a `PolicyRouter`
+    (rollout/policy_router.py), else `ctx` itself (one model serves every policy)."""
+    route = getattr(ctx, "for_policy", None)
+    return ctx if route is None else route(policy)

@@ -87,9 +87,9 @@ def build_trainer(config: TrainWorkerConfig) -> TrainerParts:
 
 def replay_buffer(config: TrainWorkerConfig, start_step: int) -> ReplayBuffer:
     """The trainer's replay buffer over the run's rollout files, from weight step `start_step`."""
-    from marinrl.config.replay import overlong_reward_fn
     from marinrl.storage.rollouts import RolloutReader
     from marinrl.train.replay.buffer import ReplayBuffer
+    from marinrl.train.replay.ingest import overlong_reward_fn
 
     reader = RolloutReader(config.rollout_root, storage_options=config.storage_options)
     return ReplayBuffer(config.replay.for_loss(config.loss), reader, start_step=start_step,

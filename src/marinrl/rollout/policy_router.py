@@ -2,8 +2,8 @@
 
 A job of several policy models (`marinrl/config/policies.py`: a `full` or `lora` policy each, the shared ones
 together) gives every rollout worker one server per model, each loaded with that model's current
-weights. Environments reach them through `policy_context(ctx, policy)`: a multi-agent environment asks
-for each agent's policy before its turn, a multi-turn one for its `policy_name`. Everything else (the
+weights. Environments reach them through `policy_context(ctx, policy)` (inference/context.py): a multi-agent
+environment asks for each agent's policy before its turn, a multi-turn one for its `policy_name`. Everything else (the
 tokenizer, `generate` of an environment that names no policy, the OpenAI endpoint) is the first
 model's: the one holding the shared policies, or the first policy defined.
 """
@@ -15,13 +15,6 @@ from typing import Mapping, Sequence
 
 from marinrl.inference.context import Generation, SamplingParams
 from marinrl.types import RolloutBatch, RolloutGroup
-
-
-def policy_context(ctx, policy: str):
-    """The context that samples `policy`'s turns: its model's server behind a `PolicyRouter`, else `ctx`
-    itself (one model serves every policy)."""
-    route = getattr(ctx, "for_policy", None)
-    return ctx if route is None else route(policy)
 
 
 class PolicyRouter:

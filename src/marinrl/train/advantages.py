@@ -8,19 +8,17 @@ the turn that earned it; `Rollout.token_rewards`).
 
 To add an advantage estimator: write it below as a pure function of the group's rewards and their centred
 values, with its formula in the docstring; register it in `ADVANTAGE_ESTIMATORS` and add its name to
-`AdvantageKind` (which `LossConfig.advantage` accepts); give `advantage_scale` its divisor if it is not 1;
-add a NumPy reference to tests/test_replay.py.
+`AdvantageKind` (config/loss.py, which `LossConfig.advantage` accepts); give `advantage_scale` its divisor
+if it is not 1; add a NumPy reference to tests/test_replay.py.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import numpy as np
 
-AdvantageKind = Literal["group_std", "group_mean", "rloo"]
-OverlongMode = Literal["none", "mask", "penalty"]
+from marinrl.config.loss import AdvantageKind, OverlongMode
 
 
 def group_advantages(rewards: np.ndarray, kind: AdvantageKind = "group_std", eps: float = 1e-6) -> np.ndarray:

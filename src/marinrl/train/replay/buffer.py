@@ -12,7 +12,7 @@ Weight steps follow docs/architecture.md ("The contracts"): the trainer about to
 holds weights `step`; a group made with weights `w` has staleness `step - w` and is usable while
 `0 <= step - w <= max_staleness`. A group from the future (`w > step`) is never trained on.
 
-Around it, one module per concept in this folder: `sampling` (strategies), `filters` (group filters),
+Around it, one module per concept in this folder: `sampling` (the strategies' choosers), `filters` (group filters),
 `groups` (the group records and `ReplaySample`), `staleness` (the window of usable weight steps), `ingest`
 (what a file's groups go through before they enter), `report` (metrics and the timeout's description) and
 `state` (checkpoints: exactly once across restarts, docs/replay.md); its config, `replay:`, is
@@ -36,6 +36,7 @@ from marinrl.train.replay.filters import ScoredGroup
 from marinrl.train.replay.groups import BufferedGroup, ReplaySample, SampledGroup
 from marinrl.train.replay.ingest import UnknownPolicyError, prepare_batch  # noqa: F401  (UnknownPolicyError: API)
 from marinrl.train.replay.report import ReplayReporting
+from marinrl.train.replay.sampling import choose
 from marinrl.train.replay.staleness import StalenessWindow, group_weight_step, newest_weight_step
 from marinrl.train.replay.state import ReplayCheckpointing, file_key
 from marinrl.types import RolloutBatch
@@ -387,11 +388,11 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
         rng = np.random.default_rng([self.config.seed, step])
         if quotas is None:
             usable = [g for env in sorted(self._groups) for g in self._usable(env, step)]
-            return self._strategy.choose(usable, n, step, rng) if len(usable) >= n else None
+            return choose(self._strategy, usable, n, step, rng) if len(usable) >= n else None
         usable = {env: self._usable(env, step) for env in quotas}
         if any(len(usable[env]) < k for env, k in quotas.items()):
             return None
-        return [g for env, k in quotas.items() for g in self._strategy.choose(usable[env], k, step, rng)]
+        return [g for env, k in quotas.items() for g in choose(self._strategy, usable[env], k, step, rng)]
 
     def _commit(self, step: int, picked: list[BufferedGroup], quotas: dict[str, int] | None) -> ReplaySample:
         out = []

@@ -11,8 +11,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from marinrl.config.replay import RewardFn
-from marinrl.train.replay.filters import GroupFilterConfig, ScoredGroup
+from marinrl.config.loss import LossConfig
+from marinrl.config.replay import GroupFilterConfig, RewardFn
+from marinrl.train.advantages import overlong_shaping
+from marinrl.train.replay.filters import ScoredGroup, apply_filter
 from marinrl.types import RolloutBatch, RolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ def prepare_batch(batch: RolloutBatch, *, filters: Sequence[GroupFilterConfig], 
         scored.append(score_group(g, reward_fn))
     for f in filters:
         before = {s.group.group_id: len(s.group) for s in scored}
-        scored = f.apply(scored)
+        scored = apply_filter(f, scored)
         after = {s.group.group_id: len(s.group) for s in scored}
         for gid, n in before.items():
             if gid not in after:
@@ -88,3 +90,26 @@ def score_group(g: RolloutGroup, reward_fn: RewardFn | None) -> ScoredGroup:
         raise ValueError(f"reward_fn returned trainable {trainable!r} for group {g.group_id!r}; expected {len(g)} "
                          f"booleans")
     return ScoredGroup(g, rewards, trainable)
+
+
+def overlong_reward_fn(loss: LossConfig) -> RewardFn | None:
+    """The `reward_fn` of a loss config's overlong shaping (`advantages.overlong_shaping`), None for `none`.
+
+    A response is truncated when its `finish_reason` is `length`; its length is its number of response
+    tokens (environment tokens of multi-turn episodes included: they count against the same budget).
+    """
+    if loss.overlong == "none":
+        return None
+
+    def shape(group: RolloutGroup):
+        return overlong_shaping(
+            group.rewards,
+            np.array([r.response_tokens.size for r in group.rollouts], dtype=np.int64),
+            np.array([r.finish_reason == "length" for r in group.rollouts]),
+            mode=loss.overlong,
+            max_response_tokens=loss.max_response_tokens,
+            cache_tokens=loss.overlong_cache_tokens,
+            penalty=loss.overlong_penalty,
+        )
+
+    return shape

@@ -13,14 +13,11 @@ tokens (`TokenVersionReduction`), and "from the future" looks at its newest toke
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import numpy as np
 
+from marinrl.config.replay import TOKEN_VERSION_REDUCTIONS, TokenVersionReduction
 from marinrl.types import RolloutGroup
-
-TokenVersionReduction = Literal["oldest", "newest", "mean"]
-TOKEN_VERSION_REDUCTIONS: tuple[str, ...] = ("oldest", "newest", "mean")
 
 
 def group_weight_step(group: RolloutGroup, reduction: TokenVersionReduction = "oldest") -> int:
