@@ -17,6 +17,8 @@ One objective, `LossConfig`, covers the family; `LossConfig.preset(name)` gives 
   KL           κ_{i,t} = k1 | k2 | k3 of π_θ against π_ref                   `kl_estimate`
   loss         L = agg(ℓ) + β · agg(κ)                                      `aggregate`, `loss_from_logprobs`
 
+(`aggregate` and the per-response sums: reductions.py.)
+
 `rl_loss(model, batch, config=...)` runs the policy forward (`token_logprobs`) and returns
 `(loss, metrics)`: a Levanter `Trainer` loss function after `functools.partial(rl_loss, config=...)`.
 The configuration and its presets are in config/loss.py, the model forward in policy_forward.py (both
@@ -24,7 +26,7 @@ re-exported here).
 
 Rows of a packed batch hold several responses: every per-response quantity (|o_i|, the GSPO sequence ratio,
 sequence-level corrections) is a sum over the tokens that share a `sequence_ids` value in a row
-(`sequence_sum`); without `sequence_ids` each row is one response.
+(`sequence_sum`, reductions.py); without `sequence_ids` each row is one response.
 """
 
 from __future__ import annotations
@@ -53,10 +55,7 @@ from marinrl.config.loss import (  # noqa: F401  (re-exported)
 from marinrl.train.batching import TrainingBatch
 from marinrl.train.mismatch import mismatch_metrics
 from marinrl.train.policy_forward import policy_forward, token_logprobs  # noqa: F401  (re-exported)
-
-BATCH = "batch"
-POS = "position"
-
+from marinrl.train.reductions import aggregate, masked_mean, sequence_count, sequence_sum
 
 # --------------------------------------------------------------------------------------------------
 # The pieces
@@ -64,34 +63,6 @@ POS = "position"
 
 def _stop(x: NamedArray) -> NamedArray:
     return jax.lax.stop_gradient(x)
-
-
-def sequence_sum(x: NamedArray, mask: NamedArray, sequence_ids: NamedArray | None = None) -> NamedArray:
-    """Σ_{t' in the response of t} m_{t'} x_{t'} at every token t, shape [batch, position]: the sum over the
-    masked tokens that share t's row and `sequence_ids` value (the whole row when `sequence_ids` is None).
-    One scatter-add over (row, sequence) keys and a gather back; masked-out tokens add nothing."""
-    m = mask.astype(bool)
-    Batch, Pos = x.resolve_axis(BATCH), x.resolve_axis(POS)
-    values = hax.where(m, x, 0.0).rearrange((Batch, Pos)).array.astype(jnp.float32)
-    rows = jnp.arange(Batch.size, dtype=jnp.int32)[:, None] * Pos.size
-    if sequence_ids is None:
-        keys = jnp.broadcast_to(rows, (Batch.size, Pos.size))
-    else:
-        keys = rows + jnp.clip(sequence_ids.rearrange((Batch, Pos)).array, 0, Pos.size - 1)
-    sums = jax.ops.segment_sum(values.reshape(-1), keys.reshape(-1), num_segments=Batch.size * Pos.size)
-    return hax.named(sums[keys], (Batch, Pos))
-
-
-def _sequence_count(mask: NamedArray, sequence_ids: NamedArray | None) -> NamedArray:
-    """|o_i| = Σ_t m_{i,t} at every token of response i, shape [batch, position]."""
-    return sequence_sum(mask.astype(jnp.float32), mask, sequence_ids)
-
-
-def masked_mean(x: NamedArray, mask: NamedArray) -> jax.Array:
-    """Σ m·x / max(Σ m, 1) over every axis: a token-level mean that is 0 on an all-masked input."""
-    m = mask.astype(bool)
-    total = hax.sum(hax.where(m, x, 0.0)).array
-    return total / jnp.maximum(hax.sum(m.astype(jnp.float32)).array, 1.0)
 
 
 def importance_ratio(
@@ -113,7 +84,7 @@ def importance_ratio(
     if level == "token":
         return hax.exp(log_r)
     if level == "sequence":
-        seq_log_r = sequence_sum(log_r, m, sequence_ids) / hax.maximum(_sequence_count(m, sequence_ids), 1.0)
+        seq_log_r = sequence_sum(log_r, m, sequence_ids) / hax.maximum(sequence_count(m, sequence_ids), 1.0)
         lp = hax.where(m, logprobs, 0.0)
         return hax.where(m, hax.exp(_stop(seq_log_r) + lp - _stop(lp)), 1.0)
     raise ValueError(f"unknown ratio level {level!r}")
@@ -228,42 +199,6 @@ def kl_estimate(logprobs: NamedArray, reference_logprobs: NamedArray, estimator:
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def aggregate(
-    per_token: NamedArray, mask: NamedArray, normalization: Normalization, max_response_tokens: int | None = None,
-    *, sequence_ids: NamedArray | None = None, sequence_slots: NamedArray | None = None,
-) -> jax.Array:
-    """Reduces per-token terms x_{i,t} of shape [batch, position] to one scalar:
-
-        token:     Σ_{i,t} m x / N                                   (N = trained tokens in the batch)
-        sequence:  (1/B') Σ_{i: |o_i|>0} (Σ_t m x / |o_i|)           (B' = responses with a trained token)
-        constant:  Σ_{i,t} m x / (B · L_max)                         (B = rollout slots, empty ones included)
-
-    Responses are told apart by `sequence_ids` (see `sequence_sum`); B is Σ `sequence_slots` (the rows when
-    None). B' = Σ_t m_t / |o_{i(t)}|: each response with a trained token contributes 1.
-
-    `constant` is Dr. GRPO's (1/G)(1/L_max) per group averaged over groups: no response's weight depends on
-    its own length or on how many tokens the batch holds. Masked positions never contribute, whatever
-    their values (even inf or NaN).
-    """
-    m = mask.astype(bool)
-    x = hax.where(m, per_token, 0.0)
-    if normalization == "token":
-        return masked_mean(per_token, m)
-    if normalization == "sequence":
-        share = hax.where(m, 1.0 / hax.maximum(_sequence_count(m, sequence_ids), 1.0), 0.0)
-        nonempty = hax.sum(share).array
-        return hax.sum(x * share).array / jnp.maximum(nonempty, 1.0)
-    if normalization == "constant":
-        if max_response_tokens is None:
-            raise ValueError("constant normalization needs max_response_tokens")
-        if sequence_slots is None:
-            slots = float(per_token.resolve_axis(BATCH).size)
-        else:
-            slots = hax.sum(sequence_slots).array
-        return hax.sum(x).array / (slots * max_response_tokens)
-    raise ValueError(f"unknown normalization {normalization!r}")
-
-
 # --------------------------------------------------------------------------------------------------
 # The objective on per-token logprobs
 
@@ -342,19 +277,25 @@ def loss_from_logprobs(
         kl = jnp.zeros((), jnp.float32)
     kl_loss = config.kl_beta * kl if config.uses_reference else jnp.zeros((), jnp.float32)
     loss = policy_loss + kl_loss
+    trainer_lp = anchor if config.ratio_anchor == "recomputed" else lp  # π_old, or π_θ at the step's start
+    metrics = _loss_metrics(config, m, ratio=ratio, weight=weight, affected=affected, clipped_low=clipped_low,
+                            clipped_high=clipped_high, trainer_lp=trainer_lp, mu=mu, sequence_ids=sequence_ids)
+    metrics.update(policy_loss=policy_loss, kl_loss=kl_loss, kl=kl)
+    return loss, metrics
 
+
+def _loss_metrics(config: LossConfig, m: NamedArray, *, ratio, weight, affected, clipped_low, clipped_high,
+                  trainer_lp: NamedArray, mu: NamedArray, sequence_ids: NamedArray | None) -> dict[str, jax.Array]:
+    """The metrics of `loss_from_logprobs` besides the loss terms: where the clip and the correction acted, the
+    ratio's range, and the sampler/trainer mismatch; every key present whatever the config."""
     num_tokens = hax.sum(m.astype(jnp.float32)).array
     r = _stop(ratio)
     has_tokens = num_tokens > 0
-    trainer_lp = anchor if config.ratio_anchor == "recomputed" else lp  # π_old, or π_θ at the step's start
     seq_log_w = None
     if config.correction_level == "sequence":
         seq_log_w = sequence_sum(hax.where(m, _stop(trainer_lp) - mu, 0.0), m, sequence_ids)
     affected_frac = masked_mean(affected.astype(jnp.float32), m)
     metrics = {
-        "policy_loss": policy_loss,
-        "kl_loss": kl_loss,
-        "kl": kl,
         "clip_low_frac": masked_mean(clipped_low.astype(jnp.float32), m),
         "clip_high_frac": masked_mean(clipped_high.astype(jnp.float32), m),
         "ratio_mean": masked_mean(r, m),
@@ -367,7 +308,7 @@ def loss_from_logprobs(
         "is_masked_frac": affected_frac if config.correction == "mis" else jnp.zeros((), jnp.float32),
         "num_tokens": num_tokens,
     }
-    return loss, metrics
+    return metrics
 
 
 def rl_loss(

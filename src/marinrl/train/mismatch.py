@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from haliax import NamedArray
 
+from marinrl.train.reductions import masked_mean
+
 PREFIX = "mismatch/"
 """The metrics' prefix: Levanter logs them as `train/mismatch/<name>`."""
 NAMES = ("abs_logprob_mean", "abs_logprob_max", "k3_kl", "tis_clipped_frac", "mis_masked_frac")
@@ -35,12 +37,6 @@ def k3(d: NamedArray) -> NamedArray:
     """k3 = e^d − d − 1 (≥ 0, 0 only at d = 0): per token, an unbiased estimate of KL(μ ‖ π_trainer) on tokens
     sampled from μ, since E_μ[π/μ − 1] = 0 and E_μ[−log(π/μ)] = KL(μ ‖ π)."""
     return hax.exp(d) - d - 1.0
-
-
-def _masked_mean(x: NamedArray, m: NamedArray) -> jax.Array:
-    """Σ m·x / max(N, 1) over every axis."""
-    total = hax.sum(hax.where(m, x, 0.0)).array
-    return total / jnp.maximum(hax.sum(m.astype(jnp.float32)).array, 1.0)
 
 
 def mismatch_metrics(
@@ -72,10 +68,10 @@ def mismatch_metrics(
     lo = math.log(mis_low) if mis_low > 0 else -math.inf
     hi = math.log(mis_high)
     metrics = {
-        "abs_logprob_mean": _masked_mean(abs_d, m),
+        "abs_logprob_mean": masked_mean(abs_d, m),
         "abs_logprob_max": jnp.where(has_tokens, hax.max(hax.where(m, abs_d, 0.0)).array, 0.0),
-        "k3_kl": _masked_mean(k3(d), m),
-        "tis_clipped_frac": _masked_mean((log_w > math.log(tis_cap)).astype(jnp.float32), m),
-        "mis_masked_frac": _masked_mean(((log_w < lo) | (log_w > hi)).astype(jnp.float32), m),
+        "k3_kl": masked_mean(k3(d), m),
+        "tis_clipped_frac": masked_mean((log_w > math.log(tis_cap)).astype(jnp.float32), m),
+        "mis_masked_frac": masked_mean(((log_w < lo) | (log_w > hi)).astype(jnp.float32), m),
     }
     return {PREFIX + k: v for k, v in metrics.items()}
