@@ -48,7 +48,7 @@ def _check_rollout_root(root: str, storage_options: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from marinrl.storage.rollouts import summarize
+    from marinrl.storage.inspection import summarize
 
     options = _storage_options(args.storage_option)
     _check_rollout_root(args.root, options)

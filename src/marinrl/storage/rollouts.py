@@ -5,27 +5,36 @@ One `RolloutBatch` per Apache Parquet file (`marinrl.storage.format`), one row p
 without opening a file. A reader never sees a partial file: object stores write a single object
 atomically, other filesystems write a hidden temporary name and rename it. No pickle: rollout
 buckets are shared and a pickle is code. The format is documented in docs/storage.md.
+
+This module is the writer and the reader; where files live is `layout.py`, the read-only views (`iter_batches`,
+`summarize`, re-exported here) `inspection.py`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import uuid
-from collections import Counter, defaultdict
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import numpy as np
 
 from marinrl.storage.format import RolloutFormatError, UnsupportedFormatVersion, decode_batch, encode_batch
-from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, RolloutStorageError, list_names, open_root, with_retries
+from marinrl.storage.fs import ATOMIC_PUT_PROTOCOLS, RolloutStorageError, open_root, with_retries
+from marinrl.storage.inspection import iter_batches, summarize  # noqa: F401  (re-exported)
+from marinrl.storage.layout import (
+    QUARANTINE_DIR,
+    delete_steps_before,
+    file_name_prefix,
+    list_files,
+    list_steps,
+    step_dir_name,
+)
 from marinrl.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
 
-QUARANTINE_DIR = "quarantine"
 CURSOR_VERSION = 1
 """The format of `RolloutReader.state_dict()` (its `format_version`); the replay buffer edits cursors of it."""
 DEFAULT_CONCURRENT_READS = 16
@@ -34,57 +43,6 @@ DEFAULT_RESCAN_EVERY = 100
 """Polls between two listings of a reader's whole root (the rest list only the step folders that can change)."""
 PROBE_STEPS = 8
 """Steps below `max_step` a reader lists even before it has seen their folders (a host's late first file)."""
-_STEP_DIR = re.compile(r"^step=(\d+)$")
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
-_MAX_WORKER_CHARS = 64
-
-
-def step_dir_name(weight_step: int) -> str:
-    return f"step={weight_step:08d}"
-
-
-def _parse_step(name: str) -> int | None:
-    m = _STEP_DIR.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _list_steps(fs, root: str) -> list[int]:
-    fs.invalidate_cache(root)
-    steps = (_parse_step(n) for n in list_names(fs, root))
-    return sorted(s for s in steps if s is not None)
-
-
-def file_name_prefix(worker_id: str) -> str:
-    """The worker id as the start of a rollout file's name. Any id is accepted (the file holds the
-    exact id; the name only has to be unique and readable), so the prefix keeps [A-Za-z0-9_.-], never
-    starts with a dot (readers skip hidden names as writes in progress) and is at most 64 characters
-    (file systems cap a name at 255 bytes)."""
-    prefix = _UNSAFE.sub("_", worker_id)[:_MAX_WORKER_CHARS]
-    return "_" + prefix[1:] if prefix.startswith(".") else prefix
-
-
-def _list_files(fs, root: str, step: int) -> list[str]:
-    d = f"{root}/{step_dir_name(step)}"
-    fs.invalidate_cache(d)
-    return sorted(n for n in list_names(fs, d) if n.endswith(".parquet") and not n.startswith("."))
-
-
-def delete_steps_before(root: str, step: int, *, storage_options: dict | None = None, fs=None) -> list[int]:
-    """Deletes whole weight-step folders below `step` (the quarantine stays); returns the steps deleted."""
-    fs, root = open_root(root, storage_options, fs)
-    deleted = []
-    for s in _list_steps(fs, root):
-        if s >= step:
-            break
-        path = f"{root}/{step_dir_name(s)}"
-        try:
-            with_retries(lambda path=path: fs.rm(path, recursive=True), "deleting", path)
-            deleted.append(s)
-        except FileNotFoundError:  # another janitor got there first
-            pass
-    return deleted
-
-
 # ----------------------------------------------------------------------------- writer
 
 
@@ -210,7 +168,7 @@ class RolloutReader:
         self._polls += 1
         if rescan:
             self.root_listings += 1
-            self._known = {s for s in _list_steps(self._fs, self._root) if s >= self._floor}
+            self._known = {s for s in list_steps(self._fs, self._root) if s >= self._floor}
             return sorted(self._known)
         probe = range(max(self._floor, max_step - PROBE_STEPS), max_step + 1)
         return sorted(self._known.union(probe))
@@ -226,7 +184,7 @@ class RolloutReader:
         for step in self._steps_to_list(max_step):
             if step < self._floor:
                 continue
-            names = _list_files(self._fs, self._root, step)
+            names = list_files(self._fs, self._root, step)
             if names:
                 self._known.add(step)
             else:  # deleted by retention, or not written yet (the probe lists it again while it is recent)
@@ -331,85 +289,3 @@ class RolloutReader:
                 "root_listings": self.root_listings}
 
 
-# ----------------------------------------------------------------------------- inspection
-
-
-def iter_batches(root: str, *, storage_options: dict | None = None,
-                 fs=None) -> Iterable[tuple[int, str, RolloutBatch | RolloutFormatError]]:
-    """Yields (weight_step, path, batch) for every rollout file under `root`, the batch replaced by the
-    error saying why when the file cannot be read (a folder named like one, no permission) or decoded:
-    the read-only views (`marinrl inspect`, `report`) list such files instead of stopping at them."""
-    fs, root_path = open_root(root, storage_options, fs)
-    for step in _list_steps(fs, root_path):
-        for name in _list_files(fs, root_path, step):
-            path = f"{root_path}/{step_dir_name(step)}/{name}"
-            shown = fs.unstrip_protocol(path)
-            try:
-                data = with_retries(lambda path=path: fs.cat_file(path), "reading", path)
-            except FileNotFoundError:
-                continue
-            except OSError as e:  # not transient: retrying cannot help
-                yield step, shown, RolloutFormatError(f"{shown}: cannot be read ({e!r})")
-                continue
-            try:
-                yield step, shown, decode_batch(data, shown)
-            except RolloutFormatError as e:
-                yield step, shown, e
-
-
-def summarize(root: str, *, storage_options: dict | None = None, fs=None) -> dict:
-    """What `marinrl inspect` prints: per weight step and per environment, plus unreadable files."""
-    fs, root_path = open_root(root, storage_options, fs)
-    per_step: dict[int, dict] = {}
-    per_env: dict[str, dict] = defaultdict(lambda: {"rollouts": 0, "rewards": [], "lengths": [], "finish": Counter()})
-    unreadable = []
-    for step, _path, batch in iter_batches(root_path, fs=fs):
-        s = per_step.setdefault(step, {"files": 0, "rollouts": 0, "groups": 0, "rewards": []})
-        if isinstance(batch, RolloutFormatError):
-            unreadable.append(str(batch))
-            continue
-        s["files"] += 1
-        s["groups"] += len(batch.groups)
-        for r in batch.rollouts:
-            s["rollouts"] += 1
-            s["rewards"].append(r.episode_reward)
-            e = per_env[r.env_name]
-            e["rollouts"] += 1
-            e["rewards"].append(r.episode_reward)
-            e["lengths"].append(r.response_tokens.size)
-            e["finish"][r.finish_reason] += 1
-    quarantined = sum(1 for _ in _walk_files(fs, f"{root_path}/{QUARANTINE_DIR}"))
-
-    def stats(values):
-        return {"mean": float(np.mean(values)), "std": float(np.std(values))} if values else None
-
-    return {
-        "root": root,
-        "steps": {
-            str(step): {"files": v["files"], "rollouts": v["rollouts"], "groups": v["groups"],
-                        "reward": stats(v["rewards"])}
-            for step, v in sorted(per_step.items())
-        },
-        "envs": {
-            env: {"rollouts": v["rollouts"], "reward": stats(v["rewards"]), "response_length": stats(v["lengths"]),
-                  "finish_reasons": dict(v["finish"])}
-            for env, v in sorted(per_env.items())
-        },
-        "totals": {
-            "files": sum(v["files"] for v in per_step.values()),
-            "rollouts": sum(v["rollouts"] for v in per_step.values()),
-            "groups": sum(v["groups"] for v in per_step.values()),
-            "unreadable": len(unreadable),
-            "quarantined": quarantined,
-        },
-        "unreadable": unreadable,
-    }
-
-
-def _walk_files(fs, path: str) -> Iterable[str]:
-    fs.invalidate_cache(path)
-    try:
-        for _, _, files in fs.walk(path):
-            yield from files
-    except FileNotFoundError:
-        return
