@@ -222,12 +222,18 @@ class SamplerModule:
 
 
 def load_baseline(rev: str):
-    """The scan sampler of git revision `rev` (its sampler.py over its decoder.py) as a module of its own."""
+    """The scan sampler of git revision `rev` (its sampler.py over its decoder.py) as a module of its own; `rev`
+    may also be a folder holding those two files (`git show REV:PATH` copies, for a machine without the repo's
+    history)."""
     import subprocess
     import types
 
     def load(name, path, replace=()):
-        text = subprocess.check_output(["git", "-C", str(REPO), "show", f"{rev}:{path}"], text=True)
+        folder = pathlib.Path(rev)
+        if folder.is_dir():
+            text = (folder / pathlib.Path(path).name).read_text()
+        else:
+            text = subprocess.check_output(["git", "-C", str(REPO), "show", f"{rev}:{path}"], text=True)
         for old, new in replace:
             text = text.replace(old, new)
         module = types.ModuleType(name)
