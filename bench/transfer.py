@@ -48,7 +48,7 @@ from machine import machine  # bench/machine.py
 
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import host_leaves
-from marinrl.transfer.delta import BLOCK_ELEMENTS, _bits, apply_array, encode_array
+from marinrl.transfer.delta_encoding import BLOCK_ELEMENTS, _bits, apply_array, encode_array
 from marinrl.transfer.endpoints import build_client, build_server
 
 MODELS = {

@@ -21,15 +21,8 @@ from test_transfer import _tiny_llama
 from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.transfer.base import ModelSkeleton, WeightFormatError, WeightPublishError
 from marinrl.transfer.checkpoint import DELTA_NAME, PACKED_NAME, SNAPSHOT_REQUEST_PREFIX, _Root
-from marinrl.transfer.delta import (
-    BLOCK_ELEMENTS,
-    DeltaPublisher,
-    DeltaReceiver,
-    Link,
-    apply_array,
-    array_crc,
-    encode_array,
-)
+from marinrl.transfer.delta import DeltaPublisher, DeltaReceiver, Link
+from marinrl.transfer.delta_encoding import BLOCK_ELEMENTS, apply_array, array_crc, encode_array
 from marinrl.transfer.endpoints import build_client, build_server
 from marinrl.transfer.packed import read_packed_meta, write_packed
 
