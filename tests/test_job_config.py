@@ -118,6 +118,29 @@ def test_a_derived_trainer_field_is_refused_naming_where_the_job_sets_it(tmp_pat
         load_job_config(RLJobConfig, str(path), [])
 
 
+DERIVED_FLAG_VALUES = {"replay.sampling": '{"type": "on_policy"}', "replay.seed": "7",
+                       "inference.lm_head_float32": "true"}
+"""A value other than the default for each derived field a job config has (the others take any value)."""
+
+
+@pytest.mark.parametrize("field", sorted(RLJobConfig.DERIVED_FIELDS))
+def test_every_derived_field_is_refused_with_its_rows_message(tmp_path, field):
+    """`DERIVED_FIELDS` is the one table of the fields the job sets itself: each row, set by a flag, is refused
+    with its message: when the config is read where the field is no field of the job's configs (Levanter's
+    trainer fields), else by `validate`."""
+    derived = RLJobConfig.DERIVED_FIELDS[field]
+    path = tmp_path / "job.yaml"
+    path.write_text(QUICKSTART.read_text())
+    args = [f"--{field}", DERIVED_FLAG_VALUES.get(field, "1")]
+    if field.startswith("trainer."):
+        with pytest.raises(ConfigInputError, match=re.escape(derived.refusal(field))):
+            load_job_config(RLJobConfig, str(path), args)
+        return
+    job = load_job_config(RLJobConfig, str(path), args)
+    with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {re.escape(derived.refusal(field))}$"):
+        job.validate()
+
+
 @pytest.mark.parametrize(
     "args, field, problem",
     [

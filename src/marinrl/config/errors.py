@@ -190,8 +190,10 @@ def _describe_draccus_error(error: Exception, cls: type, path: str, root, overri
         names = re.findall(r"`([^`]+)`", unknown.group(1))
         target = _type_at(cls, key_path, _merged_raw(path, overrides))
         field = _dotted([*key_path, names[0]])
+        derived = getattr(cls, "DERIVED_FIELDS", {}).get(field)
+        problem = derived.refusal(names[0]) if derived else _unknown_fields_problem(names, target)
         return (f"{locate(path, root, overrides, field, key=True)}: {_field_name(cls, [*key_path, names[0]])}: "
-                f"{_unknown_fields_problem(names, target)}")
+                f"{problem}")
     underlying = _UNDERLYING.search(problem)
     shape = _SHAPE_MISMATCH.search(problem)
     union = _UNION_NOT_MAPPING.search(problem)
@@ -255,9 +257,6 @@ def _unknown_fields_problem(names: list[str], target: Optional[type]) -> str:
     also = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
     if target is None or not dataclasses.is_dataclass(target):
         return f"unknown field{also}"
-    derived = getattr(target, "DERIVED_FIELDS", {})
-    if names[0] in derived:
-        return f"the job sets {names[0]} from {derived[names[0]]}; set that instead"
     valid = [f.name for f in dataclasses.fields(target) if f.init]
     closest = difflib.get_close_matches(names[0], valid, n=1)
     hint = f"did you mean `{closest[0]}`?" if closest else f"valid fields: {', '.join(valid)}"
@@ -270,9 +269,9 @@ def _unrecognized_flags(flags: str, cls: type) -> str:
     known = [s for s in ArgumentParser(cls).parser._option_string_actions if s.startswith("--")]
     first = flags.split()[0]
     *path, name = first.lstrip("-").split(".")
-    derived = getattr(_type_at(cls, path, None), "DERIVED_FIELDS", {}) if path else {}
-    if name in derived:
-        return f"{flags}: the job sets {'.'.join(path + [name])} from {derived[name]}; set that instead"
+    derived = getattr(cls, "DERIVED_FIELDS", {}).get(".".join([*path, name]))
+    if derived:
+        return f"{flags}: {derived.refusal('.'.join([*path, name]))}"
     closest = difflib.get_close_matches(first, known, n=1)
     hint = f"; did you mean {closest[0]}?" if closest else " (flags are field paths: --loss.kl_beta 0.01)"
     return f"{flags}: unknown flag{'s' if len(flags.split()) > 2 else ''}{hint}"

@@ -5,8 +5,9 @@ on Ray."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from marinrl.config.batching import BatchingConfig
 from marinrl.config.curriculum import CurriculumConfig
@@ -43,6 +44,64 @@ UPPER_BOUNDS = {
 TypeError or an allocation that never ends."""
 
 
+@dataclasses.dataclass(frozen=True)
+class DerivedField:
+    """A field the job sets itself, from fields of its own: one row of `DERIVED_FIELDS`."""
+
+    source: str
+    """What the job derives it from: the fields to set instead."""
+    problem: str = ""
+    """The one-line refusal; empty: `the job sets <field> from <source>; set that instead`."""
+
+    def refusal(self, field: str) -> str:
+        return self.problem or f"the job sets {field} from {self.source}; set that instead"
+
+
+DERIVED_FIELDS: Mapping[str, DerivedField] = {
+    # Levanter's trainer fields: not fields of `trainer:` (JobTrainerConfig), refused as unknown when read.
+    "trainer.num_train_steps": DerivedField("num_train_steps"),
+    "trainer.train_batch_size": DerivedField("groups_per_step × n_generations"),
+    "trainer.id": DerivedField("run_id"),
+    "trainer.seed": DerivedField("seed"),
+    "trainer.log_dir": DerivedField("run_root and run_id (<run_dir>/logs)"),
+    "trainer.checkpointer": DerivedField("run_root, run_id, checkpoint_every, checkpoint_keep and "
+                                         "checkpoint_keep_every"),
+    "trainer.ray": DerivedField("ray (the job owns Ray)"),
+    "trainer.watch": DerivedField("nothing: no watch hooks (they compile a second train step)"),
+    # Fields of configs the job embeds (a TrainWorkerConfig's or `marinrl serve`'s own there): refused by
+    # `validate` when set to anything but their default.
+    "replay.sampling": DerivedField(
+        "max_staleness and max_uses",
+        "a job's sampling strategy follows from max_staleness and max_uses (on_policy: max_staleness 0; replay: "
+        "max_uses > 1; else off_policy with staleness max_staleness), which the rollout workers pace by too: set "
+        "those, not replay.sampling"),
+    "replay.seed": DerivedField("seed", "a job's replay buffer draws with the job's `seed`: set seed, not replay.seed"),
+    "inference.lm_head_float32": DerivedField(
+        "model.lm_head_float32",
+        "a job's sampler head follows model.lm_head_float32, which sets the trainer's head too (one side alone "
+        "widens the sampler/trainer mismatch): set model.lm_head_float32, not inference.lm_head_float32"),
+}
+"""Every field path (from the job config) the job derives -> what from and the refusal. `validate` refuses a
+row's field set to anything but its default; a row that is no field of the job's configs (Levanter's trainer
+fields) is refused when the config is read (config/errors.py names the row's source)."""
+
+
+def _field_default(cls: type, name: str) -> Any:
+    (field,) = [f for f in dataclasses.fields(cls) if f.name == name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def check_derived_fields(job: RLJobConfig) -> None:
+    """Refuses, naming it, the first field of `DERIVED_FIELDS` that a job config sets: the job would replace it."""
+    for path, derived in DERIVED_FIELDS.items():
+        *parents, name = path.split(".")
+        owner = functools.reduce(getattr, parents, job)
+        if not (dataclasses.is_dataclass(owner) and name in {f.name for f in dataclasses.fields(owner)}):
+            continue  # refused when read
+        if getattr(owner, name) != _field_default(type(owner), name):
+            raise ConfigError(path, derived.refusal(path))
+
+
 @dataclasses.dataclass
 class RayJobConfig:
     address: Optional[str] = None
@@ -66,6 +125,9 @@ class RayJobConfig:
 
 @dataclasses.dataclass
 class RLJobConfig:
+    DERIVED_FIELDS: ClassVar[Mapping[str, DerivedField]] = DERIVED_FIELDS
+    """The fields the job sets itself (config/errors.py reads them here, for any config class that has them)."""
+
     run_id: str = "run"
     run_root: str = "runs"
     """Everything the job writes goes to `<run_root>/<run_id>/` (an fsspec URL or a local path)."""
@@ -98,7 +160,7 @@ class RLJobConfig:
     trainer: JobTrainerConfig = dataclasses.field(default_factory=JobTrainerConfig)
     """Levanter's `TrainerConfig`: mesh (`model_axis_size`, `tensor_parallel_axes`, …),
     `per_device_parallelism`, `mp`, `tracker`, `jax_compilation_cache_dir`. The job fills
-    `num_train_steps`, `train_batch_size`, `id`, `seed`, `log_dir` and the checkpoint path."""
+    `num_train_steps`, `train_batch_size`, `id`, `seed`, `log_dir` and the checkpoint path (`DERIVED_FIELDS`)."""
     sync_interval: int = 1
     """Publish weights to the rollout workers every this many optimizer steps (at most max_staleness + 1)."""
     n_rollout_workers: int = 1
@@ -127,7 +189,7 @@ class RLJobConfig:
     """None: files under the run directory."""
     replay: ReplayConfig = dataclasses.field(default_factory=ReplayConfig)
     """Filters, capacity, env weights. Its `sampling` and `seed` are the job's: derived from `max_staleness`,
-    `max_uses` and `seed`, so a job config that sets either here is refused (`validate`)."""
+    `max_uses` and `seed`, so a job config that sets either here is refused (`DERIVED_FIELDS`)."""
     batching: BatchingConfig = dataclasses.field(default_factory=lambda: BatchingConfig(max_length=256, min_bucket=32))
     ray: RayJobConfig = dataclasses.field(default_factory=RayJobConfig)
     trainer_group: TrainerGroupConfig = dataclasses.field(default_factory=TrainerGroupConfig)
@@ -164,17 +226,7 @@ class RLJobConfig:
             bad("sync_interval", f"weights published every {self.sync_interval} steps leave the trainer without "
                                  f"rollouts it may use: with max_staleness={self.max_staleness} they must be at most "
                                  f"{self.max_staleness + 1} steps apart")
-        if self.replay.sampling != OffPolicyConfig():
-            bad("replay.sampling", "a job's sampling strategy follows from max_staleness and max_uses (on_policy: "
-                                   "max_staleness 0; replay: max_uses > 1; else off_policy with staleness "
-                                   "max_staleness), which the rollout workers pace by too: set those, not "
-                                   "replay.sampling")
-        if self.inference.lm_head_float32:
-            bad("inference.lm_head_float32", "a job's sampler head follows model.lm_head_float32, which sets the "
-                                             "trainer's head too (one side alone widens the sampler/trainer "
-                                             "mismatch): set model.lm_head_float32, not inference.lm_head_float32")
-        if self.replay.seed != ReplayConfig().seed:
-            bad("replay.seed", "a job's replay buffer draws with the job's `seed`: set seed, not replay.seed")
+        check_derived_fields(self)
         check_optimizer_ranges(self.optimizer)
         check_policies(self)
         if self.lora is not None:  # its target modules are checked against the architecture in preflight

@@ -6,7 +6,8 @@ tests/test_layers.py checks every mirrored field against Levanter's class.
 
 - `JobTrainerConfig` exposes the mesh, microbatching, mixed precision, profiler, tracker and compile
   cache knobs. The fields the job derives (`num_train_steps`, `train_batch_size`, `id`, `seed`,
-  `log_dir`, the checkpointer) are not here: the job sets them (`levanter_configs.levanter_trainer`).
+  `log_dir`, the checkpointer) are not here: the job sets them (`levanter_configs.levanter_trainer`; the
+  error for a config that sets one names the source, `config/job.DERIVED_FIELDS`).
 - `RLAdamConfig` (`type: rl_adam`, what an `optimizer:` block without `type:` is) is Levanter's AdamW with
   marinrl's defaults: lr 1e-4 constant, no warmup, no weight decay, betas (0.9, 0.999), clip 1.0;
   `type: adam` is the same optimizer with Levanter's defaults. Python may pass any Levanter
@@ -130,12 +131,6 @@ class JobTrainerConfig:
     `jax_compilation_cache_dir`, the profiler."""
 
     LEVANTER: ClassVar[str] = "levanter.trainer:TrainerConfig"
-    DERIVED_FIELDS: ClassVar[dict[str, str]] = {
-        "num_train_steps": "num_train_steps", "train_batch_size": "groups_per_step × n_generations", "id": "run_id",
-        "seed": "seed", "log_dir": "run_root and run_id (<run_dir>/logs)",
-        "checkpointer": "run_root, run_id, checkpoint_every, checkpoint_keep and checkpoint_keep_every",
-        "ray": "ray (the job owns Ray)", "watch": "nothing: no watch hooks (they compile a second train step)"}
-    """Levanter's fields the job derives, for the error that names where to set them."""
 
     mp: str = "f32"
     """Mixed precision as jmp reads it: `p=f32,c=bfloat16` keeps float32 masters and computes in bfloat16."""
