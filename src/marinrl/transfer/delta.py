@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from marinrl.transfer.base import VersionId, WeightFormatError, _array_tree
+from marinrl.transfer.base import VersionId, WeightFormatError
 from marinrl.transfer.delta_encoding import (
     BLOCK_ELEMENTS,
     ENCODINGS,
@@ -33,6 +33,7 @@ from marinrl.transfer.delta_encoding import (
     data_leaf_names,
     encode_array,
 )
+from marinrl.transfer.model_leaves import array_tree
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ def receive_model(client, links: Sequence[Link], load: Loader):
     version, changed, nbytes = got
     arrays = list(receiver.mirror)
     if client.model is not None and before is not None and client.version == before and len(changed) < len(arrays):
-        held = jax.tree.leaves(_array_tree(client.model)[0])
+        held = jax.tree.leaves(array_tree(client.model)[0])
         changed_set = set(changed)
         arrays = [a if i in changed_set else held[i] for i, a in enumerate(arrays)]
     return skeleton.build(skeleton.names, arrays, f"{client.location} ({version})"), nbytes, version
