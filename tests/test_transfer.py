@@ -547,15 +547,48 @@ def test_ray_trainer_death_then_restart(ray_config, model, ray_session):
         restarted.close()
 
 
-def test_every_transfer_type_has_a_transport_and_is_exercised_here():
-    """A `type:` registered in config/transfer.py without a row in TRANSPORTS, or a row this file's
-    `any_config` does not run, fails here (transfer/endpoints.py says how to add a transport)."""
+def _row_config(request, tmp_path, route: str):
+    """A configuration of the row `route` of `TRANSPORTS` (the relay's actor killed after the test)."""
+    if route == "filesystem":
+        return _fs_config(request, tmp_path, "memory", "packed")
+    if route == "ray":
+        return request.getfixturevalue("ray_config")
+    if route == "filesystem/relay":
+        from marinrl.transfer.relay import relay_name
+
+        ray = request.getfixturevalue("ray_session")
+        config = _fs_config(request, tmp_path, "file", "packed", fanout="relay")
+
+        def kill_relay():
+            try:
+                ray.kill(ray.get_actor(relay_name(config)), no_restart=True)
+            except ValueError:  # never created
+                pass
+
+        request.addfinalizer(kill_relay)
+        return config
+    pytest.fail(f"TRANSPORTS has a row {route!r} this file has no configuration of: add one to _row_config")
+
+
+def test_every_transfer_type_has_a_transport_and_every_row_carries_weights(request, tmp_path, servers, model):
+    """Each row of TRANSPORTS, read from the table itself: a configuration that routes to it builds the row's
+    server and client, and a published version reaches the client; every `type:` registered in
+    config/transfer.py has a row (transfer/endpoints.py says how to add a transport)."""
     from marinrl.config.transfer import WeightTransferConfig
     from marinrl.transfer.endpoints import TRANSPORTS
 
+    configs = {route: _row_config(request, tmp_path, route) for route in TRANSPORTS}
     registered = {WeightTransferConfig.get_choice_class(name) for name in WeightTransferConfig.get_known_choices()}
-    assert registered == set(TRANSPORTS)
-    exercised = {FilesystemTransferConfig, RayTransferConfig}  # any_config's params: packed, tensorstore, ray
-    assert exercised == set(TRANSPORTS)
+    assert registered == {type(c) for c in configs.values()}
+    for route, config in configs.items():
+        assert config.route == route
+        server, client = servers(config), build_client(config, model)
+        row = TRANSPORTS[route]
+        assert f"{type(server).__module__}:{type(server).__name__}" == row.server
+        assert f"{type(client).__module__}:{type(client).__name__}" == row.client
+        server.publish(shifted(model, 2), 2)
+        got, step = client.wait_for(2, timeout_s=60)
+        assert step == 2, route
+        assert_same_model(got, shifted(model, 2))
     with pytest.raises(TypeError, match="register it in marinrl.transfer.endpoints.TRANSPORTS"):
         build_server(object())

@@ -28,7 +28,6 @@ from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.config.trainer import JobOptimizerConfig
-from marinrl.config.transfer import FilesystemTransferConfig, RayTransferConfig
 from marinrl.types import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -161,23 +160,11 @@ def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
 
 def _model_job(job: RLJobConfig, name: str, policy: PolicyConfig) -> RLJobConfig:
     lora = (policy.lora or LoraRLConfig()) if policy.specialization == "lora" else None
-    weights = job.weights
-    if weights is not None:
-        weights = _weights_of(weights, name)
+    weights = job.weights.for_policy(name) if job.weights is not None else None
     ray = dataclasses.replace(job.ray, trainer=policy.placement) if policy.placement is not None else job.ray
     return dataclasses.replace(job, run_root=f"{job.run_dir}/policies", run_id=name, policies={},
                                model=policy.model or job.model, optimizer=policy.optimizer or job.optimizer,
                                loss=policy.loss or job.loss, lora=lora, weights=weights, ray=ray)
-
-
-def _weights_of(weights, name: str):
-    """The job's `weights:` transfer for one policy model: its own folder, or its own Ray actor."""
-    if isinstance(weights, FilesystemTransferConfig):
-        return dataclasses.replace(weights, root=f"{weights.root.rstrip('/')}/{name}")
-    if isinstance(weights, RayTransferConfig):
-        return dataclasses.replace(weights, name=f"{weights.name}-{name}")
-    raise ConfigError("weights", f"{type(weights).__name__} cannot be split into one weight stream per policy "
-                                 "model; use {type: filesystem} or {type: ray}")
 
 
 def resolve_policies(job: RLJobConfig) -> RLJobConfig:

@@ -8,6 +8,8 @@ import dataclasses
 
 import draccus
 
+from marinrl.config.errors import ConfigError
+
 FULL_EVERY_DEFAULT = 10
 """Versions between full snapshots of delta sync."""
 FORMATS = ("auto", "packed", "tensorstore")
@@ -34,6 +36,16 @@ class WeightTransferConfig(draccus.ChoiceRegistry):
     @classmethod
     def default_choice_name(cls) -> str | None:
         return "filesystem"
+
+    @property
+    def route(self) -> str:
+        """Its row of `transfer/endpoints.TRANSPORTS` (the server and client built for it): its `type:` name."""
+        return WeightTransferConfig.get_choice_name(type(self))
+
+    def for_policy(self, policy: str) -> WeightTransferConfig:
+        """This transport for one policy model's own weight stream (a job of several models, docs/policies.md)."""
+        raise ConfigError("weights", f"{type(self).__name__} cannot be split into one weight stream per policy "
+                                     "model; use {type: filesystem} or {type: ray}")
 
 
 FANOUTS = ("auto", "storage", "relay")
@@ -85,6 +97,15 @@ class FilesystemTransferConfig(WeightTransferConfig):
         if self.delta and self.format == "tensorstore":
             raise ValueError("FilesystemTransferConfig.delta needs format 'packed' or 'auto', not 'tensorstore'")
 
+    @property
+    def route(self) -> str:
+        """`filesystem/relay` when relayed (its clients read through the relay), else `filesystem`."""
+        return "filesystem/relay" if self.fanout == "relay" else "filesystem"
+
+    def for_policy(self, policy: str) -> FilesystemTransferConfig:
+        """The policy model's own folder under `root`."""
+        return dataclasses.replace(self, root=f"{self.root.rstrip('/')}/{policy}")
+
     def for_fleet(self, rollout_hosts: int) -> FilesystemTransferConfig:
         """This config with `fanout: auto` decided for a fleet of `rollout_hosts` hosts."""
         if self.fanout != "auto":
@@ -119,3 +140,7 @@ class RayTransferConfig(WeightTransferConfig):
     @property
     def location(self) -> str:
         return f"ray actor {self.namespace + '/' if self.namespace else ''}{self.name}"
+
+    def for_policy(self, policy: str) -> RayTransferConfig:
+        """The policy model's own coordinator actor."""
+        return dataclasses.replace(self, name=f"{self.name}-{policy}")
