@@ -166,30 +166,16 @@ def sample(
                     plan.per_device_cache_bytes / 2**30, max_cache_bytes / 2**30)
     greedy = temperature == 0
 
-    s_max = max((len(s) for s in stop_sequences), default=1)
-    stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)
-    stop_valid = np.zeros((stops.shape[0],), dtype=bool)
-    for k, s in enumerate(stop_sequences):
-        stops[k, stops.shape[1] - len(s):] = np.asarray(s, dtype=np.int32)
-        stop_valid[k] = True
+    stops, stop_valid = _stop_table(stop_sequences)
     shared = (jnp.asarray(stops), jnp.asarray(stop_valid), jnp.asarray(max_tokens, dtype=jnp.int32),
               jnp.asarray(temperature, dtype=jnp.float32))
 
     pieces = []
     for start in range(0, n_prompts, chunk):
         part = prompts[start:start + chunk]
-        ids = np.zeros((chunk, p_len), dtype=np.int32)
-        for i, p in enumerate(part):
-            ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
-        part_lens = np.ones((chunk,), dtype=np.int32)
-        part_lens[:len(part)] = lens[start:start + len(part)]
-        active = np.arange(chunk) < (0 if dry_run else len(part))
-        part_seeds = np.zeros((chunk,), dtype=np.uint32)
-        part_seeds[:len(part)] = key_seeds[start:start + len(part)]
-        part_index = np.zeros((chunk,), dtype=np.int32)
-        part_index[:len(part)] = key_index[start:start + len(part)]
-        args = (jnp.asarray(ids), jnp.asarray(part_lens), jnp.asarray(active), *shared,
-                jnp.asarray(part_seeds), jnp.asarray(part_index))
+        ids, part_lens, active, part_seeds, part_index = _call_rows(
+            part, chunk, p_len, lens[start:], key_seeds[start:], key_index[start:], dry_run)
+        args = (ids, part_lens, active, *shared, part_seeds, part_index)
         rows = len(part) * n
         if swaps is None:
             out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
@@ -209,6 +195,35 @@ def sample(
         stopped=np.concatenate([p[3] for p in pieces]).astype(bool),
         weight_steps=None if swaps is None else np.concatenate([p[4] for p in pieces]).astype(np.int64),
     )
+
+
+def _stop_table(stop_sequences) -> tuple[np.ndarray, np.ndarray]:
+    """Stop sequences as a left-padded table [bucket(k), bucket(longest)] (`STOP_PAD` matches anything) and which
+    of its rows are real."""
+    s_max = max((len(s) for s in stop_sequences), default=1)
+    stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)
+    stop_valid = np.zeros((stops.shape[0],), dtype=bool)
+    for k, s in enumerate(stop_sequences):
+        stops[k, stops.shape[1] - len(s):] = np.asarray(s, dtype=np.int32)
+        stop_valid[k] = True
+    return stops, stop_valid
+
+
+def _call_rows(part, chunk: int, p_len: int, lens, key_seeds, key_index, dry_run: bool):
+    """One device call's prompt rows, padded to `chunk`: left-padded ids [chunk, p_len], lengths (1 for padding
+    rows), which rows generate, and each row's key (seed, index)."""
+    k = len(part)
+    ids = np.zeros((chunk, p_len), dtype=np.int32)
+    for i, p in enumerate(part):
+        ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
+    part_lens = np.ones((chunk,), dtype=np.int32)
+    part_lens[:k] = lens[:k]
+    active = np.arange(chunk) < (0 if dry_run else k)
+    seeds = np.zeros((chunk,), dtype=np.uint32)
+    seeds[:k] = key_seeds[:k]
+    index = np.zeros((chunk,), dtype=np.int32)
+    index[:k] = key_index[:k]
+    return tuple(jnp.asarray(x) for x in (ids, part_lens, active, seeds, index))
 
 
 def compiled_shapes() -> int:
