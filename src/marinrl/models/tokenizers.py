@@ -54,7 +54,7 @@ def byte_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     additional special tokens: given all 151,680 reserved ones it took 3 minutes to build."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # where transformers 4 and 5 both have it
 
     problem = byte_tokenizer_errors(vocab_size)
     if problem:
