@@ -20,11 +20,12 @@ Inputs (nothing downloads at run time), copied to your bucket once:
 
 The settings this scale needs: bf16 compute over f32 parameters and AdamW state (8B: 32 GB of parameters,
 32 GB of gradients and 32 GB of their accumulator, 64 GB of moments: 4.7 GiB per chip over 32 chips of
-FSDP, 10.5 GiB with the activation estimate; `--dry_run` prints it), bf16 rollouts and weight versions
-(`inference.dtype`: 16 GB a version instead of 32 GB) with TIS correcting the sampler/trainer mismatch,
-gradient checkpointing, 1024 rows per step in microbatches of 2 rows
-per chip (16 accumulation steps), rollouts tensor-parallel over each v5p-8 host's 4 chips with the
-engine backend, no KL term (a reference would add 32 GB of f32 weights, 1 GB per chip), wandb + JSON logs.
+FSDP; `--dry_run` prints it), bf16 rollouts and weight versions (`inference.dtype`: 16 GB a version instead
+of 32 GB) with TIS correcting the sampler/trainer mismatch, gradient checkpointing only where the update
+does not fit without it (`auto`: off, 37 of a v5p chip's 95 GiB predicted without it), 1024 rows per step
+in microbatches of 2 rows per chip (16 accumulation steps), rollouts tensor-parallel over each v5p-8 host's
+4 chips with the engine backend, no KL term (a reference would add 32 GB of f32 weights, 1 GB per chip),
+wandb + JSON logs.
 """
 
 from marinrl.dry_run import DryRunShapes

@@ -12,7 +12,8 @@ gs://MY_BUCKET/runs ...` (infra/README.md). On `infra/tpu-v6e.yaml`: `--ray.trai
 --ray.rollout.tpu v6e-4`. On GPUs (`infra/gpu.yaml`, or one machine with 2+ GPUs and `--ray.address
 null`): `--ray.trainer.tpu null --ray.trainer.num_gpus 1 --ray.rollout.tpu null --ray.rollout.num_gpus 1
 --n_rollout_workers 1 --trainer.per_device_parallelism 16` (one H100 holds either role: `--dry_run` with
-those flags predicts 31 GiB for the trainer with 16-row microbatches, 20 of them activations, and 31 GiB
+those flags and `--ray.trainer.accelerator_type H100` predicts 43 GiB for the trainer with 16-row
+microbatches and no gradient checkpointing, which `auto` therefore turns off (22 GiB with it), and 32 GiB
 for a rollout worker, 28 of them the engine's page cache).
 
 Why Qwen3-0.6B and not Qwen2.5-0.5B-Instruct: marinrl samples Llama-family models only (the scan
@@ -31,7 +32,8 @@ The settings this scale needs: bf16 compute over f32 parameters and optimizer st
 bf16 rollouts and weight versions (`inference.dtype`: 1.2 GB a version instead of 2.4 GB) with TIS
 correcting the sampler/trainer mismatch (`loss.ratio_anchor: recomputed`, `loss.correction: tis`),
 FSDP over the host's 8 chips (Levanter's default mesh: `model_axis_size: 1`, the rest data/FSDP),
-gradient checkpointing, 512 rows per step in microbatches of 4 rows per chip (8 accumulation steps),
+gradient checkpointing only where the update does not fit without it (`auto`: off on a v5e chip, 9.3 of
+its 16 GiB predicted without it), 512 rows per step in microbatches of 4 rows per chip (8 accumulation steps),
 rollouts tensor-parallel over each rollout host's 4 chips with the engine backend, wandb + JSON logs.
 """
 

@@ -94,9 +94,77 @@ def test_the_dry_run_counts_the_configs_checkpointing():
     from marinrl.dry_run.report import DryRunShapes, step_flops
 
     job = _recipe()
-    on = step_flops(job, DryRunShapes())[0]
+    on = step_flops(_with_model(job, gradient_checkpointing=True), DryRunShapes())[0]
     off = step_flops(_with_model(job, gradient_checkpointing=False), DryRunShapes())[0]
     assert on.model == off.model and off.executed == off.model and on.executed > on.model
+
+
+ONE_H100 = ("--ray.trainer.tpu", "null", "--ray.trainer.num_gpus", "1", "--ray.trainer.accelerator_type", "H100",
+            "--trainer.per_device_parallelism", "16")
+"""The 0.6B recipe's update on one H100 (16-row microbatches of 1,024 tokens): the device check's shape."""
+
+
+def _one_h100():
+    from marinrl.recipe import parse_recipe
+
+    text = runpy.run_path(str(ROOT / "experiments" / "grpo_math_qwen3_0p6b.py"), run_name="recipe")["RECIPE"]
+    return parse_recipe(text, list(ONE_H100))
+
+
+def test_auto_checkpointing_is_off_where_the_update_fits_the_device_and_on_where_it_does_not():
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION, trainer_device_bytes
+    from marinrl.dry_run.memory import CHECKPOINTING_FIT_SHARE, choose_gradient_checkpointing
+    from marinrl.dry_run.shapes import GiB
+
+    job = _one_h100()
+    assert job.model.model.gradient_checkpointing == "auto"
+    h100 = trainer_device_bytes(job)
+    assert h100 == DEVICE_MEMORY_GIB["H100"] * GPU_MEMORY_FRACTION * GiB  # the 59.4 GiB JAX has on one H100
+    without = predicted_memory(_with_model(job, gradient_checkpointing=False), "trainer", 1,
+                               prompt_tokens=job.batching.max_length).peak_bytes_per_device
+    with_it = predicted_memory(_with_model(job, gradient_checkpointing=True), "trainer", 1,
+                               prompt_tokens=job.batching.max_length).peak_bytes_per_device
+    assert with_it < without < CHECKPOINTING_FIT_SHARE * h100  # ~22 and ~43 GiB of 59.4
+
+    fits = choose_gradient_checkpointing(job, h100)
+    assert (fits.on, fits.peak_without_bytes, fits.device_bytes) == (False, without, h100)
+    assert fits.line() == (f"gradient checkpointing off (auto): predicted peak {without / GiB:.2f} GiB of "
+                           f"{h100 / GiB:.2f} GiB")
+    small = 40 * GiB  # every layer's activations do not fit
+    assert choose_gradient_checkpointing(job, small).on
+    assert choose_gradient_checkpointing(job, small).line() == (
+        f"gradient checkpointing on (auto): predicted peak without it {without / GiB:.2f} GiB exceeds 90% of 40.00 GiB")
+    # the boundary is the share of the device, not the whole device
+    assert not choose_gradient_checkpointing(job, without / CHECKPOINTING_FIT_SHARE).on
+    assert choose_gradient_checkpointing(job, without / CHECKPOINTING_FIT_SHARE * 0.99).on
+    assert choose_gradient_checkpointing(job, without * 1.01).on
+    # memory unknown (a CPU, a GPU the placement does not name): on, nothing predicted
+    for unknown in (None, 0):
+        choice = choose_gradient_checkpointing(job, unknown)
+        assert choice.on and choice.peak_without_bytes is None
+        assert choice.line() == "gradient checkpointing on (auto): the trainer device's memory is unknown"
+    assert trainer_device_bytes(_with(job, "ray", trainer=dataclasses.replace(job.ray.trainer,
+                                                                              accelerator_type=None))) is None
+    assert trainer_device_bytes(job, cpu=True) is None
+
+
+def test_the_dry_runs_counts_see_auto_resolved():
+    """Memory, FLOPs and the report take `auto` as the trainer placement's device resolves it, never the string."""
+    from marinrl.dry_run.memory import resolve_gradient_checkpointing
+    from marinrl.dry_run.report import DryRunShapes, step_flops
+
+    job = _one_h100()
+    off, on = (_with_model(job, gradient_checkpointing=v) for v in (False, True))
+    assert predicted_memory(job, "trainer").bytes_per_device == predicted_memory(off, "trainer").bytes_per_device
+    assert step_flops(job, DryRunShapes())[0].recompute == 0 < step_flops(on, DryRunShapes())[0].recompute
+    on_a_cpu = predicted_memory(job, "trainer", cpu=True).bytes_per_device  # fake CPU devices: memory unknown
+    assert on_a_cpu["activations"] == predicted_memory(on, "trainer", cpu=True).bytes_per_device["activations"]
+    # a setting other than auto is the config's, untouched
+    for setting in (True, False, "offload"):
+        job_set = _with_model(job, gradient_checkpointing=setting)
+        assert resolve_gradient_checkpointing(job_set, 1e15) == (job_set, None)
+    resolved, choice = resolve_gradient_checkpointing(job, 1e6)
+    assert resolved.model.model.gradient_checkpointing is True and choice.on
 
 
 def test_trainer_plan_counts_gradients_as_float32_parameters():
@@ -245,6 +313,8 @@ def test_dry_run_compiles_the_backend_the_job_runs(backend):
     assert report.rollout.bytes_per_device["cache"] > 0
     text = "\n".join(report.lines())
     assert f"rollout backend: {backend}" in text and "gradients" in text and "executed" in text
+    # GPUs the placement does not name: `auto` keeps checkpointing, and the report says why
+    assert "[dry run] trainer gradient checkpointing on (auto): the trainer device's memory is unknown" in text
     assert json.loads(json.dumps(report.as_dict()))["rollout"]["peak_bytes_per_device"] == \
         report.rollout.peak_bytes_per_device
 
@@ -256,7 +326,7 @@ def test_the_cpu_plan_adds_what_xla_cpu_holds_on_fake_devices():
     platform."""
     from marinrl.dry_run.memory import CPU_PROCESS_RUNTIME_BYTES
 
-    job = _recipe()
+    job = _with_model(_recipe(), gradient_checkpointing=True)  # as `auto` resolves on a CPU, whose memory is unknown
     n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
     plain = predicted_memory(job, "trainer", 2).bytes_per_device
     cpu_plan = predicted_memory(job, "trainer", 2, cpu=True)

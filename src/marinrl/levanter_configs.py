@@ -22,7 +22,16 @@ def to_levanter(config: Any) -> Any:
     return cls(**{f.name: _converted(f.name, getattr(config, f.name)) for f in dataclasses.fields(config)})
 
 
+def gradient_checkpointing_policy(value: Any) -> Any:
+    """`model.gradient_checkpointing` as Levanter takes it. `auto` is the trainer's to resolve, from its device's
+    memory (`job.plan.train_worker_config`); a model built anywhere else (a rollout worker's, an evaluation's:
+    forward passes only, where the policy changes nothing) takes Levanter's default, True."""
+    return True if isinstance(value, str) and value == "auto" else value
+
+
 def _converted(field: str, value: Any) -> Any:
+    if field == "gradient_checkpointing":
+        return gradient_checkpointing_policy(value)
     if field == "mp" and isinstance(value, str):
         import jmp
 
@@ -40,6 +49,13 @@ def _converted(field: str, value: Any) -> Any:
     if isinstance(value, list):
         return list(value)
     return value
+
+
+def trainer_config(job):
+    """Levanter's `TrainerConfig` of an `RLJobConfig`: `job.trainer` with what the job derives filled in."""
+    return levanter_trainer(job.trainer, num_train_steps=job.num_train_steps,
+                            train_batch_size=job.groups_per_step * job.n_generations, run_id=job.run_id,
+                            seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
 
 
 def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, run_id: str, seed: int, run_dir: str,

@@ -29,7 +29,7 @@ _CHILD_ENV = "MARINRL_DRY_RUN_DEVICES"
 GRPO_AT_SCALE = """
 model:
   dtype: float32                  # the trainer's master weights and AdamW state (trainer.mp: p=f32)
-  model: {gradient_checkpointing: true}
+  model: {gradient_checkpointing: auto}  # off where the update fits the trainer's device without it
 max_staleness: 1
 optimizer: {learning_rate: 1.0e-6, lr_schedule: constant, warmup: 10, weight_decay: 0.0, max_grad_norm: 1.0}
 # bf16 rollouts: the ratio against the trainer's own pi_old, times TIS min(pi_old/mu, 2) for the mismatch
@@ -46,8 +46,9 @@ ray:
 """
 """What the GRPO recipes under experiments/ share: bf16 compute over f32 parameters and AdamW state,
 bf16 rollouts (and weight versions) with the sampler/trainer mismatch corrected by TIS, gradient
-checkpointing, FSDP, no KL term, the engine backend, an existing Ray cluster. A recipe writes the rest
-(`recipe_yaml(GRPO_AT_SCALE, ...)`); docs/models.md, "Dtypes"."""
+checkpointing where the update does not fit the trainer's device without it (`auto`), FSDP, no KL term, the
+engine backend, an existing Ray cluster. A recipe writes the rest (`recipe_yaml(GRPO_AT_SCALE, ...)`);
+docs/models.md, "Dtypes"."""
 
 
 def recipe_yaml(base: str, recipe: str, *, replace: Sequence[str] = ()) -> str:

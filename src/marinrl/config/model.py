@@ -9,11 +9,13 @@ callers may also hand Levanter's own `LmConfig` here, which is used as it is."""
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import draccus
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+CHECKPOINT_POLICIES = ("offload", "recompute", "full", "nested", "save_all")
+"""Levanter's gradient-checkpointing policies by name (haliax `ScanCheckpointPolicy.from_bool_or_str`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +99,10 @@ class LlamaArchitecture(ArchitectureConfig):
     use_qk_norm: bool = False
     upcast_attn: bool = False
     use_bias: bool = False
-    gradient_checkpointing: bool = True
-    """Recompute each block's activations in the backward pass."""
+    gradient_checkpointing: Union[bool, str] = True
+    """Recompute each block's activations in the backward pass: true, false, a Levanter policy
+    (`CHECKPOINT_POLICIES`), or `auto`: off where the trainer's predicted peak without it fits its device,
+    else on (docs/training.md, "Gradient checkpointing")."""
     scan_layers: bool = True
     """One stacked block scanned over layers (faster compiles) instead of unrolled blocks (on CPU the update
     at the reference size is 1.35-1.4x faster unrolled, docs/performance.md)."""
@@ -110,6 +114,10 @@ class LlamaArchitecture(ArchitectureConfig):
         for name in ("seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 return f"{field}.{name}", f"must be >= 1, got {getattr(self, name)}"
+        gc = self.gradient_checkpointing
+        if not isinstance(gc, bool) and gc not in ("auto", *CHECKPOINT_POLICIES):
+            return (f"{field}.gradient_checkpointing",
+                    f"must be true, false, auto or one of {', '.join(CHECKPOINT_POLICIES)}, got {gc!r}")
         if self.num_heads % self.num_kv_heads:
             return f"{field}.num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}"
         if self.head_dim is None and self.hidden_dim % self.num_heads:

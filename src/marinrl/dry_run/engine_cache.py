@@ -85,6 +85,19 @@ def rollout_device(job, cpu: bool = False) -> RolloutDevice:
     return RolloutDevice("tpu", name, None if gib is None else gib * GiB)
 
 
+def trainer_device_bytes(job, cpu: bool = False) -> Optional[float]:
+    """The allocator's limit of one trainer device as the trainer placement names it, read as `rollout_device`
+    reads the rollout's (`DEVICE_MEMORY_GIB`, a GPU's `memory_fraction`); None on a CPU (`cpu`: fake CPU
+    devices) or where the placement names no known device."""
+    kind, name, fraction = job.ray.trainer.device
+    gib = DEVICE_MEMORY_GIB.get(name or "")
+    if cpu or kind == "cpu" or gib is None:
+        return None
+    if kind == "gpu":
+        return gib * (fraction if fraction is not None else GPU_MEMORY_FRACTION) * GiB
+    return gib * GiB
+
+
 def engine_pages(job, model, mapping: dict, mesh: dict, device: RolloutDevice) -> tuple[int, int, str]:
     """(pages, page size, how) of the engine's KV cache on `device`, as the engine sizes it (module doc).
     On an accelerator with `max_pages: null`: the most pages whose cache (per device, `model.initial_cache`

@@ -45,6 +45,12 @@ the trainer process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cp
 
 The engine's cache is sized as the engine sizes its pages on the role's device kind: `engine_cache.py`.
 
+`model.model.gradient_checkpointing: auto` is chosen here, from this plan (`choose_gradient_checkpointing`): off
+where the trainer's peak with checkpointing off fits `CHECKPOINTING_FIT_SHARE` of a device's memory, else on. The
+trainer resolves it with its own device's limit (`job.plan.train_worker_config`), the dry run and
+`predicted_memory` with the trainer placement's (`engine_cache.trainer_device_bytes`), so no count here ever sees
+the string.
+
 The rollout mesh is the accelerator's: `inference.model_axis_size`, else the largest divisor of the
 device count that splits the model's heads and MLP (on a CPU a server with `model_axis_size: null`
 uses one device: set it for a like-for-like comparison there).
@@ -68,12 +74,12 @@ from marinrl.dry_run.engine_cache import (
     engine_pages,
     engine_sizing,
     rollout_device,
+    trainer_device_bytes,
 )
 from marinrl.dry_run.flops import ModelDims
 from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
 from marinrl.inference import scan_plan
-from marinrl.job.plan import trainer_config
-from marinrl.levanter_configs import to_levanter
+from marinrl.levanter_configs import to_levanter, trainer_config
 from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
@@ -373,6 +379,66 @@ def scan_call_plan(job, prompt_tokens: int, response_tokens: int, mesh: Optional
                                 data=mesh["data"], model=mesh["model"])
 
 
+# ------------------------------------------------------------------------------- gradient checkpointing
+
+CHECKPOINTING_FIT_SHARE = 0.9
+"""`gradient_checkpointing: auto` turns recomputation off where the trainer's predicted peak without it fills at
+most this share of the device's memory; the rest is room for what the plan does not count (the compiled programs,
+the allocator's fragmentation). The plan errs high on a GPU, where XLA fuses more (docs/performance.md)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointingChoice:
+    """What `gradient_checkpointing: auto` resolved to, and the numbers it was chosen from."""
+
+    on: bool
+    device_bytes: Optional[float]
+    """The allocator's limit of one trainer device; None where unknown (a CPU)."""
+    peak_without_bytes: Optional[float] = None
+    """The trainer's predicted peak per device with checkpointing off (None: not predicted, memory unknown)."""
+
+    def line(self) -> str:
+        """One line for the run's log and the dry run's report."""
+        if self.device_bytes is None:
+            return "gradient checkpointing on (auto): the trainer device's memory is unknown"
+        peak, limit = self.peak_without_bytes / GiB, self.device_bytes / GiB
+        if self.on:
+            return (f"gradient checkpointing on (auto): predicted peak without it {peak:.2f} GiB exceeds "
+                    f"{CHECKPOINTING_FIT_SHARE:.0%} of {limit:.2f} GiB")
+        return f"gradient checkpointing off (auto): predicted peak {peak:.2f} GiB of {limit:.2f} GiB"
+
+
+def with_gradient_checkpointing(job, policy):
+    """`job` with `model.model.gradient_checkpointing` set to `policy`."""
+    model = dataclasses.replace(job.model.model, gradient_checkpointing=policy)
+    return dataclasses.replace(job, model=dataclasses.replace(job.model, model=model))
+
+
+def choose_gradient_checkpointing(job, device_bytes: Optional[float],
+                                  n_devices: Optional[int] = None) -> CheckpointingChoice:
+    """`auto`'s choice for `job`'s trainer on devices of `device_bytes` each (`n_devices`: the trainer's
+    placement): off where the predicted peak with checkpointing off fits `CHECKPOINTING_FIT_SHARE` of
+    `device_bytes`, else on; on where the memory is unknown. Predicted at the longest row the trainer's batches
+    hold (`batching.max_length`) and its microbatch (`trainer.per_device_parallelism`)."""
+    if not device_bytes:
+        return CheckpointingChoice(on=True, device_bytes=None)
+    longest = job.batching.max_length  # prompt + response capped at max_length: the longest bucket
+    plan = predicted_memory(with_gradient_checkpointing(job, False), "trainer", n_devices, prompt_tokens=longest,
+                            response_tokens=longest)
+    peak = plan.peak_bytes_per_device
+    return CheckpointingChoice(on=peak > CHECKPOINTING_FIT_SHARE * device_bytes, device_bytes=float(device_bytes),
+                               peak_without_bytes=peak)
+
+
+def resolve_gradient_checkpointing(job, device_bytes: Optional[float], n_devices: Optional[int] = None):
+    """(`job` with `gradient_checkpointing: auto` replaced by `choose_gradient_checkpointing`'s bool, the
+    choice); a job that sets true, false or a policy comes back as it is, with None."""
+    if getattr(job.model.model, "gradient_checkpointing", None) != "auto":
+        return job, None
+    choice = choose_gradient_checkpointing(job, device_bytes, n_devices)
+    return with_gradient_checkpointing(job, choice.on), choice
+
+
 def default_response_tokens(job) -> int:
     return max(lesson.max_tokens for lesson in job.curriculum.lessons)
 
@@ -414,6 +480,8 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
     if n_devices is not None and n_devices < 1:
         raise ValueError(f"predicted_memory: n_devices must be >= 1 or None, got {n_devices}")
     response = response_tokens or default_response_tokens(job)
+    if role == "trainer":  # before the checkpoint's architecture takes the setting
+        job = resolve_gradient_checkpointing(job, trainer_device_bytes(job, cpu), n_devices)[0]
     job = _with_local_checkpoint_architecture(job)
     if role == "trainer":
         return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response, cpu)

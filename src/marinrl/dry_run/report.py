@@ -14,6 +14,7 @@ import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
 import marinrl.dry_run.programs as programs
 from marinrl.config.checks import require_at_least
+from marinrl.dry_run.engine_cache import trainer_device_bytes
 from marinrl.dry_run.shapes import GiB, abstract_model, count
 from marinrl.levanter_configs import to_levanter
 
@@ -54,6 +55,9 @@ class DryRunReport:
     row_length: int
     rows: int
     seconds: float
+    gradient_checkpointing: str = ""
+    """The trainer's gradient checkpointing: `auto`'s choice with its numbers (`memory.CheckpointingChoice.line`),
+    else the policy the config sets."""
 
     def lines(self) -> list[str]:
         t, g = self.train_flops, self.generation_flops
@@ -65,6 +69,8 @@ class DryRunReport:
                     if p.compiled else "")
             out.append(f"[dry run] {p.name}: {what} with {p.layers} of the model's layers on {p.devices} devices, "
                        f"mesh {p.mesh} ({p.lower_seconds:.1f} s + {p.compile_seconds:.1f} s){temp}")
+        if self.gradient_checkpointing:
+            out.append(f"[dry run] trainer {self.gradient_checkpointing}")
         for plan in (self.trainer, self.rollout):
             parts = ", ".join(f"{name} {b / GiB:.3f}{' (estimate)' if name in plan.estimated else ''}"
                               for name, b in plan.bytes_per_device.items())
@@ -91,11 +97,14 @@ class DryRunReport:
             "rollout_workers": self.rollout_workers, "total_params": self.total_params,
             "prompt_tokens": self.prompt_tokens, "response_tokens": self.response_tokens,
             "row_length": self.row_length, "rows": self.rows, "seconds": self.seconds,
+            "gradient_checkpointing": self.gradient_checkpointing,
         }
 
 
 def step_flops(job, shapes: DryRunShapes) -> tuple[flops.TrainFlops, flops.GenerationFlops]:
-    """One train step's FLOPs and the generation FLOPs of its rollouts (every worker's), at `shapes`."""
+    """One train step's FLOPs and the generation FLOPs of its rollouts (every worker's), at `shapes`
+    (`gradient_checkpointing: auto` as the trainer placement's device resolves it)."""
+    job = memory.resolve_gradient_checkpointing(job, trainer_device_bytes(job))[0]
     response = shapes.response_tokens or memory.default_response_tokens(job)
     dims = flops.ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
     rows = job.groups_per_step * job.n_generations
@@ -103,6 +112,11 @@ def step_flops(job, shapes: DryRunShapes) -> tuple[flops.TrainFlops, flops.Gener
     passes = flops.recomputed_forward_passes(getattr(to_levanter(job.model.model), "gradient_checkpointing", False))
     return (flops.train_flops(dims, rows, length, passes),
             flops.generation_flops(dims, job.groups_per_step, job.n_generations, shapes.prompt_tokens, response))
+
+
+def _checkpointing_as_set(job) -> str:
+    gc = getattr(job.model.model, "gradient_checkpointing", None)
+    return f"gradient checkpointing {'on' if gc is True else 'off' if gc is False else gc} (as the config sets it)"
 
 
 def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
@@ -115,6 +129,9 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
                            f"process has {len(jax.devices())}: run it through marinrl.recipe (it sets XLA_FLAGS="
                            f"--xla_force_host_platform_device_count={want} before JAX loads)")
     started = time.perf_counter()
+    # `auto` resolved once, as the trainer will on the placement's device: every count below sees the choice
+    job, choice = memory.resolve_gradient_checkpointing(job, trainer_device_bytes(job), want)
+    checkpointing = choice.line() if choice is not None else _checkpointing_as_set(job)
     response = shapes.response_tokens or memory.default_response_tokens(job)
     full = to_levanter(job.model.model)
     layers = min(shapes.layers, full.num_layers)
@@ -145,5 +162,6 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
         backend=job.inference.backend, programs=checks, trainer=trainer, rollout=rollout,
         train_flops=train, generation_flops=generation,
         rollout_workers=job.n_rollout_workers, total_params=count(abstract), prompt_tokens=shapes.prompt_tokens,
-        response_tokens=response, row_length=length, rows=rows, seconds=time.perf_counter() - started)
+        response_tokens=response, row_length=length, rows=rows, seconds=time.perf_counter() - started,
+        gradient_checkpointing=checkpointing)
 

@@ -18,11 +18,12 @@ Levanter."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from marinrl.config.job import RLJobConfig
 from marinrl.config.policies import policy_models, policy_names
-from marinrl.levanter_configs import levanter_trainer, to_levanter
+from marinrl.levanter_configs import to_levanter, trainer_config
 
 if TYPE_CHECKING:
     from marinrl.config.curriculum import LessonConfig
@@ -37,18 +38,23 @@ if TYPE_CHECKING:
     from marinrl.train.replay.buffer import ReplayBuffer
     from marinrl.transfer.base import WeightTransferClient
 
-
-def trainer_config(job: RLJobConfig):
-    """Levanter's `TrainerConfig` of the job: `job.trainer` with what the job derives filled in."""
-    return levanter_trainer(job.trainer, num_train_steps=job.num_train_steps,
-                            train_batch_size=job.groups_per_step * job.n_generations, run_id=job.run_id,
-                            seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
+logger = logging.getLogger(__name__)
 
 
-def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None) -> TrainWorkerConfig:
-    """The trainer's config; `policies`: those its model plays (default: every policy of the job)."""
+def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None, *,
+                        device_bytes: Optional[float] = None) -> TrainWorkerConfig:
+    """The trainer's config; `policies`: those its model plays (default: every policy of the job). Built in the
+    trainer's process: `model.model.gradient_checkpointing: auto` is resolved here, once, from the memory of
+    `device_bytes` (default: this process's device, `local_device_bytes`), and the choice logged."""
     from marinrl.config.train_worker import TrainWorkerConfig
 
+    if getattr(job.model.model, "gradient_checkpointing", None) == "auto":
+        from marinrl.dry_run.memory import resolve_gradient_checkpointing
+
+        job, choice = resolve_gradient_checkpointing(
+            job, device_bytes if device_bytes is not None else local_device_bytes())
+        logger.info("%s", choice.line())
+        print(f"[marinrl] {choice.line()}", flush=True)
     return TrainWorkerConfig(
         rollout_root=f"{job.run_dir}/rollouts", weights=job.weights_config(), model=job.model,
         trainer=trainer_config(job), optimizer=to_levanter(job.optimizer), loss=job.loss,
@@ -58,6 +64,14 @@ def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = 
         checkpoint_keep_every=job.checkpoint_keep_every, lora=job.lora,
         policies=policies if policies is not None else policy_names(job), publish_dtype=job.rollout_dtype(),
         audit_root=f"{job.run_dir}/trained")
+
+
+def local_device_bytes() -> Optional[float]:
+    """The allocator's limit of this process's first device (`memory_stats()['bytes_limit']`); None where JAX
+    does not report one (a CPU)."""
+    import jax
+
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def build_trainer(config: TrainWorkerConfig) -> TrainerParts:

@@ -1,0 +1,97 @@
+"""`model.model.gradient_checkpointing`: true, false, Levanter's policies and `auto`, which the trainer resolves
+once from its device's memory (job/plan.py `train_worker_config`, with dry_run/memory.py's choice): the model it
+builds, and Levanter's config of it, carry the resolved bool; a bad value is refused naming the field. The choice's
+numbers at the recipe's shape are in tests/test_dry_run.py."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from marinrl.config.errors import ConfigInputError, load_job_config
+from marinrl.config.job import RLJobConfig
+from marinrl.config.model import CHECKPOINT_POLICIES, LlamaArchitecture
+from marinrl.job.plan import train_worker_config
+from marinrl.levanter_configs import to_levanter
+
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "experiments" / "quickstart.yaml"
+GiB = 2**30
+
+
+def _quickstart(tmp_path, *flags: str) -> RLJobConfig:
+    job = load_job_config(RLJobConfig, str(QUICKSTART), ["--run_root", str(tmp_path), *flags])
+    job.validate()
+    return job
+
+
+def test_a_bad_value_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ConfigInputError, match=r"ModelConfig\.model\.gradient_checkpointing: must be true, false, "
+                                               r"auto or one of offload, recompute, full, nested, save_all, "
+                                               r"got 'sometimes'$"):
+        _quickstart(tmp_path, "--model.model.gradient_checkpointing", "sometimes")
+    for value, parsed in (("auto", "auto"), ("offload", "offload"), ("true", True), ("false", False)):
+        assert _quickstart(tmp_path, "--model.model.gradient_checkpointing", value).model.model.gradient_checkpointing \
+            == parsed
+
+
+def test_levanters_policies_convert_and_auto_outside_the_trainer_is_levanters_default():
+    """Every policy name the config accepts is one haliax builds; `auto` that reaches Levanter unresolved (a
+    rollout worker's or an evaluation's model: forward passes only) is True, never the string."""
+    from haliax._src.scan import ScanCheckpointPolicy
+
+    for policy in CHECKPOINT_POLICIES:
+        assert to_levanter(LlamaArchitecture(gradient_checkpointing=policy)).gradient_checkpointing == policy
+        ScanCheckpointPolicy.from_bool_or_str(policy)
+    assert to_levanter(LlamaArchitecture(gradient_checkpointing="auto")).gradient_checkpointing is True
+    assert to_levanter(LlamaArchitecture(gradient_checkpointing=False)).gradient_checkpointing is False
+
+
+def test_the_trainer_resolves_auto_into_the_model_it_builds(tmp_path, capsys):
+    """Off where the quickstart's update fits the device with room to spare, on where nothing fits and where the
+    memory is unknown (this process's CPU); the resolved bool is what the model is built with, and the choice
+    is printed with its numbers."""
+    from marinrl.dry_run.memory import CHECKPOINTING_FIT_SHARE, predicted_memory, with_gradient_checkpointing
+    from marinrl.models.policy_model import build_model
+
+    job = _quickstart(tmp_path, "--model.model.gradient_checkpointing", "auto")
+    peak = predicted_memory(with_gradient_checkpointing(job, False), "trainer",
+                            prompt_tokens=job.batching.max_length).peak_bytes_per_device
+
+    fits = train_worker_config(job, device_bytes=80 * GiB)
+    assert fits.model.model.gradient_checkpointing is False
+    assert to_levanter(fits.model.model).gradient_checkpointing is False
+    assert build_model(fits.model).config.gradient_checkpointing is False
+    assert f"[marinrl] gradient checkpointing off (auto): predicted peak {peak / GiB:.2f} GiB of 80.00 GiB" in \
+        capsys.readouterr().out
+
+    tight = train_worker_config(job, device_bytes=peak / CHECKPOINTING_FIT_SHARE * 0.99)
+    assert tight.model.model.gradient_checkpointing is True
+    assert "gradient checkpointing on (auto): predicted peak without it" in capsys.readouterr().out
+
+    here = train_worker_config(job)  # this process's device: a CPU, whose memory JAX does not report
+    assert here.model.model.gradient_checkpointing is True
+    assert build_model(here.model).config.gradient_checkpointing is True
+    assert "gradient checkpointing on (auto): the trainer device's memory is unknown" in capsys.readouterr().out
+
+    # a setting other than auto is the config's, whatever the device
+    explicit = _quickstart(tmp_path, "--model.model.gradient_checkpointing", "offload")
+    assert train_worker_config(explicit, device_bytes=80 * GiB).model.model.gradient_checkpointing == "offload"
+    assert "gradient checkpointing" not in capsys.readouterr().out
+
+
+def test_an_hf_checkpoints_model_takes_the_setting_never_the_string(tmp_path):
+    """An HF checkpoint's architecture is its config.json's, except the checkpointing, taken from `model.model`:
+    the trainer's resolved bool, or Levanter's default for an unresolved `auto`."""
+    import transformers
+
+    from marinrl.config.model import ModelConfig
+    from marinrl.models.policy_model import model_architecture
+
+    path = tmp_path / "hf"
+    transformers.Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, head_dim=32).save_pretrained(path)
+    for setting, levanter in (("auto", True), (False, False), (True, True), ("offload", "offload")):
+        arch, _ = model_architecture(ModelConfig(hf_checkpoint=str(path),
+                                                 model=LlamaArchitecture(gradient_checkpointing=setting)))
+        assert arch.gradient_checkpointing == levanter and type(arch).__name__ == "Qwen3Config"
