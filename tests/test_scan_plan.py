@@ -80,9 +80,12 @@ def test_decode_windows_cover_every_step(t_len):
     assert windows[-1] == t_len and list(windows) == sorted(set(windows))
     assert len(windows) == (1 if t_len <= scan_plan.PHASE_MIN_TOKENS else scan_plan.MAX_PHASES)
     assert all(w % 16 == 0 for w in windows)
-    # a step t writes generated slot t - 1 and reads slots 0..t-1: its phase's window holds them
+    # the blocks tile the generated cache; step t writes slot t - 1, which lies in the block its phase reads last
+    blocks = scan_plan.decode_blocks(t_len)
+    assert [start for start, _ in blocks] == [0, *windows[:-1]] and sum(size for _, size in blocks) == t_len
     for t in range(1, t_len):
-        assert t - 1 < next(w for w in windows if t < w)
+        start, size = next(b for b in blocks if b[0] <= t - 1 < b[0] + b[1])
+        assert start + size == next(w for w in windows if t <= w)
     if len(windows) > 1:  # the phases read well under the whole cache at every step
         assert scan_plan.generated_slots_read(t_len, t_len) < 0.7 * t_len * (t_len - 1)
 

@@ -27,6 +27,7 @@ import numpy as np
 from marinrl.config.inflight import INFLIGHT_KV, InflightKV
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.decoder import DenseAttention, cache_layout, forward, pack_layer
+from marinrl.inference.scan_plan import decode_blocks
 
 
 @dataclasses.dataclass
@@ -92,7 +93,7 @@ def _recompute(model, state, stops, *, mesh):
     """The decode state with every row's KV cache rebuilt by `model` from its prompt and the tokens
     sampled so far (slots past them get filler that decoding overwrites before it attends to them): one
     dense pass over each row's whole sequence, then its prompt part kept once per prompt (a prompt's rows
-    hold the same prompt) and its generated part per row, as `sampler._start` lays them out."""
+    hold the same prompt) and its generated part per row in blocks, as `sampler._start` lays them out."""
     stop_len = stops.shape[1]
     generated = state["out_tokens"][:, stop_len - 1:]
     ids = jnp.concatenate([state["row_ids"], jnp.maximum(generated, 0)], axis=1)  # filler -> token 0
@@ -108,13 +109,14 @@ def _recompute(model, state, stops, *, mesh):
     packed = [pack_layer(layer, mesh) for layer in layers]
     lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
     kg = state["caches"][0][0]
-    empty = jnp.zeros((rows, kg.shape[1], s_len, kg.shape[3]), kg.dtype)
+    empty = jnp.zeros((rows, kg.shape[1], s_len, kg.shape[3]), kg.dtype)  # shaped as a generated block
     caches = cache_layout([(empty, empty) for _ in layers], mesh)
     _, caches = forward(model, layers, packed, lm_head, ids, pos, caches,
                         DenseAttention(jnp.asarray(0, jnp.int32), key_ok))
     prompt_caches = cache_layout([(k[::n, :, :p_len], v[::n, :, :p_len]) for k, v in caches], mesh)
-    return dict(state, prompt_caches=prompt_caches,
-                caches=cache_layout([(k[:, :, p_len:], v[:, :, p_len:]) for k, v in caches], mesh))
+    blocks = decode_blocks(s_len - p_len)
+    generated = [tuple(x[:, :, p_len + a:p_len + a + size] for a, size in blocks for x in (k, v)) for k, v in caches]
+    return dict(state, prompt_caches=prompt_caches, caches=cache_layout(generated, mesh))
 
 
 _outputs = jax.jit(scan_sampler._outputs)

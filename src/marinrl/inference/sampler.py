@@ -41,7 +41,7 @@ from marinrl.inference.scan_plan import (
     CPU_CACHE_BYTES,
     CallPlan,
     bucket,
-    decode_windows,
+    decode_blocks,
     kv_bytes_per_prompt,
     plan_calls,
 )
@@ -303,7 +303,8 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
            mesh, lm_head_float32=False, greedy=False):
     """Prefills the prompts once and samples token 0 of their `n` rows each: the decode state (a dict of arrays)
     that `_decode_until` advances. The prompts' caches stay one per prompt (`prompt_caches`); each row's
-    generated tokens get a cache of their own (`caches`, `decoder.GroupedDecodeAttention`)."""
+    generated tokens get a cache of their own, in the blocks of `scan_plan.decode_blocks` (`caches`: per layer the
+    keys and values of each block, `decoder.GroupedDecodeAttention`)."""
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
     stop_len = stops.shape[1]
@@ -327,8 +328,8 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
-    empty = jnp.zeros((rows, kv_heads, max_new, head), dtype)
-    caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
+    blocks = [jnp.zeros((rows, kv_heads, size, head), dtype) for _, size in decode_blocks(max_new)]
+    caches = cache_layout([tuple(x for block in blocks for x in (block, block)) for _ in range(cfg.num_layers)], mesh)
     # every device samples from whole rows of logits: the same draws as on one device
     logits = constrain(expand(logits), mesh, DATA, None)
     sample_idx = jnp.arange(rows) % n
@@ -352,7 +353,8 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
 def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False,
                   greedy=False):
     """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached, in the
-    phases of `scan_plan.decode_windows`: a step reads only its phase's window of the generated cache."""
+    phases of `scan_plan.decode_blocks`: a step writes its token's keys and values into the block its slot lies
+    in and reads only that block and the ones before it."""
     p_len = state["row_ids"].shape[1]
     max_new = state["out_logprobs"].shape[1]
     layers = model.transformer.layers.unstacked()
@@ -362,13 +364,15 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
     prompt_ok = jnp.arange(p_len)[None, :] >= pad[:, None]
     t_stop = jnp.minimum(t_stop, max_new)
 
-    for window in decode_windows(max_new):
-        def cond(state, window=window):
-            return (state["t"] < jnp.minimum(t_stop, window)) & ~jnp.all(state["done"])
+    blocks = decode_blocks(max_new)
+    starts = tuple(start for start, _ in blocks)
+    for block, (start, size) in enumerate(blocks):
+        def cond(state, end=start + size):  # step t writes slot t - 1: this block's steps are start + 1 .. end
+            return (state["t"] <= jnp.minimum(t_stop - 1, end)) & ~jnp.all(state["done"])
 
-        def body(state, window=window):
+        def body(state, block=block):
             t = state["t"]
-            attention = GroupedDecodeAttention(t - 1, prompt_ok, window)  # the token sampled at step t - 1
+            attention = GroupedDecodeAttention(t - 1, prompt_ok, block, starts)  # the token sampled at step t - 1
             caches = [(*pc, *gc) for pc, gc in zip(state["prompt_caches"], state["caches"])]
             logits, caches = forward(model, layers, packed, lm_head, state["tok"][:, None], (lens + t - 1)[:, None],
                                      caches, attention, lm_head_float32)

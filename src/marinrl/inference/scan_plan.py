@@ -24,8 +24,8 @@ PHASE_MIN_TOKENS = 256
 """Responses of at most this many tokens (bucketed) decode in one phase: every step reads the whole generated
 cache, which is small there. Longer ones decode in `MAX_PHASES` phases of growing windows."""
 MAX_PHASES = 4
-"""Phases of a long decode: phase k's steps read the first (k + 1) / MAX_PHASES of the generated cache, so a
-decode reads about 5/8 of it on average instead of all of it; each phase is its own compiled loop body."""
+"""Phases of a long decode: phase k's steps read the first k + 1 of MAX_PHASES blocks of the generated cache, so
+a decode reads about 5/8 of it on average instead of all of it; each phase is its own compiled loop body."""
 
 
 def bucket(x: int, minimum: int = 1) -> int:
@@ -104,12 +104,22 @@ def decode_windows(t_len: int) -> tuple[int, ...]:
     return tuple(min(t_len, step * (k + 1)) for k in range(-(-t_len // step)))
 
 
+def decode_blocks(t_len: int) -> tuple[tuple[int, int], ...]:
+    """(start, size) of each block of the generated cache: the slots between consecutive `decode_windows`. The
+    sampler keeps each block as an array of its own, so a phase reads whole arrays
+    (`decoder.GroupedDecodeAttention`)."""
+    windows = decode_windows(t_len)
+    starts = (0,) + windows[:-1]
+    return tuple((a, b - a) for a, b in zip(starts, windows))
+
+
 def generated_slots_read(t_len: int, steps: int) -> int:
-    """Generated-cache slots one row reads over `steps` decode steps (steps 1..steps) under `decode_windows`."""
+    """Generated-cache slots one row reads over decode steps 1..steps-1 under `decode_windows`: step t writes slot
+    t - 1 and reads every block up to the one that holds it."""
     windows = decode_windows(t_len)
     total = 0
     for t in range(1, steps):
-        total += next(w for w in windows if t < w)
+        total += next(w for w in windows if t <= w)
     return total
 
 
