@@ -5,8 +5,8 @@
 #      activation kept (gradient checkpointing off), the quickstart with both roles on the GPU;
 #   2. bench/generation.py at the recipe's shape: today's scan sampler against the baseline in
 #      .device/baseline_sampler/ (`git show REV:src/marinrl/inference/{sampler,decoder}.py`), paired calls;
-#   3. the same shape with XLA's command buffers for WHILE and CONDITIONAL (the decode loop as a device graph);
-#   4. if time is left, the recipe's train step with gradient checkpointing on, for the MFU of both.
+#   3. if time is left, the same shape with XLA's command buffers for WHILE and CONDITIONAL (the decode loop as
+#      a device graph).
 # Every JSON line and log goes to $1 (default $OUT). Run from the repo's root:
 #   bash bench/device_session.sh "$OUT"
 set -u
@@ -17,15 +17,15 @@ left() { echo $(( ${1} - ($(date +%s) - started) )); }
 tar xJf .device/site.tar.xz -C /tmp/site || { echo "no dependency bundle: run python bench/device_bundle.py here"; exit 2; }
 export PYTHONPATH="/tmp/site:$PWD/src:$PWD/bench/device_compat${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/nvidia_smi.csv" 2>&1
-python3 bench/device_check.py --sections env,generation,train_step_no_remat,quickstart --budget_s 380 \
-    --section_s generation=140 --section_s train_step_no_remat=100 --section_s quickstart=150 \
+python3 bench/device_check.py --sections env,generation,train_step_no_remat,quickstart --budget_s 430 \
+    --section_s generation=200 --section_s train_step_no_remat=80 --section_s quickstart=130 \
     --out "$out/device_check.json" > "$out/device_check.log" 2>&1
 echo "device check: exit $? after $(( $(date +%s) - started )) s"
-timeout "$(left 490)" python3 bench/generation.py --shape recipe --baseline .device/baseline_sampler --calls 4 \
+timeout "$(left 560)" python3 bench/generation.py --shape recipe --baseline .device/baseline_sampler --calls 4 \
     > "$out/generation_ab.log" 2>&1
 echo "generation A/B: exit $? after $(( $(date +%s) - started )) s"
-if [ "$(left 560)" -gt 60 ]; then
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" timeout "$(left 560)" \
+if [ "$(left 570)" -gt 80 ]; then
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" timeout "$(left 570)" \
         python3 bench/generation.py --shape recipe --calls 4 > "$out/generation_command_buffers.log" 2>&1
     echo "generation with command buffers: exit $? after $(( $(date +%s) - started )) s"
 fi

@@ -299,7 +299,7 @@ def main(args) -> None:
     for s in servers.values():
         s.shutdown()
 
-    print(f"generation at the reference shape: {n_params / 1e6:.2f}M params, {args.prompts} prompts x "
+    print(f"generation at the {args.shape} shape: {n_params / 1e6:.2f}M params, {args.prompts} prompts x "
           f"{args.samples} samples, {args.prompt_tokens}-token prompts, up to {args.new_tokens} new tokens, "
           f"T={args.temperature}, backend {jax.default_backend()} ({jax.device_count()} device)")
     print(f"{'mode':8s} {'tokens/s median':>16s} {'min':>9s} {'max':>9s} {'call s':>8s} {'tokens/call':>12s} "
