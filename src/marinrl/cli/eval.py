@@ -8,6 +8,16 @@ import sys
 from marinrl.cli.errors import InputError
 
 
+def add_checkpoint_arguments(p: argparse.ArgumentParser, engine: str) -> None:
+    """What `eval` and `serve` take to load a checkpoint: its architecture, its tokenizer, and the backend
+    (`engine`: what the engine backend is for, in the command's words)."""
+    p.add_argument("--model-config", metavar="FILE.yaml",
+                   help="architecture and dtype for a Levanter checkpoint without model_config.json: a ModelConfig "
+                        "YAML, or a job config with a `model:` section")
+    p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer directory (default: the checkpoint's, else bytes)")
+    p.add_argument("--backend", choices=["scan", "engine"], default="scan", help=f"generation backend ({engine})")
+
+
 def run(args: argparse.Namespace) -> int:
     from marinrl import eval as evaluation
     from marinrl.config.eval import EvalConfig
@@ -63,11 +73,6 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-step", type=int, default=None,
                    help="weight step stamped on the rollouts (default: the checkpoint's)")
-    p.add_argument("--model-config", metavar="FILE.yaml",
-                   help="architecture and dtype for a Levanter checkpoint without model_config.json: a ModelConfig "
-                        "YAML, or a job config with a `model:` section")
-    p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer directory (default: the checkpoint's, else bytes)")
-    p.add_argument("--backend", choices=["scan", "engine"], default="scan",
-                   help="generation backend (engine for models the scan sampler does not run)")
+    add_checkpoint_arguments(p, engine="engine for models the scan sampler does not run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)

@@ -6,6 +6,7 @@ import argparse
 import os
 
 from marinrl.cli.errors import InputError
+from marinrl.cli.eval import add_checkpoint_arguments
 
 API_KEY_VARIABLE = "MARINRL_API_KEY"
 """Where `marinrl serve` reads its API key when `--api-key` is not given (a flag shows in `ps`)."""
@@ -54,12 +55,7 @@ def add_parser(sub) -> None:
                    help=f"the key every request must send as 'Authorization: Bearer <key>' (default: "
                         f"${API_KEY_VARIABLE}, else a random key printed at start)")
     p.add_argument("--model-name", default="marinrl-policy", help="the model name the endpoint reports")
-    p.add_argument("--model-config", metavar="FILE.yaml",
-                   help="architecture and dtype for a Levanter checkpoint without model_config.json: a ModelConfig "
-                        "YAML, or a job config with a `model:` section")
-    p.add_argument("--tokenizer", metavar="DIR", help="HF tokenizer directory (default: the checkpoint's, else bytes)")
-    p.add_argument("--backend", choices=["scan", "engine"], default="scan",
-                   help="generation backend (engine: continuous batching, and models the scan sampler does not run)")
+    add_checkpoint_arguments(p, engine="engine: continuous batching, and models the scan sampler does not run")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="serve the weights in this dtype (default: --model-config's dtype, else float32)")
     p.add_argument("--max-seq-len", type=int, default=512,
