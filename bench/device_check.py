@@ -13,7 +13,7 @@ still run:
 - `two_processes`: two JAX processes sharing the device, each started with the environment the job gives
   an actor (`marinrl.job.placement.actor_env`): on a GPU the shared mode (`num_gpus: 0`, trainer 0.45 and
   rollout 0.3 of its memory); on a TPU host each candidate environment for a host split between two
-  processes (docs/scaling.md, "One TPU host"), so the first lent TPU says which one libtpu accepts.
+  processes (docs/scaling.md, "One host"), so the first lent TPU says which one libtpu accepts.
   Each process allocates and multiplies while the other holds its memory.
 - `train_step`: the Qwen3-0.6B recipe's model at its real size (random weights) through Levanter's Trainer
   and the job's loss, on one device, at the recipe's row length and microbatch: step seconds, trained

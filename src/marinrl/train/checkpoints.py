@@ -304,14 +304,14 @@ def _plain(path: str) -> str:
 RESTORE_CONCURRENT_GB = 1
 """Bytes of a checkpoint read at once when a trainer restores (JAX's default is 32 GB): every array read
 is a host buffer and then a device array, so on a CPU, where both are host memory, everything in flight
-is held twice (docs/training.md, "Resume")."""
+is held twice (docs/training.md, "Checkpoints and resume")."""
 
 
 def bound_restore_memory(gigabytes: int = RESTORE_CONCURRENT_GB) -> None:
     """Make tensorstore restores in this process hold what they restore and little else. JAX reads
     checkpoints through one process-wide tensorstore context whose chunk cache may keep 10 GB, so a
     restored state stayed resident twice (measured: a 7.2 GB trainer state rested at 15.6 GB after a
-    resume, 8.7 GB after a fresh start; docs/training.md, "Resume"); its reads run with 32 GB in flight.
+    resume, 8.7 GB after a fresh start; docs/training.md, "Checkpoints and resume"); its reads run with 32 GB in flight.
     Here: no chunk cache (a restore reads each chunk once) and `gigabytes` in flight. Idempotent."""
     import tensorstore as ts
     from jax.experimental.array_serialization import serialization, tensorstore_impl
@@ -337,7 +337,7 @@ def bound_restore_memory(gigabytes: int = RESTORE_CONCURRENT_GB) -> None:
 def release_host_memory() -> None:
     """Return the C heap's free memory to the OS (glibc's `malloc_trim`). A restore reads the state through
     tensorstore's threads in many small buffers; once they are freed, their arenas keep the pages, which
-    measured as a whole second state resident after a resume (docs/training.md, "Resume"). A no-op where
+    measured as a whole second state resident after a resume (docs/training.md, "Checkpoints and resume"). A no-op where
     the C library has no `malloc_trim`."""
     import ctypes
     import ctypes.util
