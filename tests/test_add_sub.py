@@ -110,3 +110,25 @@ def test_sample_grades_each_response_without_its_end_of_turn(tokenizer):
     assert int(first.response_tokens[-1]) == tokenizer.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
     generation = Generation(first.response_tokens, np.zeros(first.response_tokens.size, np.float32), "stop")
     assert "<|im_end|>" not in completion_text(tokenizer, generation, sampling)
+
+
+def test_the_recipe_parses_and_heldout_sets_the_lesson_and_the_eval_size(smollm2_checkpoint):
+    import pathlib
+    import runpy
+
+    recipe = runpy.run_path(str(pathlib.Path(__file__).parent.parent / "experiments" / "smollm2_arithmetic.py"),
+                            run_name="recipe")
+    job = recipe["configure"]([])
+    assert job.model.hf_checkpoint == smollm2_checkpoint and job.eval_examples == 200
+    lesson = job.curriculum.lessons[0]
+    assert lesson.env.name == "add_sub" and lesson.max_tokens == 24
+    short = recipe["configure"](["--heldout", "16", "--num_train_steps", "2"])
+    assert short.eval_examples == 16 and short.curriculum.lessons[0].env.args["heldout_size"] == 16
+    assert short.num_train_steps == 2
+    with pytest.raises(SystemExit, match="eval_examples"):
+        recipe["configure"](["--eval_examples", "50"])
+    with pytest.raises(SystemExit, match="--heldout"):
+        recipe["configure"](["--heldout", "0"])
+    low, high = recipe["bootstrap_ci"](41, 200)
+    assert low < 41 / 200 < high and 0.14 < low and high < 0.27  # binomial sd at 0.205 of 200 is 0.029
+    assert recipe["bootstrap_ci"](0, 200) == (0.0, 0.0)
