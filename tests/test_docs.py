@@ -176,7 +176,7 @@ def config_classes() -> list[type]:
         hints = typing.get_type_hints(cls)
         for field in dataclasses.fields(cls):
             todo.extend(t for t in flat_types(hints.get(field.name)) if dataclasses.is_dataclass(t))
-            todo.extend(sub for t in flat_types(hints.get(field.name)) if isinstance(t, type)
+            todo.extend(sub for t in flat_types(hints.get(field.name)) if dataclasses.is_dataclass(t)
                         for sub in all_subclasses(t) if dataclasses.is_dataclass(sub))
     return list(seen)
 
@@ -187,7 +187,9 @@ def flat_types(hint) -> list:
 
 
 def all_subclasses(cls: type) -> list[type]:
-    return [sub for direct in cls.__subclasses__() for sub in (direct, *all_subclasses(direct))]
+    # metaclasses aside: a worker that imported one (an ABCMeta subclass) would hand `type` itself on here
+    return [sub for direct in type.__subclasses__(cls) if not issubclass(direct, type)
+            for sub in (direct, *all_subclasses(direct))]
 
 
 def field_types(cls: type, name: str) -> list[type] | None:
