@@ -181,7 +181,7 @@ def test_a_knob_out_of_range_is_refused_naming_it(tmp_path, args, field, problem
     job = _parse(tmp_path, args=args)
     with pytest.raises(ConfigError, match=rf"^RLJobConfig\.{re.escape(field)}: {problem}"):
         job.validate()
-        check_optimizer(job)
+        check_optimizer(job.optimizer, job.num_train_steps)
 
 
 def test_the_accelerator_is_required_where_the_placement_asks_for_one(tmp_path):

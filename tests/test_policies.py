@@ -79,34 +79,36 @@ def test_lora_and_full_policies_next_to_others_are_policy_models_of_their_own(tm
     assert [(m.name, m.policies) for m in models] == [("policy", ("policy", "critic")), ("coach", ("coach",)),
                                                       ("judge", ("judge",))]
     shared, coach, judge = models
-    assert shared.job.lora is None and shared.job.optimizer == job.optimizer
-    assert coach.job.optimizer.learning_rate == 0.01 and coach.job.lora is None
-    assert judge.job.lora == LoraRLConfig(rank=2) and judge.job.model == job.model  # the adapter's base
+    assert shared.lora is None and shared.optimizer == job.optimizer
+    assert coach.optimizer.learning_rate == 0.01 and coach.lora is None
+    assert judge.lora == LoraRLConfig(rank=2) and judge.model == job.model  # the adapter's base
     for m in models:
         run_dir = f"{job.run_dir}/policies/{m.name}"
-        worker = train_worker_config(m.job, m.policies)
+        worker = train_worker_config(job, m)
         assert worker.policies == m.policies and worker.rollout_root == f"{run_dir}/rollouts"
-        assert worker.weights.root == f"{run_dir}/weights"
+        assert worker.weights.root == f"{run_dir}/weights" and worker.lora == m.lora
+        assert worker.optimizer.learning_rate == m.optimizer.learning_rate
         assert str(worker.trainer.checkpointer.base_path) == f"{run_dir}/checkpoints"
+        assert worker.trainer.id == m.name and worker.trainer.num_train_steps == job.num_train_steps
     streams = rollout_worker_config(job, 0).streams
     assert streams == tuple(ModelStream(m.name, m.policies, f"{job.run_dir}/policies/{m.name}/rollouts",
-                                        train_worker_config(m.job, m.policies).weights, m.job.lora) for m in models)
+                                        train_worker_config(job, m).weights, m.lora) for m in models)
     one = RLJob(job_config(tmp_path, policies={"policy": PolicyConfig(), "critic": PolicyConfig()})).config
     (stream,) = rollout_worker_config(one, 0).streams  # L1: one model, every policy
     assert len(policy_models(one)) == 1 and (stream.name, stream.policies) == ("policy", ())
     placed = dict(policies, coach=PolicyConfig(specialization="full", placement=PlacementConfig(num_cpus=3)))
     coach = policy_models(job_config(tmp_path, policies=placed))[1]
-    assert coach.job.ray.trainer == PlacementConfig(num_cpus=3) and models[2].job.ray.trainer == job.ray.trainer
+    assert coach.placement == PlacementConfig(num_cpus=3) and models[2].placement == job.ray.trainer
 
 
 def test_a_weight_transfer_is_split_per_policy_model(tmp_path):
     policies = {"policy": PolicyConfig(specialization="full"), "critic": PolicyConfig(specialization="full")}
     files = job_config(tmp_path, policies=policies, weights=FilesystemTransferConfig(root="memory://w", delta=True))
-    assert [m.job.weights_config() for m in policy_models(files)] == [  # fanout: auto, decided for this fleet
+    assert [m.weights for m in policy_models(files)] == [  # fanout: auto, decided for this fleet
         FilesystemTransferConfig(root="memory://w/policy", delta=True, fanout="storage"),
         FilesystemTransferConfig(root="memory://w/critic", delta=True, fanout="storage")]
     ray_ = job_config(tmp_path, policies=policies, weights=RayTransferConfig(name="w"))
-    assert [m.job.weights_config().name for m in policy_models(ray_)] == ["w-policy", "w-critic"]
+    assert [m.weights.name for m in policy_models(ray_)] == ["w-policy", "w-critic"]
 
 
 @pytest.mark.parametrize("overrides, field", [

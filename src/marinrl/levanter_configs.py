@@ -51,11 +51,14 @@ def _converted(field: str, value: Any) -> Any:
     return value
 
 
-def trainer_config(job):
-    """Levanter's `TrainerConfig` of an `RLJobConfig`: `job.trainer` with what the job derives filled in."""
+def trainer_config(job, policy_model=None):
+    """Levanter's `TrainerConfig` of an `RLJobConfig`: `job.trainer` with what the job derives filled in; with
+    `policy_model` (a `config.policies.PolicyModel`), that model's trainer: its run id, directory and host."""
+    run_id, run_dir, placement = ((job.run_id, job.run_dir, job.ray.trainer) if policy_model is None else
+                                  (policy_model.run_id, policy_model.run_dir, policy_model.placement))
     return levanter_trainer(job.trainer, num_train_steps=job.num_train_steps,
-                            train_batch_size=job.groups_per_step * job.n_generations, run_id=job.run_id,
-                            seed=job.seed, run_dir=job.run_dir, require_accelerator=job.ray.trainer.has_accelerator)
+                            train_batch_size=job.groups_per_step * job.n_generations, run_id=run_id,
+                            seed=job.seed, run_dir=run_dir, require_accelerator=placement.has_accelerator)
 
 
 def levanter_trainer(trainer, *, num_train_steps: int, train_batch_size: int, run_id: str, seed: int, run_dir: str,

@@ -310,10 +310,9 @@ class RLJobConfig:
 
     def weights_config(self) -> WeightTransferConfig:
         """The weight stream, with `fanout: auto` decided for this job's `n_rollout_workers`."""
-        from marinrl.config.transfer import FilesystemTransferConfig
+        from marinrl.config.transfer import stream_weights
 
-        weights = self.weights if self.weights is not None else FilesystemTransferConfig(root=f"{self.run_dir}/weights")
-        return weights.for_fleet(self.n_rollout_workers) if isinstance(weights, FilesystemTransferConfig) else weights
+        return stream_weights(self.weights, self.run_dir, self.n_rollout_workers)
 
     def _batch_source(self) -> str:
         return (f"groups_per_step × n_generations = {self.groups_per_step} × {self.n_generations} = "

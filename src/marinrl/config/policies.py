@@ -28,6 +28,7 @@ from marinrl.config.loss import LossConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.placement import PlacementConfig
 from marinrl.config.trainer import JobOptimizerConfig
+from marinrl.config.transfer import WeightTransferConfig, stream_weights
 from marinrl.types import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -114,13 +115,13 @@ def _check_policy_models(job: RLJobConfig, models: tuple[PolicyModel, ...]) -> N
     """What a job of several policy models cannot do (yet), named before anything starts."""
     first = models[0]
     for m in models[1:]:
-        if m.job.model.tokenizer != first.job.model.tokenizer:
+        if m.model.tokenizer != first.model.tokenizer:
             raise ConfigError(f"policies.{m.name}.model.tokenizer",
-                              f"{m.job.model.tokenizer!r} differs from policy model {first.name!r}'s "
-                              f"{first.job.model.tokenizer!r}: agents quote each other's exact tokens, so every "
+                              f"{m.model.tokenizer!r} differs from policy model {first.name!r}'s "
+                              f"{first.model.tokenizer!r}: agents quote each other's exact tokens, so every "
                               "policy's model must use one tokenizer")
     for m in models:
-        placement = m.job.ray.trainer
+        placement = m.placement
         if placement.hosts() > 1:
             own = job.policies.get(m.name)
             field = f"policies.{m.name}.placement" if own is not None and own.placement is not None else "ray.trainer"
@@ -129,19 +130,35 @@ def _check_policy_models(job: RLJobConfig, models: tuple[PolicyModel, ...]) -> N
     if job.inflight.enabled:
         raise ConfigError("inflight.enabled", f"in-flight weight updates with {len(models)} policy models are not "
                                               "supported: turn inflight off")
-    for m in models:
-        m.job.weights_config()  # a weight transfer it cannot split per policy model says so here
 
 
 @dataclasses.dataclass(frozen=True)
 class PolicyModel:
-    """One model a job trains: the policies whose turns train it, and the job as its trainer and its
-    weight stream see it (`job`: a single-model job; with several policy models its run directory is
-    `<run_dir>/policies/<name>`, so its checkpoints, weights, rollout files and logs are its own)."""
+    """One model a job trains: the policies whose turns train it and what it has of its own, a view of the
+    job for its trainer and its weight stream. Everything else (the curriculum, batching, the trainer's mesh,
+    the fleet, the steps) is the job's and is read from the job: a policy model is never a copy of it."""
 
     name: str
     policies: tuple[str, ...]
-    job: RLJobConfig
+    model: ModelConfig
+    """Its model (a `lora` policy's frozen base)."""
+    optimizer: JobOptimizerConfig
+    loss: LossConfig
+    lora: Optional[LoraRLConfig]
+    """Its adapters (a `lora` policy), else None: every parameter trains."""
+    placement: PlacementConfig
+    """What its trainer needs of its host."""
+    run_id: str
+    """Its trainer's run id: the job's for a job of one policy model, else the model's name."""
+    run_dir: str
+    """Its checkpoints, weights, rollout files and logs: the job's run directory for a job of one policy model,
+    else `<run_dir>/policies/<name>`."""
+    weights: WeightTransferConfig
+    """Its weight stream, `fanout: auto` decided for the job's fleet."""
+
+    @property
+    def rollout_root(self) -> str:
+        return f"{self.run_dir}/rollouts"
 
 
 def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
@@ -152,19 +169,22 @@ def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
     policies = job.policies
     own = [n for n, p in policies.items() if p.specialization != "shared"] if len(policies) > 1 else []
     if not own:
-        return (PolicyModel(names[0], names, _resolved(job)),)
+        job = _resolved(job)
+        return (PolicyModel(names[0], names, job.model, job.optimizer, job.loss, job.lora, job.ray.trainer,
+                            job.run_id, job.run_dir, job.weights_config()),)
     shared = tuple(n for n in names if n not in own)
     groups = ([(shared[0], shared, PolicyConfig())] if shared else []) + [(n, (n,), policies[n]) for n in own]
-    return tuple(PolicyModel(name, members, _model_job(job, name, policy)) for name, members, policy in groups)
+    return tuple(_policy_model(job, name, members, policy) for name, members, policy in groups)
 
 
-def _model_job(job: RLJobConfig, name: str, policy: PolicyConfig) -> RLJobConfig:
-    lora = (policy.lora or LoraRLConfig()) if policy.specialization == "lora" else None
+def _policy_model(job: RLJobConfig, name: str, members: tuple[str, ...], policy: PolicyConfig) -> PolicyModel:
+    run_dir = f"{job.run_dir}/policies/{name}"
     weights = job.weights.for_policy(name) if job.weights is not None else None
-    ray = dataclasses.replace(job.ray, trainer=policy.placement) if policy.placement is not None else job.ray
-    return dataclasses.replace(job, run_root=f"{job.run_dir}/policies", run_id=name, policies={},
-                               model=policy.model or job.model, optimizer=policy.optimizer or job.optimizer,
-                               loss=policy.loss or job.loss, lora=lora, weights=weights, ray=ray)
+    return PolicyModel(name, members, model=policy.model or job.model, optimizer=policy.optimizer or job.optimizer,
+                       loss=policy.loss or job.loss,
+                       lora=(policy.lora or LoraRLConfig()) if policy.specialization == "lora" else None,
+                       placement=policy.placement or job.ray.trainer, run_id=name, run_dir=run_dir,
+                       weights=stream_weights(weights, run_dir, job.n_rollout_workers))
 
 
 def resolve_policies(job: RLJobConfig) -> RLJobConfig:

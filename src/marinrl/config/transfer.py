@@ -5,6 +5,7 @@ with `type:`). Configs only: `transfer/endpoints.py` builds a config's server an
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import draccus
 
@@ -144,3 +145,10 @@ class RayTransferConfig(WeightTransferConfig):
     def for_policy(self, policy: str) -> RayTransferConfig:
         """The policy model's own coordinator actor."""
         return dataclasses.replace(self, name=f"{self.name}-{policy}")
+
+
+def stream_weights(weights: Optional[WeightTransferConfig], run_dir: str, rollout_hosts: int) -> WeightTransferConfig:
+    """A weight stream as its trainer and rollout hosts use it: `weights` (None: files under `run_dir/weights`),
+    with `fanout: auto` decided for a fleet of `rollout_hosts`."""
+    weights = weights if weights is not None else FilesystemTransferConfig(root=f"{run_dir}/weights")
+    return weights.for_fleet(rollout_hosts) if isinstance(weights, FilesystemTransferConfig) else weights

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from marinrl.config.job import RLJobConfig
-from marinrl.config.policies import policy_models, policy_names
+from marinrl.config.policies import PolicyModel, policy_models
 from marinrl.levanter_configs import to_levanter, trainer_config
 
 if TYPE_CHECKING:
@@ -41,29 +41,34 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def train_worker_config(job: RLJobConfig, policies: Optional[tuple[str, ...]] = None, *,
+def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = None, *,
                         device_bytes: Optional[float] = None) -> TrainWorkerConfig:
-    """The trainer's config; `policies`: those its model plays (default: every policy of the job). Built in the
-    trainer's process: `model.model.gradient_checkpointing: auto` is resolved here, once, from the memory of
-    `device_bytes` (default: this process's device, `local_device_bytes`), and the choice logged."""
+    """The trainer's config of `policy_model` (default: the job's first, its only one without several): the
+    model's own parts from its view, the rest from the job. Built in the trainer's process:
+    `model.model.gradient_checkpointing: auto` is resolved here, once, from the memory of `device_bytes`
+    (default: this process's device, `local_device_bytes`), and the choice logged."""
     from marinrl.config.train_worker import TrainWorkerConfig
 
-    if getattr(job.model.model, "gradient_checkpointing", None) == "auto":
+    m = policy_model if policy_model is not None else policy_models(job)[0]
+    model = m.model
+    if getattr(model.model, "gradient_checkpointing", None) == "auto":
         from marinrl.dry_run.memory import resolve_gradient_checkpointing
 
-        job, choice = resolve_gradient_checkpointing(
-            job, device_bytes if device_bytes is not None else local_device_bytes())
+        # the estimate reads the job as this model's trainer runs it
+        seen = dataclasses.replace(job, model=model, optimizer=m.optimizer, loss=m.loss, lora=m.lora, policies={})
+        seen, choice = resolve_gradient_checkpointing(
+            seen, device_bytes if device_bytes is not None else local_device_bytes())
+        model = seen.model
         logger.info("%s", choice.line())
         print(f"[marinrl] {choice.line()}", flush=True)
     return TrainWorkerConfig(
-        rollout_root=f"{job.run_dir}/rollouts", weights=job.weights_config(), model=job.model,
-        trainer=trainer_config(job), optimizer=to_levanter(job.optimizer), loss=job.loss,
+        rollout_root=m.rollout_root, weights=m.weights, model=model,
+        trainer=trainer_config(job, m), optimizer=to_levanter(m.optimizer), loss=m.loss,
         replay=dataclasses.replace(job.replay, sampling=job.sampling(), seed=job.seed),
         batching=job.batching, groups_per_step=job.groups_per_step, sync_interval=job.sync_interval,
         checkpoint_every=job.checkpoint_every, checkpoint_keep=job.checkpoint_keep,
-        checkpoint_keep_every=job.checkpoint_keep_every, lora=job.lora,
-        policies=policies if policies is not None else policy_names(job), publish_dtype=job.rollout_dtype(),
-        audit_root=f"{job.run_dir}/trained")
+        checkpoint_keep_every=job.checkpoint_keep_every, lora=m.lora, policies=m.policies,
+        publish_dtype=job.rollout_dtype(), audit_root=f"{m.run_dir}/trained")
 
 
 def local_device_bytes() -> Optional[float]:
@@ -116,11 +121,9 @@ def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:
     from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
 
     models = policy_models(job)
-    streams = ((ModelStream("policy", (), f"{job.run_dir}/rollouts", job.weights_config(), job.lora),)
+    streams = ((ModelStream("policy", (), models[0].rollout_root, models[0].weights, models[0].lora),)
                if len(models) == 1
-               else tuple(ModelStream(m.name, m.policies, f"{m.job.run_dir}/rollouts", m.job.weights_config(),
-                                      m.job.lora)
-                          for m in models))
+               else tuple(ModelStream(m.name, m.policies, m.rollout_root, m.weights, m.lora) for m in models))
     return RolloutWorkerConfig(
         streams=streams, groups_per_batch=job.groups_per_step // job.n_rollout_workers, n_generations=job.n_generations,
         max_staleness=job.max_staleness, final_step=job.num_train_steps, eval_every=job.eval_every,
@@ -165,12 +168,12 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupCloc
                                         [lesson.env for lesson in job.curriculum.lessons])
     models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
     rss_before_model = psutil.Process().memory_info().rss
-    weights = [load_served_model(m.job.model, inference, dtype=m.job.rollout_dtype()) for m in models]
+    weights = [load_served_model(m.model, inference, dtype=job.rollout_dtype()) for m in models]
     if clock is not None:
         clock.mark("model")
     # each server's head as its model's trainer computes it (`model.lm_head_float32` sets both sides)
     servers = {m.name: serve(dataclasses.replace(inference, serve_http=inference.serve_http and k == 0,
-                                                 lm_head_float32=m.job.model.lm_head_float32), w, tokenizer)
+                                                 lm_head_float32=m.model.lm_head_float32), w, tokenizer)
                for k, (m, w) in enumerate(zip(models, weights))}
     server = (servers[models[0].name] if len(models) == 1
               else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))

@@ -29,7 +29,10 @@ from marinrl.storage.fs import gcs_credentials_problem
 
 if TYPE_CHECKING:
     from marinrl.config.curriculum import CurriculumConfig
+    from marinrl.config.lora import LoraRLConfig
     from marinrl.config.model import ModelConfig
+    from marinrl.config.policies import PolicyModel
+    from marinrl.config.trainer import JobOptimizerConfig
     from marinrl.job.rl_job import RLJobConfig
 
 logger = logging.getLogger(__name__)
@@ -47,7 +50,7 @@ def check_job(config: RLJobConfig) -> None:
     for m in models:
         own = config.policies.get(m.name) if len(models) > 1 else None
         try:
-            check_policy_model(m.job)
+            check_policy_model(config, m)
         except ConfigError as e:  # a policy's own model, optimizer or adapters: named under `policies.<name>`
             head = e.field.split(".")[0].split("[")[0]
             if own is None or not (getattr(own, head, None) is not None or head == "lora"):
@@ -79,24 +82,24 @@ def check_ray_address(address: str, timeout_s: float = RAY_CONNECT_TIMEOUT_S) ->
                                          "this machine") from None
 
 
-def check_policy_model(config: RLJobConfig) -> None:
+def check_policy_model(config: RLJobConfig, model: PolicyModel) -> None:
     """The optimizer, model, adapters and row length of one trained model (`marinrl/config/policies.py`)."""
-    check_optimizer(config)
-    seq_len = check_model(config.model)
-    if config.lora is not None:
-        check_lora(config)
+    check_optimizer(model.optimizer, config.num_train_steps)
+    seq_len = check_model(model.model)
+    if model.lora is not None:
+        check_lora(model.model, model.lora)
     if seq_len is not None and config.batching.max_length > seq_len:
         raise ConfigError("batching.max_length", f"{config.batching.max_length} is longer than the model's "
                                                  f"{seq_len} positions (model seq_len); lower it to {seq_len} at most")
 
 
-def check_optimizer(config: RLJobConfig) -> None:
+def check_optimizer(optimizer: JobOptimizerConfig, num_train_steps: int) -> None:
     """Build the optimizer and its schedule once (no parameters: only the schedule's arithmetic): an
     unknown `lr_schedule` or warmup, decay and cycles that do not fit the steps fail here."""
-    if getattr(type(config.optimizer), "LEVANTER", ""):  # marinrl's AdamW: checked purely (config/trainer.py)
+    if getattr(type(optimizer), "LEVANTER", ""):  # marinrl's AdamW: checked purely (config/trainer.py)
         return
     try:
-        to_levanter(config.optimizer).build(config.num_train_steps)
+        to_levanter(optimizer).build(num_train_steps)
     except Exception as e:
         raise ConfigError("optimizer", _one_line(e)) from e
 
@@ -188,11 +191,10 @@ def check_writable(url: str, field: str) -> None:
 # ------------------------------------------------------------------------------------ models
 
 
-def check_lora(config: RLJobConfig) -> None:
+def check_lora(model: ModelConfig, lora: LoraRLConfig) -> None:
     """The LoRA block against the model's architecture (shapes only): its regex must adapt a module."""
     from marinrl.models.lora import check_targets
 
-    model = config.model
     if model.hf_checkpoint:
         lm_config, vocab_size = _hf_architecture(model.hf_checkpoint)
     else:
@@ -204,7 +206,7 @@ def check_lora(config: RLJobConfig) -> None:
 
             saved = _read_model_config(discover_latest_checkpoint(model.levanter_checkpoint))
         lm_config, vocab_size = saved or (to_levanter(model.model), model.vocab_size)
-    check_targets(lm_config, vocab_size, config.lora, "lora")
+    check_targets(lm_config, vocab_size, lora, "lora")
 
 
 def _hf_architecture(path: str):

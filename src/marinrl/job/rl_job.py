@@ -74,7 +74,7 @@ class RLJob:
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            trainers = sum(cpus(m.job.ray.trainer) for m in policy_models(self.config))
+            trainers = sum(cpus(m.placement) for m in policy_models(self.config))
             asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             self._reaper = Reaper()  # the driver's death (kill -9 included) takes this Ray with it at once
@@ -125,7 +125,7 @@ class RLJob:
             if cfg.ray.trainer.hosts() > 1:
                 group = TrainerGroup(cfg.ray.trainer, cfg.trainer_group, on_cluster=on_cluster, log_dir=self._log_dir)
             models = policy_models(cfg)
-            placements = [m.job.ray.trainer for m in models]
+            placements = [m.placement for m in models]
             for placement in [p for i, p in enumerate(placements) if p not in placements[:i]]:  # each model's trainer
                 check_cluster(placement, cfg.ray.rollout, cfg.n_rollout_workers,
                               wait_s=cfg.ray.placement_timeout_s if on_cluster else 0.0,
@@ -165,7 +165,7 @@ class RLJob:
                     else:
                         for ref in ready:
                             if ref in waited:
-                                results[waited[ref]] = self._train_result(ref, models[waited[ref]].job.run_dir)
+                                results[waited[ref]] = self._train_result(ref, models[waited[ref]].run_dir)
                     if len(results) == len(trainers):
                         break
                     for ref in (r for r in ready if r in pending):
@@ -218,10 +218,10 @@ class RLJob:
             return [group.leader], group.refs
         trainers = []
         for k, m in enumerate(models):
-            trainers.append(TrainerActor.options(**actor_options(m.job.ray.trainer, k)).remote(
-                functools.partial(train_worker_config, m.job, m.policies),
+            trainers.append(TrainerActor.options(**actor_options(m.placement, k)).remote(
+                functools.partial(train_worker_config, cfg, m),
                 curriculum_name if k == 0 else None, namespace, self._log_dir,
-                self._started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.job.ray.trainer))
+                self._started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.placement))
         self._actors.extend(trainers)
         return trainers, [t.run.remote() for t in trainers]
 
