@@ -301,40 +301,15 @@ def no_gcs_credentials(tmp_path, monkeypatch):
 
 
 def test_a_gs_path_without_credentials_is_one_line_before_any_storage_call(tmp_path, capsys, no_gcs_credentials):
-    from marinrl.job import run_lock
-
     path = _config(tmp_path, f"run_root: {tmp_path}/runs", "run_root: gs://no-such-bucket/runs")
     err = _fails(["train", path], capsys)
     assert err.startswith(f"marinrl train: {path}:{_line_col(path, 'gs://')}: RLJobConfig.run_root: "
                           "gs://no-such-bucket/runs: no Google Cloud credentials (")
     err = _fails(["inspect", "gs://no-such-bucket/runs/rollouts"], capsys)
     assert err.startswith("marinrl inspect: gs://no-such-bucket/runs/rollouts: no Google Cloud credentials (")
-    assert run_lock.main(["check", "gs://no-such-bucket/tmp"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m marinrl.job.run_lock check: gs://no-such-bucket/tmp: no Google Cloud credentials")
-
-
-def test_the_run_lock_tool_answers_bad_paths_and_leases_in_one_line(tmp_path, capsys):
-    from marinrl.job import run_lock
-
-    missing = tmp_path / "not-made"
-    assert run_lock.main(["check", str(missing)]) == 2
-    assert not missing.exists()  # checking a folder does not create it
-    a_file = tmp_path / "job.yaml"
-    a_file.write_text("x: 1")
-    assert run_lock.main(["show", str(a_file)]) == 2
-    garbled = tmp_path / "run"
-    garbled.mkdir()
-    (garbled / "run.lock").write_text("{not json")
-    assert run_lock.main(["show", str(garbled)]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    tool = "python -m marinrl.job.run_lock"
-    assert lines == [
-        f"{tool} check: {missing}: no such folder; give an existing folder to try the writes in",
-        f"{tool} show: {a_file}: a file, not a folder; give a run folder, <run_root>/<run_id>",
-        lines[2]]
-    assert lines[2].startswith(f"{tool} show: {garbled}/run.lock: not a run lease (")
-    assert lines[2].endswith("; if no job runs there, delete it")
+    for command in ("check", "show"):  # the run lock's tool: tests/test_run_lock.py
+        err = _fails(["lock", command, "gs://no-such-bucket/runs/demo"], capsys)
+        assert err.startswith(f"marinrl lock {command}: gs://no-such-bucket/runs/demo: no Google Cloud credentials (")
 
 
 def test_report_of_a_folder_that_is_not_a_run_writes_nothing(tmp_path, capsys):

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -23,10 +24,10 @@ from marinrl.job.run_lock import (
     RunLock,
     RunLockConfig,
     RunLockHeld,
-    check_preconditions,
     read_lease,
     stale_reason,
 )
+from marinrl.storage.conditional import check_preconditions
 
 FAST = RunLockConfig(renew_every_s=0.05, stale_after_renewals=4)
 
@@ -186,7 +187,7 @@ def test_jobs_racing_for_a_free_run_on_local_disk_get_exactly_one_lease(tmp_path
 def test_local_disk_honours_every_precondition_and_the_emulator_none(tmp_path, gcs_root):
     assert check_preconditions(str(tmp_path)) == []
     # The in-process GCS emulator ignores ifGenerationMatch on create, overwrite and delete; real GCS
-    # honours them (docs/storage.md says how to check a bucket with `python -m marinrl.job.run_lock check`).
+    # honours them (docs/storage.md says how to check a bucket with `marinrl lock check`).
     assert check_preconditions(gcs_root) == ["create over an existing object", "overwrite of a changed version",
                                              "delete of a changed version"]
 
@@ -258,3 +259,107 @@ def test_a_superseded_trainer_is_not_told_to_rerun_its_config(tmp_path):
     message = trainer_death_message(error, str(tmp_path / "checkpoints"))
     assert message.startswith("the trainer died: WeightPublishError: ") and "superseded" in message
     assert "do not run this config again while it runs" in message and "run the same config again" not in message
+
+
+# ---------------------------------------------------------------------------- `marinrl lock`
+
+
+def _lock_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """`marinrl lock ...` through the console script's main: (exit status, stdout, stderr)."""
+    from marinrl.cli import main
+
+    try:
+        code = main(["lock", *argv])
+    except SystemExit as e:  # an input error (2), or argparse's usage error
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out.strip(), err.strip()
+
+
+def test_lock_show_names_a_live_holder_and_says_when_the_next_job_takes_a_stale_one_over(run_dir, capsys):
+    _foreign_lease(run_dir)  # another host, renewed now: live
+    assert _lock_cli(["show", run_dir], capsys) == (
+        0, f"{run_dir}: held by {read_lease(run_dir).describe(time.time())}; job other-job", "")
+    stale_run = f"{run_dir}-stale"
+    _foreign_lease(stale_run, renewed_at=time.time() - 100.0, stale_after_s=60.0)
+    code, out, err = _lock_cli(["show", stale_run], capsys)
+    assert (code, err) == (0, "")
+    assert out.startswith(f"{stale_run}: stale lease of host elsewhere.example, pid 4242, since ")
+    assert out.endswith("; job other-job: it was not renewed for 100 s (> 60 s); the next job on this run takes "
+                        "it over")
+
+
+def test_lock_show_of_a_free_run_and_of_a_dead_holder_on_this_host(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert _lock_cli(["show", str(run_dir)], capsys) == (0, f"{run_dir}: no lease (no job holds this run)", "")
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _foreign_lease(str(run_dir), host=socket.gethostname(), pid=int(done.stdout))
+    code, out, _ = _lock_cli(["show", str(run_dir)], capsys)
+    assert code == 0 and f"stale lease of host {socket.gethostname()}, pid {int(done.stdout)}, " in out
+    assert f"its holder (pid {int(done.stdout)}) is no longer running on this host" in out
+
+
+def test_lock_show_of_a_run_root_names_its_runs_in_one_line(run_dir, capsys):
+    root = run_dir.rsplit("/", 1)[0]
+    _foreign_lease(f"{root}/b")
+    _foreign_lease(f"{root}/a")
+    code, out, err = _lock_cli(["show", root], capsys)
+    assert (code, out) == (2, "")
+    assert err == f"marinrl lock show: {root} is a run root, not a run folder: give one of its runs, {root}/a, {root}/b"
+
+
+def test_lock_check_says_whether_a_store_honours_the_leases_writes_and_leaves_nothing(tmp_path, gcs_root, capsys):
+    import gcsfs
+
+    assert _lock_cli(["check", str(tmp_path)], capsys) == (0, f"{tmp_path}: preconditions honoured", "")
+    assert list(tmp_path.iterdir()) == []
+    assert _lock_cli(["check", gcs_root], capsys) == (
+        1, f"{gcs_root}: IGNORES create over an existing object; overwrite of a changed version; delete of a "
+           "changed version", "")
+    assert gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True).find(gcs_root) == []
+
+
+def test_lock_refuses_what_it_cannot_use_in_one_line_and_writes_nothing(tmp_path, capsys):
+    missing, a_file, garbled, unreadable = (tmp_path / n for n in ("not-made", "job.yaml", "garbled", "unreadable"))
+    a_file.write_text("x: 1")
+    garbled.mkdir()
+    (garbled / "run.lock").write_text("{not json")
+    (unreadable / "run.lock").mkdir(parents=True)  # read as a file: an OSError, as root too
+    answers = [_lock_cli(argv, capsys) for argv in (["check", str(missing)], ["show", str(missing)],
+                                                    ["show", str(a_file)], ["show", str(garbled)],
+                                                    ["show", str(unreadable)], ["show"], ["break", str(garbled)])]
+    assert [code for code, _, _ in answers] == [2] * 7 and all(out == "" for _, out, _ in answers)
+    errors = [err for _, _, err in answers]
+    run_folder = "give a run folder, <run_root>/<run_id>"
+    assert errors[:3] == [
+        f"marinrl lock check: {missing}: no such folder; give an existing folder to try the writes in",
+        f"marinrl lock show: {missing}: no such folder; {run_folder}",
+        f"marinrl lock show: {a_file}: a file, not a folder; {run_folder}"]
+    assert errors[3].startswith(f"marinrl lock show: {garbled}/run.lock: not a run lease (")
+    assert errors[3].endswith("; if no job runs there, delete it") and len(errors[3].splitlines()) == 1
+    assert errors[4] == (f"marinrl lock show: {unreadable}: cannot read its lease (IsADirectoryError: [Errno 21] "
+                         f"Is a directory: '{unreadable}/run.lock'); give a run folder, <run_root>/<run_id> you can "
+                         "read")
+    assert "the following arguments are required: run_dir" in errors[5]
+    assert "invalid choice: 'break'" in errors[6]
+    assert not missing.exists() and (garbled / "run.lock").read_text() == "{not json"
+
+
+def test_the_lock_console_script_answers_without_ray_jax_or_the_config_layer(tmp_path):
+    """`marinrl lock show` in a fresh interpreter, as a user runs it: one line, none of the heavy imports."""
+    run_dir = tmp_path / "runs" / "quickstart"
+    _foreign_lease(str(run_dir))
+    script = ("import sys; from marinrl.cli import main\n"
+              f"code = main(['lock', 'show', {str(run_dir)!r}])\n"
+              "print('exit', code, 'heavy:', sorted(m for m in ('ray', 'jax', 'levanter', 'marinrl.config.job') "
+              "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "exit 0 heavy: []", done
+    assert lines[0].startswith(f"{run_dir}: held by host elsewhere.example, pid 4242, since "), done
+    console = subprocess.run([str(pathlib.Path(sys.executable).parent / "marinrl"), "lock", "show",
+                              str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
+    assert (console.returncode, console.stderr.strip()) == (
+        2, f"marinrl lock show: {tmp_path / 'nowhere'}: no such folder; give a run folder, <run_root>/<run_id>")

@@ -49,7 +49,7 @@ def trainer_death_message(error: Exception, checkpoints: str) -> str:
                   "config again" + (f" (it resumes from {latest})" if latest else ""))
     elif "superseded" in what:  # a newer trainer publishes to this run's weights: a rerun would fight it
         advice = ("another job's trainer publishes to this run now: do not run this config again while it runs "
-                  "(`python -m marinrl.job.run_lock show <run_dir>` names the job holding the run)")
+                  "(`marinrl lock show <run_dir>` names the job holding the run)")
     elif _is_disk_full(cause if isinstance(cause, BaseException) else error, what):
         advice = (f"no space left on the device of {checkpoints}: free space there (or move run_root), then run "
                   "the same config again" + (f" (it resumes from {latest})" if latest else ""))

@@ -8,11 +8,11 @@ warning, when its holder is a dead process on this host, or when it was not rene
 `stale_after_renewals` renewal periods (a holder on another host that died, or a frozen one).
 
 Every write is conditional (marinrl/storage/conditional.py): an exclusive create on local disk,
-generation preconditions on gs://, so two jobs racing for a run get one lease. `python -m
-marinrl.job.run_lock check gs://bucket/tmp` shows whether a store honours them: real GCS does, the
-in-process test emulator does not (docs/storage.md, "One job per run").
+generation preconditions on gs://, so two jobs racing for a run get one lease. `marinrl lock check
+gs://bucket/tmp` shows whether a store honours them: real GCS does, the in-process test emulator does not
+(docs/storage.md, "One job per run"); `marinrl lock show RUN_DIR` (marinrl/cli/lock.py) names the holder.
 
-This module imports no JAX, Ray or torch: a refused job answers in well under a second.
+This module imports no JAX, Ray or torch: a refused job, and `marinrl lock`, answer in well under a second.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import uuid
 from typing import Optional
 
-from marinrl.storage.conditional import Store, check_preconditions, open_store
+from marinrl.storage.conditional import Store, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -273,57 +273,3 @@ def read_lease(run_dir: str, storage_options: Optional[dict] = None) -> Optional
     store, location = _store(run_dir, storage_options)
     current = store.read()
     return None if current is None else Lease.from_json(current[0], location)
-
-
-class _InputError(Exception):
-    """A path or lease the user gave that this tool cannot use: one line, exit status 2."""
-
-
-def _usable_folder(url: str, what: str) -> None:
-    """`url` is an existing folder (local) with credentials where it is on gs://; else _InputError."""
-    from marinrl.storage.fs import gcs_credentials_problem
-
-    problem = gcs_credentials_problem(url)
-    if problem:
-        raise _InputError(problem)
-    if "://" in url and not url.startswith("file://"):
-        return  # an object store has no folders to find
-    path = url.removeprefix("file://")
-    if not os.path.exists(path):
-        raise _InputError(f"{url}: no such folder; give {what}")
-    if not os.path.isdir(path):
-        raise _InputError(f"{url}: a file, not a folder; give {what}")
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """`check URL` / `show RUN_DIR`; a path or lease it cannot use is one line on stderr and exit status 2."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="python -m marinrl.job.run_lock")
-    sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="whether a store honours the lease's conditional writes")
-    check.add_argument("url")
-    show = sub.add_parser("show", help="the lease of a run folder")
-    show.add_argument("run_dir")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "check":
-            _usable_folder(args.url, "an existing folder to try the writes in")
-            ignored = check_preconditions(args.url)
-            print(f"{args.url}: " + ("preconditions honoured" if not ignored else "IGNORES " + "; ".join(ignored)))
-            return 0 if not ignored else 1
-        _usable_folder(args.run_dir, "a run folder, <run_root>/<run_id>")
-        try:
-            lease = read_lease(args.run_dir)
-        except ValueError as e:  # a lease that does not parse
-            raise _InputError(f"{e}; if no job runs there, delete it") from e
-    except _InputError as e:
-        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
-        return 2
-    print("no lease" if lease is None else f"held by {lease.describe(time.time())}; job {lease.job_id}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
