@@ -83,42 +83,57 @@ def _logged(path: pathlib.Path) -> list[dict]:
             if "json_logger: {" in line]
 
 
-def test_two_agents_with_a_model_each_both_learn_their_own_role(tmp_path, ray_session):
-    """`first` is played by `policy` (full: a model of its own), `second` by `other` (a LoRA adapter on
-    its own copy of the base), 20 steps. Each trainer trains only its agent's groups, read from its own rollout
-    files; the LoRA stream carries adapters only; both greedy evaluations rise. (Resume per policy
+POLICIES = {"policy": PolicyConfig(specialization="full"),
+            "other": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2, alpha=4.0),
+                                  optimizer=RLAdamConfig(learning_rate=3e-2))}
+AGENT_OF = {"policy": "first", "other": "second"}
+
+
+def _two_model_job(tmp_path, steps: int, groups: int):
+    """`first` is played by `policy` (full: a model of its own), `second` by `other` (a LoRA adapter on its
+    own copy of the base), `steps` steps of `groups` groups of 8."""
+    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(ROLES,)), num_train_steps=steps,
+                     eval_every=steps, groups_per_step=groups, n_generations=8, policies=POLICIES,
+                     optimizer=RLAdamConfig(learning_rate=1e-2))
+    return cfg, RLJob(cfg).run()
+
+
+def test_two_agents_with_a_model_each_train_only_their_own_turns(tmp_path, ray_session):
+    """Each trainer trains only its agent's groups, read from its own rollout files; the LoRA stream carries
+    adapters only; each policy is evaluated on its own. (Learning: the `slow` test below; resume per policy
     model after a SIGKILL: tests/test_job_faults.py.)"""
-    policies = {"policy": PolicyConfig(specialization="full"),
-                "other": PolicyConfig(specialization="lora", lora=LoraRLConfig(rank=2, alpha=4.0),
-                                      optimizer=RLAdamConfig(learning_rate=3e-2))}
-    cfg = job_config(tmp_path, curriculum=CurriculumConfig(lessons=(ROLES,)), num_train_steps=20, eval_every=20,
-                     groups_per_step=8, n_generations=8, policies=policies, optimizer=RLAdamConfig(learning_rate=1e-2))
-    result = RLJob(cfg).run()
+    cfg, result = _two_model_job(tmp_path, steps=3, groups=4)
     assert set(result.policies) == {"policy", "other"} and result.train == result.policies["policy"]
-    agent_of = {"policy": "first", "other": "second"}
     for name, train in result.policies.items():
-        assert train["final_step"] == 20
+        assert train["final_step"] == 3
         trained = [g for step in train["trained_groups"] for g in step]
-        assert trained and all(f":t{0 if name == 'policy' else 1}:{agent_of[name]}:" in g for g in trained), trained[:4]
+        assert trained and all(f":t{0 if name == 'policy' else 1}:{AGENT_OF[name]}:" in g for g in trained), trained[:4]
         written = [r for b in RolloutReader(f"{cfg.run_dir}/policies/{name}/rollouts").read_new() for r in b.rollouts]
-        assert {r.policy_name for r in written} == {name} and {r.agent_name for r in written} == {agent_of[name]}
-    assert result.curriculum_step == 20  # the first model's trainer keeps the curriculum's clock
+        assert {r.policy_name for r in written} == {name} and {r.agent_name for r in written} == {AGENT_OF[name]}
+    assert result.curriculum_step == 3  # the first model's trainer keeps the curriculum's clock
 
     # L2: the adapter's weight stream is a fraction of the full model's
     logs = tmp_path / "job" / "logs"
     sent = {n: {e["metrics"]["weights/bytes"] for e in _logged(logs / f"trainer-{n}.log")
-                if "weights/bytes" in e.get("metrics", {})} for n in policies}
+                if "weights/bytes" in e.get("metrics", {})} for n in POLICIES}
     full = ModelSkeleton(build_model(cfg.model)).nbytes
     assert sent["other"] and max(sent["other"]) < full / 4 and min(sent["policy"]) >= full, (sent, full)
+    (rollouts,) = result.rollouts
+    evals = [e["metrics"] for e in rollouts["evals"] if e["kind"] == "eval"]
+    assert {f"eval/roles/policy/{name}/reward_mean" for name in POLICIES} <= set(evals[-1])  # evaluated per policy
 
-    # Both roles learn. Each step trains 8 groups of 8 samples of its agent; a sample's reward is in [0, 1],
-    # so the mean of 3 steps (192 samples) has a standard error of at most sqrt(0.25 / 192) = 0.036, and
-    # their difference 0.051: a rise of 0.15 (about 3 of those) does not come from noise.
+
+@pytest.mark.slow  # about 3 minutes on 2 cores: `make test-slow` (the path: the test above)
+def test_two_agents_with_a_model_each_both_learn_their_own_role(tmp_path, ray_session):
+    """20 steps of 8 groups: both roles learn, each from its own model's updates."""
+    _, result = _two_model_job(tmp_path, steps=20, groups=8)
+    # Each step trains 8 groups of 8 samples of its agent; a sample's reward is in [0, 1], so the mean of 3
+    # steps (192 samples) has a standard error of at most sqrt(0.25 / 192) = 0.036, and their difference
+    # 0.051: a rise of 0.15 (about 3 of those) does not come from noise.
     for name, train in result.policies.items():
+        assert train["final_step"] == 20
         rewards = [h["batch/reward_mean"] for h in train["history"]]
         early, late = np.mean(rewards[:3]), np.mean(rewards[-3:])
         assert late > early + 0.15, (name, rewards)
-    (rollouts,) = result.rollouts
-    evals = [e["metrics"] for e in rollouts["evals"] if e["kind"] == "eval"]
-    assert {f"eval/roles/policy/{name}/reward_mean" for name in policies} <= set(evals[-1])  # evaluated per policy
+
 
