@@ -98,6 +98,74 @@ def test_an_interpreter_without_verifiers_or_an_unknown_id_is_refused_before_a_j
         check_environments(lesson(_args(verifiers_python, "no_such_env")))
 
 
+def _script(tmp_path, name: str, body: str) -> str:
+    """An executable shell script named as the lesson's `python`."""
+    path = tmp_path / name
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_python_that_exits_at_once_is_refused_with_what_it_printed_or_that_it_printed_nothing(tmp_path):
+    silent = _script(tmp_path, "silent", "exit 1")
+    with pytest.raises(ValueError) as caught:
+        make_env(EnvConfig("verifiers", {"env_id": "vf_letter", "python": silent})).check_reachable()
+    assert str(caught.value) == (f"verifiers environment 'vf_letter': {silent} could not run the bridge (exit 1): it "
+                                 "printed nothing: is it a Python 3.11+ interpreter of a virtualenv with verifiers? "
+                                 f"`{silent} -c 'import verifiers'` should run")
+    loud = _script(tmp_path, "loud", "echo 'this is not python' >&2; exit 3")
+    with pytest.raises(ValueError) as caught:
+        make_env(EnvConfig("verifiers", {"env_id": "vf_letter", "python": loud})).check_reachable()
+    assert str(caught.value) == f"verifiers environment 'vf_letter': {loud} could not run the bridge (exit 3): this " \
+                                "is not python"
+
+
+def test_a_python_that_hangs_is_shown_waiting_within_seconds_then_refused(tmp_path, capfd):
+    """The check before a job prints what it waits for once the wait is `WAIT_NOTICE_S` (at most 30 s) old; at its
+    limit it kills the process and the children holding its pipes, and names the hang."""
+    from marinrl.envs.verifiers_process import WAIT_NOTICE_S
+
+    hung = _script(tmp_path, "hung", "echo importing >&2; sleep 600")  # sleep: a child of the shell
+    env = make_env(EnvConfig("verifiers", {"env_id": "vf_letter", "python": hung}))
+    limit = WAIT_NOTICE_S + 1.0
+    with pytest.raises(ValueError) as caught:
+        env.check_reachable(timeout_s=limit)
+    assert str(caught.value) == (f"verifiers environment 'vf_letter': {hung} did not load it within {limit:g} s (it "
+                                 f"printed: importing); check that `{hung} -c 'import verifiers'` returns (a wrapper "
+                                 "waiting for input? a slow network filesystem?)")
+    notices = [line for line in capfd.readouterr().err.splitlines() if line.startswith("[marinrl] waiting for")]
+    assert WAIT_NOTICE_S <= 30 and len(notices) == 1, notices
+    assert notices[0].startswith(f"[marinrl] waiting for {hung} to load the verifiers environment 'vf_letter': no "
+                                 f"answer for ") and notices[0].endswith(f"s (up to {limit:g} s)")
+
+
+def test_an_episode_runs_again_only_while_it_has_retries_left(verifiers_python, server, tmp_path, monkeypatch):
+    """`max_retries: 0`: the episode whose EnvServer died under it is counted failed, not run again; the call's
+    other episode runs on the restarted server."""
+    kill = tmp_path / "kill"
+    monkeypatch.setenv("VF_CALC_KILL_FILE", str(kill))  # the EnvServer started at the first sample inherits it
+    env = make_env(EnvConfig("verifiers", _args(verifiers_python, "vf_calc", max_concurrency=1, max_retries=0,
+                                                renderer=BYTE_RENDERER)))
+    try:
+        kill.touch()  # the first episode ends its server; the second runs after the restart
+        groups, metrics = _sample(env, server, n_examples=1, n_generations=2)
+    finally:
+        env.close()
+    assert not kill.exists() and metrics["calc/env_failures"] == 0, metrics
+    assert metrics["calc/server_restarts"] == 1 and metrics["calc/episodes_retried"] == 0, metrics
+    assert metrics["calc/episodes_failed"] == 1 and metrics["calc/episodes_ok"] == 1 and len(groups) == 1, metrics
+
+
+def test_an_episode_past_its_timeout_is_counted_timed_out_not_failed(verifiers_python, server):
+    env = make_env(EnvConfig("verifiers", _args(verifiers_python, "vf_letter", episode_timeout=0.01)))
+    try:  # no episode answers within 10 ms (each is a request to the EnvServer and a generate call of ours)
+        with pytest.raises(RuntimeError, match=r"^verifiers environment 'vf_letter': no episode finished \(2 tried: 0 "
+                                               r"failed, 2 timed out\); last error: timeout$"):
+            env.sample(server, 1, 2, SamplingParams(temperature=1.0, max_tokens=2), np.random.default_rng(0), "train")
+    finally:
+        env.close()
+
+
 def test_a_multi_turn_tool_episode_trains_the_model_turns_and_masks_the_tool(calc_env, server):
     groups, metrics = _sample(calc_env, server)
     assert metrics["calc/env_failures"] == 0 and metrics["calc/episodes_ok"] == 8

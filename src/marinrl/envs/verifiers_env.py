@@ -42,7 +42,6 @@ import math
 import os
 import pathlib
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -52,7 +51,7 @@ import numpy as np
 
 from marinrl.config.env import VerifiersEnvConfig
 from marinrl.envs.base import Mode, check_sample_args, make_rollout, new_group_id, register_env
-from marinrl.envs.verifiers_process import BridgeDied, BridgeProcess, tail
+from marinrl.envs.verifiers_process import BridgeDied, BridgeProcess, last_words, run_noticed, tail
 from marinrl.inference.context import Generation, InferenceContext, SamplingParams, endpoint_api_key, endpoint_url
 from marinrl.logs import ENV_ERRORS, WAITS
 from marinrl.types import DEFAULT_AGENT, RolloutGroup
@@ -155,20 +154,29 @@ class VerifiersEnv:
     def check_reachable(self, timeout_s: float = PREFLIGHT_TIMEOUT_S) -> None:
         """Before Ray starts: the interpreter runs, has verifiers of a supported version, the environment id loads
         and its taskset yields tasks (both splits); a `server_address` answers verifiers' health request.
-        ValueError naming the environment and the cause."""
+        ValueError naming the environment and the cause. A wait past `WAIT_NOTICE_S` (verifiers_process.py) is
+        shown on the terminal."""
+        python = self.config.python
         timeout = min(timeout_s, self.config.start_timeout)
-        extra = {"address": self.config.server_address, "health_timeout": HEALTH_TIMEOUT_S}
-        try:
-            done = subprocess.run(self._argv("check", **extra), capture_output=True, timeout=timeout + HEALTH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ValueError(f"{self.label}: {self.config.python} did not load it within {timeout:g} s") from None
-        lines = done.stdout.decode(errors="replace").strip().splitlines()
+        address = self.config.server_address
+        limit = timeout + (HEALTH_TIMEOUT_S if address is not None else 0.0)
+        argv = self._argv("check", address=address, health_timeout=HEALTH_TIMEOUT_S)
+        code, out, err = run_noticed(argv, limit, f"{python} to load the {self.label}")
+        if code is None:
+            said = last_words(out, err)
+            said = said if said == "it printed nothing" else f"it printed: {said}"
+            raise ValueError(f"{self.label}: {python} did not load it within {limit:g} s ({said}); check that "
+                             f"`{python} -c 'import verifiers'` returns (a wrapper waiting for input? a slow network "
+                             "filesystem?)")
+        lines = out.strip().splitlines()
         try:
             answer = json.loads(lines[-1])
         except (IndexError, json.JSONDecodeError):
-            stderr = " ".join(done.stderr.decode(errors="replace").split())[-800:]
-            raise ValueError(f"{self.label}: {self.config.python} could not run the bridge (exit {done.returncode})"
-                             f": {stderr}") from None
+            cause = last_words(out, err)
+            if cause == "it printed nothing":
+                cause += (f": is it a Python 3.11+ interpreter of a virtualenv with verifiers? "
+                          f"`{python} -c 'import verifiers'` should run")
+            raise ValueError(f"{self.label}: {python} could not run the bridge (exit {code}): {cause}") from None
         if "error" in answer:
             cause = answer["error"]
             if "No module named 'verifiers'" in cause:

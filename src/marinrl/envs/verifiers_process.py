@@ -6,13 +6,60 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
+import time
 from typing import Optional
+
+WAIT_NOTICE_S = 10.0
+"""Seconds the check before a job waits on `python` in silence: then the terminal says what it waits for (and
+again every `WAIT_NOTICE_REPEAT_S`), so a `python` that hangs is seen at once, not after its whole timeout."""
+WAIT_NOTICE_REPEAT_S = 30.0
 
 
 class BridgeDied(RuntimeError):
     """The bridge or the EnvServer process ended; the episodes it held may run again."""
+
+
+def run_noticed(argv: list[str], timeout: float, what: str,
+                notice_s: float = WAIT_NOTICE_S) -> tuple[Optional[int], str, str]:
+    """(exit status, stdout, stderr) of `argv` run to its end; the status is None when it ran past `timeout`
+    seconds (it is killed then, with every process it started). Prints `[marinrl] waiting for <what>` on stderr
+    once it has run `notice_s` seconds, and every `WAIT_NOTICE_REPEAT_S` after."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    started = time.monotonic()
+    notice_at = notice_s
+    while True:
+        elapsed = time.monotonic() - started
+        try:
+            out, err = proc.communicate(timeout=max(0.0, min(timeout, notice_at) - elapsed))
+            return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its children too, which hold its pipes open
+                except ProcessLookupError:
+                    pass
+                out, err = proc.communicate()
+                return None, out.decode(errors="replace"), err.decode(errors="replace")
+            if elapsed >= notice_at:
+                print(f"[marinrl] waiting for {what}: no answer for {elapsed:.0f} s (up to {timeout:g} s)",
+                      file=sys.stderr, flush=True)
+                notice_at += WAIT_NOTICE_REPEAT_S
+
+
+def last_words(stdout: str, stderr: str, n: int = 800) -> str:
+    """What a process that failed printed, as one line: its stderr's tail, else its stdout's, else that it
+    printed nothing."""
+    for text, where in ((stderr, ""), (stdout, "on stdout: ")):
+        text = " ".join(text.split())
+        if text:
+            return where + text[-n:]
+    return "it printed nothing"
 
 
 def tail(path: Optional[str], n: int = 1500) -> str:
