@@ -209,6 +209,27 @@ def test_a_wait_on_a_server_that_never_answers_is_visible_while_it_lasts(silent_
     assert not [w for w in WAITS.overdue(0.0) if w.startswith(what)]  # a wait that ended is no longer shown
 
 
+def test_a_step_that_has_not_answered_is_shown_as_a_wait_while_it_lasts(openenv_url, server):
+    """A session that opened and then a step the server holds (`delay`): the wait the job's driver prints names the
+    step, long before its deadline, and is gone once the step answered."""
+    from marinrl.logs import WAITS
+
+    env = make_env(EnvConfig("openenv", _args(openenv_url, action_args={"delay": 3.0}, request_timeout=60.0,
+                                              max_turns=1)))
+    got = []
+    caller = threading.Thread(target=lambda: got.append(_sample(env, server, 1, 1)))
+    caller.start()
+    what = f"openenv: a step on {openenv_url} (timeout 60 s)"
+    deadline = time.monotonic() + 60
+    while not any(line.startswith(f"{what}: no answer for ") for line in WAITS.overdue(0.0)):
+        assert caller.is_alive() and time.monotonic() < deadline, WAITS.overdue(0.0)
+        time.sleep(0.02)
+    caller.join(60)
+    ((groups, metrics),) = got
+    assert metrics["letters/episodes_failed"] == 0 and len(groups) == 1, metrics
+    assert not [w for w in WAITS.overdue(0.0) if w.startswith(what)]
+
+
 def test_a_step_past_its_timeout_drops_its_episode(openenv_url, server):
     env = make_env(EnvConfig("openenv", _args(openenv_url, action_args={"delay": 3.0}, request_timeout=0.5)))
     groups, metrics = _sample(env, server, n_examples=2, n_generations=2)
