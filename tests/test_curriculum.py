@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 import uuid
 
@@ -324,6 +325,29 @@ def test_actor_is_get_or_create_by_name_and_refuses_another_config(ray_session, 
     assert second.lesson("b").dependencies == (LessonDependency("a", 0.5),)
     with pytest.raises(ValueError, match="already exists with another configuration"):
         _actor(actor_name, config(lesson("a")))
+
+
+def test_updates_in_flight_are_kept_until_applied_and_their_failure_raises_from_flush(ray_session, actor_name,
+                                                                                       tmp_path):
+    """Updates are sent without waiting: those still in flight when the next is sent stay counted, `flush()`
+    waits for every one and raises the one that failed on the actor; the others were applied."""
+    client = CurriculumClient(_actor(actor_name, config(lesson("a"))))
+    gate = tmp_path / "gate"
+
+    def hold_until_the_gate_opens(actor, path):  # the actor runs one call at a time: the updates queue behind it
+        while not os.path.exists(path):
+            time.sleep(0.01)
+
+    held = client.handle.__ray_call__.remote(hold_until_the_gate_opens, str(gate))
+    client.update_from_training("no_such_lesson", [1.0], 1)
+    client.update_from_training("a", [1.0] * 4, 2)
+    client.update_from_training("a", [0.0] * 4, 3)
+    assert client.pending == 3  # none applied yet, none forgotten
+    gate.touch()
+    with pytest.raises(KeyError, match="unknown lesson 'no_such_lesson'"):
+        client.flush()
+    ray_session.get(held)
+    assert client.pending == 0 and client.step() == 3
 
 
 def test_killed_actor_restarts_and_resumes_from_the_saved_state(ray_session, actor_name, tmp_path):
