@@ -4,9 +4,11 @@ ConfigError naming the field, raised by the constructor, so no actor, trainer or
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
+import re
 import time
 
 import jax.numpy as jnp
@@ -172,18 +174,77 @@ def test_a_trainer_killed_by_an_input_error_says_to_fix_it_not_to_resume(tmp_pat
     assert message.endswith(f"fix it, then run the config again (it resumes from {checkpoints}/step-2)")
 
 
-def test_a_trainer_killed_by_ray_for_memory_gets_advice_in_two_lines(tmp_path):
+def test_a_trainer_killed_by_ray_for_memory_gets_advice_in_two_lines(tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
     checkpoints = str(tmp_path / "checkpoints")
     save_checkpoint({"x": jnp.zeros(2)}, step=2, checkpoint_path=f"{checkpoints}/step-2")
     killed = ray.exceptions.OutOfMemoryError("Task was killed due to the node running low on memory.\n"
                                              "Memory on the node (IP: 10.0.0.2) where the task was running ...\n" * 30)
     message = trainer_death_message(killed, checkpoints)
     assert message.splitlines() == [
-        "the trainer died: Ray killed it for memory (the node's memory use passed Ray's limit)",
+        "the trainer died: Ray killed it for memory: the node's memory use passed RAY_memory_usage_threshold (0.95 "
+        "unless set where Ray started)",
         message.splitlines()[1]]
-    assert message.splitlines()[1].startswith("give the trainer and rollout workers more memory: fewer "
-                                              "n_rollout_workers per node")
+    assert message.splitlines()[1].startswith("give the trainer and rollout workers more memory, or ask less of it: ")
     assert message.endswith(f"then run the same config again (it resumes from {checkpoints}/step-2)")
+
+
+RAY_OOM_KILL = pathlib.Path(__file__).parent / "fixtures" / "ray_2.60_oom_kill_threshold_0.05.txt"
+"""What Ray 2.60 raised (ray.get of an actor's call) when its memory monitor killed the actor under
+RAY_memory_usage_threshold=0.05: captured from a local Ray on a 24 GiB machine."""
+
+
+def _advised_fields(advice: str) -> list[str]:
+    """The config fields a line of advice names: lowercase words joined by `_` or `.` (environment variables aside)."""
+    return sorted(set(re.findall(r"\b[a-z]+(?:[._][a-z]+)+\b", advice)))
+
+
+def test_ray_killing_the_trainer_for_memory_names_the_threshold_in_force_and_only_settable_fields(tmp_path,
+                                                                                               monkeypatch):
+    """Ray's own message names the threshold it killed at (here 5%, not its default 95%): the first line carries
+    it, the advice says to raise it, and every field the advice names is one a job config may set."""
+    from marinrl.config.errors import load_job_config
+    from marinrl.config.job import DERIVED_FIELDS, RLJobConfig
+
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")  # Ray's message wins over this driver's environment
+    killed = ray.exceptions.OutOfMemoryError(RAY_OOM_KILL.read_text())
+    what, advice = trainer_death_message(killed, str(tmp_path / "checkpoints")).splitlines()
+    assert what == ("the trainer died: Ray killed it for memory: the node used 13.76GB of 23.59GB, over "
+                    "RAY_memory_usage_threshold=0.05")
+    assert advice.startswith("Ray kills at RAY_memory_usage_threshold=0.05, below its default 0.95: unless that is "
+                             "meant, raise it (or unset it) where Ray starts")
+    fields = _advised_fields(advice)
+    assert {"trainer.per_device_parallelism", "batching.max_length", "groups_per_step", "n_generations",
+            "n_rollout_workers"} <= set(fields), fields
+    config = load_job_config(RLJobConfig, str(QUICKSTART), [])
+    for field in fields:  # each parses as a flag of `marinrl train` (its value as the config has it)
+        assert field not in DERIVED_FIELDS, field
+        value = functools.reduce(getattr, field.split("."), config)
+        parsed = load_job_config(RLJobConfig, str(QUICKSTART), [f"--{field}={value}"])
+        assert functools.reduce(getattr, field.split("."), parsed) == value, field
+
+
+@pytest.mark.parametrize(
+    "text, environment, threshold",
+    [
+        ("Task was killed due to the node running low on memory.\nMemory on the node (IP: 10.0.0.2, ID: ab) where "
+         "the task was running was 32.91GB / 33.28GB (0.988698), which exceeds the memory usage threshold of "
+         "0.969955. Ray killed this worker (ID: cd) because it was the most recently scheduled task", None,
+         "the node used 32.91GB of 33.28GB, over RAY_memory_usage_threshold=0.969955"),
+        ("Worker exit detail: killed due to memory pressure", "0.8",
+         "the node's memory use passed RAY_memory_usage_threshold=0.8"),
+    ],
+    ids=["older-ray-message", "driver-environment"],
+)
+def test_the_memory_threshold_comes_from_rays_message_else_the_drivers_environment(tmp_path, monkeypatch, text,
+                                                                                   environment, threshold):
+    if environment is None:
+        monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    else:
+        monkeypatch.setenv("RAY_memory_usage_threshold", environment)
+    what, advice = trainer_death_message(ray.exceptions.OutOfMemoryError(text), str(tmp_path)).splitlines()
+    assert what == f"the trainer died: Ray killed it for memory: {threshold}"
+    assert advice.startswith("Ray kills at RAY_memory_usage_threshold=") == (environment is not None)
 
 
 def _disk_full_error() -> OSError:

@@ -3,6 +3,7 @@ input, free memory or disk, or run the same config again to resume from the chec
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Optional
 
@@ -39,8 +40,9 @@ def trainer_death_message(error: Exception, checkpoints: str) -> str:
     latest = _latest_checkpoint(checkpoints)
     after_resume = re.search(r"after resuming from (\S+?):", what)
     if killed_for_memory(error):
-        what = "Ray killed it for memory (the node's memory use passed Ray's limit)"
-        advice = MEMORY_ADVICE + (f"; then run the same config again (it resumes from {latest})" if latest else "")
+        what = memory_kill_line(error)
+        advice = memory_advice(error) + (f"; then run the same config again (it resumes from {latest})" if latest
+                                         else "")
     elif after_resume:  # a rerun would load the same state and fail the same way
         advice = (f"move {after_resume.group(1)} out of {checkpoints} and run the same config again (it resumes "
                   "from the checkpoint before it); if the loss is still NaN, lower optimizer.learning_rate")
@@ -64,9 +66,63 @@ def trainer_death_message(error: Exception, checkpoints: str) -> str:
     return f"the trainer died: {what}\n{advice}"
 
 
-MEMORY_ADVICE = ("give the trainer and rollout workers more memory: fewer n_rollout_workers per node, a smaller "
-                 "trainer.train_batch_size or batching.max_length, a smaller model, or a machine with more memory "
-                 "(Ray kills a process once the node's memory use passes RAY_memory_usage_threshold, 0.95)")
+MEMORY_ADVICE = ("give the trainer and rollout workers more memory, or ask less of it: a smaller "
+                 "trainer.per_device_parallelism (fewer rows per device at once: the same update, accumulated), a "
+                 "smaller batching.max_length, fewer groups_per_step or n_generations (a step's batch is "
+                 "groups_per_step × n_generations rows), fewer n_rollout_workers per node, a smaller model, or a "
+                 "machine with more memory")
+"""What to change when Ray's memory monitor killed a process: only fields a job config sets (the trainer's batch
+size is derived, `config/job.DERIVED_FIELDS`). `memory_advice` adds the threshold Ray killed at when it is low."""
+
+RAY_DEFAULT_MEMORY_THRESHOLD = 0.95
+"""Ray's `RAY_memory_usage_threshold` when nothing sets it."""
+
+_RAY_THRESHOLDS = (
+    (re.compile(r"exceeded threshold of \d+B \((?P<value>\d+(?:\.\d+)?)% of"), 100.0),  # Ray 2.5x: "OOM kill reason"
+    (re.compile(r"exceeds the memory usage threshold of (?P<value>\d+(?:\.\d+)?)"), 1.0),  # earlier Ray
+)
+_RAY_USAGE = re.compile(r"was (?P<used>\d+(?:\.\d+)?GB)(?: used)? / (?P<total>\d+(?:\.\d+)?GB)")
+
+
+def _ray_texts(error: BaseException) -> str:
+    cause = getattr(error, "cause", None)
+    return f"{error}\n{cause}" if isinstance(cause, BaseException) else str(error)
+
+
+def memory_threshold(error: BaseException) -> Optional[float]:
+    """The fraction of the node's memory above which Ray killed: read from Ray's own message, which names it;
+    else `RAY_memory_usage_threshold` of this driver's environment (a local Ray the job starts inherits it);
+    None when neither says (Ray's default then: 0.95)."""
+    text = _ray_texts(error)
+    for pattern, per_unit in _RAY_THRESHOLDS:
+        found = pattern.search(text)
+        if found:
+            return round(float(found.group("value")) / per_unit, 6)
+    try:
+        return float(os.environ["RAY_memory_usage_threshold"])
+    except (KeyError, ValueError):
+        return None
+
+
+def memory_kill_line(error: BaseException) -> str:
+    """What Ray's memory monitor did, with the node's use and the threshold Ray killed at when its message says."""
+    usage = _RAY_USAGE.search(_ray_texts(error))
+    threshold = memory_threshold(error)
+    limit = (f"RAY_memory_usage_threshold={threshold:g}" if threshold is not None
+             else f"RAY_memory_usage_threshold ({RAY_DEFAULT_MEMORY_THRESHOLD:g} unless set where Ray started)")
+    if usage:
+        return f"Ray killed it for memory: the node used {usage['used']} of {usage['total']}, over {limit}"
+    return f"Ray killed it for memory: the node's memory use passed {limit}"
+
+
+def memory_advice(error: BaseException) -> str:
+    """MEMORY_ADVICE, first telling to raise Ray's threshold where it was set below Ray's default."""
+    threshold = memory_threshold(error)
+    if threshold is None or threshold >= RAY_DEFAULT_MEMORY_THRESHOLD:
+        return MEMORY_ADVICE
+    return (f"Ray kills at RAY_memory_usage_threshold={threshold:g}, below its default "
+            f"{RAY_DEFAULT_MEMORY_THRESHOLD:g}: unless that is meant, raise it (or unset it) where Ray starts (this "
+            f"shell for the job's local Ray, `ray start` on a cluster); else {MEMORY_ADVICE}")
 
 
 def killed_for_memory(error: BaseException) -> bool:
