@@ -24,6 +24,7 @@ from marinrl.job.plan import build_trainer
 from marinrl.levanter_configs import cpu_trainer_config
 from marinrl.models.policy_model import build_model
 from marinrl.storage.rollouts import RolloutWriter
+from marinrl.train.checkpoints import DIGEST, newest_loadable
 from marinrl.train.replay.buffer import ReplayBuffer
 from marinrl.train.worker import TrainResult, TrainWorker
 from marinrl.transfer.endpoints import build_client
@@ -195,7 +196,10 @@ def test_on_policy_trains_each_step_on_its_own_weights(tmp_path):
         assert m["batch/rows"] < GROUPS * G and m["batch/row_length"] <= 64
     trained = [gid for m in steps.values() for gid, _ in m["groups"]]
     assert len(trained) == len(set(trained))
-    assert (tmp_path / "ckpt" / "onpolicy" / "step-3" / "marinrl.json").exists()  # the final, forced checkpoint
+    final = tmp_path / "ckpt" / "onpolicy" / "step-3"  # the final, forced checkpoint
+    assert newest_loadable(str(final.parent)).path == str(final)
+    (final / DIGEST).unlink()  # as a save killed between Levanter's commit and the digest leaves it
+    assert newest_loadable(str(final.parent)) is None  # its sidecar promised a digest: not trusted
     assert result.metrics["replay/trained_staleness/0"] == 4 * GROUPS
 
 
