@@ -363,3 +363,10 @@ def test_the_lock_console_script_answers_without_ray_jax_or_the_config_layer(tmp
                               str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=120)
     assert (console.returncode, console.stderr.strip()) == (
         2, f"marinrl lock show: {tmp_path / 'nowhere'}: no such folder; give a run folder, <run_root>/<run_id>")
+
+
+def test_running_the_lock_module_points_at_marinrl_lock_instead_of_doing_nothing():
+    done = subprocess.run([sys.executable, "-m", "marinrl.job.run_lock", "show", "runs/demo"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert (done.returncode, done.stdout, done.stderr.strip()) == (
+        1, "", "the run lock's tool is `marinrl lock show RUN_DIR` / `marinrl lock check URL`")

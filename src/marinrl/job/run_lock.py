@@ -273,3 +273,7 @@ def read_lease(run_dir: str, storage_options: Optional[dict] = None) -> Optional
     store, location = _store(run_dir, storage_options)
     current = store.read()
     return None if current is None else Lease.from_json(current[0], location)
+
+
+if __name__ == "__main__":  # the tool is a subcommand (marinrl/cli/lock.py): the job layer never imports the CLI
+    raise SystemExit("the run lock's tool is `marinrl lock show RUN_DIR` / `marinrl lock check URL`")
