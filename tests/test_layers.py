@@ -342,7 +342,7 @@ def test_only_the_placement_modules_read_placement_fields():
 
 def test_the_job_package_loads_ray_only_when_rljob_is_asked_for(tmp_path):
     """`from marinrl.job import RLJob, RLJobConfig` is the public form; a submodule such as the run lock's
-    command line (`python -m marinrl.job.run_lock`) must not pay for Ray."""
+    (`marinrl lock`'s) must not pay for Ray."""
     script = textwrap.dedent("""
         import json, sys
         import marinrl.job.run_lock

@@ -28,7 +28,14 @@ from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobC
 from marinrl.config.policies import policy_models, resolve_policies
 from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
 from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
-from marinrl.job.outcomes import MEMORY_ADVICE, first_line, killed_for_memory, stopped_line, trainer_death_message
+from marinrl.job.outcomes import (
+    first_line,
+    killed_for_memory,
+    memory_advice,
+    memory_kill_line,
+    stopped_line,
+    trainer_death_message,
+)
 from marinrl.job.placement import AutoscalerRequest, actor_options, check_cluster, cpus
 from marinrl.job.plan import train_worker_config
 from marinrl.job.preflight import check_job
@@ -181,17 +188,18 @@ class RLJob:
                                     f"rollout-{i}.log). Fix the environment or its args, then run the same config "
                                     "again: it resumes from the last checkpoint") from None
                             if restarts >= cfg.ray.max_rollout_restarts * cfg.n_rollout_workers:
-                                raise RuntimeError(f"rollout worker {i} keeps dying: {first_line(e)}"
-                                                   + (f"\n{MEMORY_ADVICE}" if killed_for_memory(e) else
-                                                      f"\nits log: {self._log_dir}/rollout-{i}.log")) from e
+                                raise RuntimeError(
+                                    f"rollout worker {i} keeps dying: "
+                                    + (f"{memory_kill_line(e)}\n{memory_advice(e)}" if killed_for_memory(e) else
+                                       f"{first_line(e)}\nits log: {self._log_dir}/rollout-{i}.log")) from e
                             restarts += 1
                             logger.warning("rollout worker %d died (%s); restarting it", i, type(e).__name__)
                             rollouts[i] = self._rollout_actor(i, curriculum_name, namespace, restart=True)
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
-                self._stop_trainers([(trainers[k], ref, k == 0 and bar.answered) for ref, k in waited.items()
-                                     if k not in results])
+                stop_trainers([(trainers[k], ref, k == 0 and bar.answered) for ref, k in waited.items()
+                               if k not in results], cfg.ray.stop_timeout_s)
                 raise
             for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
                 try:
@@ -224,47 +232,6 @@ class RLJob:
                 self._started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.placement))
         self._actors.extend(trainers)
         return trainers, [t.run.remote() for t in trainers]
-
-    def _stop_trainers(self, stopping: list[tuple[Any, Any, bool]]) -> None:
-        """Ctrl-C: each trainer (actor, its `run` ref, whether it has answered a call: its actor is built)
-        that is training finishes its step and saves a checkpoint (the job resumes from it), for at most
-        `ray.stop_timeout_s`; a second Ctrl-C gives up waiting. One still starting (its actor being built:
-        no answer to `stop` within STOP_ANSWER_S; or loading, compiling, publishing its first weights: False)
-        has nothing new to save and is not waited for. A trainer waiting for rollouts stops at once (the
-        replay's wait ends on the stop event). `run`'s cleanup follows."""
-        timeout = self.config.ray.stop_timeout_s
-        print(f"\n[marinrl] interrupted: the trainer checkpoints and stops (up to {timeout:.0f} s; Ctrl-C again "
-              "to quit now)", file=sys.stderr, flush=True)
-        try:
-            answers = [trainer.stop.remote() for trainer, _, _ in stopping]
-            answered, _ = ray.wait(answers, num_returns=len(answers), timeout=STOP_ANSWER_S)
-            built = [a for a, (_, _, known) in zip(answers, stopping) if known and a not in answered]
-            if built:  # an actor that answered before answers this too: a loaded machine is slow, not silent
-                answered += ray.wait(built, num_returns=len(built), timeout=timeout)[0]
-            training = []
-            for answer, (_, ref, _) in zip(answers, stopping):
-                try:
-                    if answer in answered and ray.get(answer):
-                        training.append(ref)
-                        continue
-                    print("[marinrl] stopped while the trainer was starting (no step trained: nothing new to "
-                          "checkpoint); run the same config again to resume", file=sys.stderr, flush=True)
-                except Exception as e:  # the trainer is gone already: nothing more to save
-                    print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
-                          flush=True)
-            ready, _ = ray.wait(training, num_returns=len(training), timeout=timeout) if training else ([], [])
-            for ref in training:
-                if ref not in ready:
-                    print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
-                          file=sys.stderr, flush=True)
-                    continue
-                try:
-                    print(f"[marinrl] {stopped_line(ray.get(ref))}", file=sys.stderr, flush=True)
-                except Exception as e:  # it died while stopping
-                    print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
-                          flush=True)
-        except KeyboardInterrupt:
-            print("[marinrl] quitting without a final checkpoint", file=sys.stderr, flush=True)
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
         """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts
@@ -317,6 +284,47 @@ class RLJob:
         if self._reaper is not None:  # sweeps what ray.shutdown left (nothing, normally) and exits
             self._reaper.stop()
             self._reaper = None
+
+
+def stop_trainers(stopping: list[tuple[Any, Any, bool]], timeout: float) -> None:
+    """Ctrl-C: each trainer (actor, its `run` ref, whether it has answered a call: its actor is built)
+    that is training finishes its step and saves a checkpoint (the job resumes from it), for at most
+    `timeout` s (`ray.stop_timeout_s`); a second Ctrl-C gives up waiting. One still starting (its actor being built:
+    no answer to `stop` within STOP_ANSWER_S; or loading, compiling, publishing its first weights: False)
+    has nothing new to save and is not waited for. A trainer waiting for rollouts stops at once (the
+    replay's wait ends on the stop event). `run`'s cleanup follows."""
+    print(f"\n[marinrl] interrupted: the trainer checkpoints and stops (up to {timeout:.0f} s; Ctrl-C again "
+          "to quit now)", file=sys.stderr, flush=True)
+    try:
+        answers = [trainer.stop.remote() for trainer, _, _ in stopping]
+        answered, _ = ray.wait(answers, num_returns=len(answers), timeout=STOP_ANSWER_S)
+        built = [a for a, (_, _, known) in zip(answers, stopping) if known and a not in answered]
+        if built:  # an actor that answered before answers this too: a loaded machine is slow, not silent
+            answered += ray.wait(built, num_returns=len(built), timeout=timeout)[0]
+        training = []
+        for answer, (_, ref, _) in zip(answers, stopping):
+            try:
+                if answer in answered and ray.get(answer):
+                    training.append(ref)
+                    continue
+                print("[marinrl] stopped while the trainer was starting (no step trained: nothing new to "
+                      "checkpoint); run the same config again to resume", file=sys.stderr, flush=True)
+            except Exception as e:  # the trainer is gone already: nothing more to save
+                print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
+        ready, _ = ray.wait(training, num_returns=len(training), timeout=timeout) if training else ([], [])
+        for ref in training:
+            if ref not in ready:
+                print("[marinrl] the trainer did not stop in time; resume starts from its last checkpoint",
+                      file=sys.stderr, flush=True)
+                continue
+            try:
+                print(f"[marinrl] {stopped_line(ray.get(ref))}", file=sys.stderr, flush=True)
+            except Exception as e:  # it died while stopping
+                print(f"[marinrl] the trainer could not checkpoint: {type(e).__name__}: {e}", file=sys.stderr,
+                      flush=True)
+    except KeyboardInterrupt:
+        print("[marinrl] quitting without a final checkpoint", file=sys.stderr, flush=True)
 
 
 STOP_ANSWER_S = 2.0
