@@ -20,10 +20,29 @@ that does not divide the mesh, a program that does not compile, or a state that 
 The devices are the trainer's: `ray.trainer` fixes their number (`tpu: v5p-64` → 32), the process must
 have that many (`XLA_FLAGS=--xla_force_host_platform_device_count=N`, set before JAX loads: see
 `marinrl.recipe`). A rollout worker's mesh takes the first `ray.rollout.devices()` of them.
+
+The fleet planner (`fleet.py`, and what a config gives it: `fleet_inputs.py`; `marinrl plan`) and `flops.py` are
+pure arithmetic that imports nothing heavy, so the names below (JAX, Levanter) load only when one is asked for:
+importing `marinrl.dry_run.fleet` loads neither.
 """
 
-from marinrl.dry_run.memory import MemoryPlan, predicted_memory, rollout_devices, trainer_devices
-from marinrl.dry_run.report import DryRunReport, DryRunShapes, dry_run
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from marinrl.dry_run.memory import MemoryPlan, predicted_memory, rollout_devices, trainer_devices
+    from marinrl.dry_run.report import DryRunReport, DryRunShapes, dry_run
 
 __all__ = ["DryRunReport", "DryRunShapes", "MemoryPlan", "dry_run", "predicted_memory", "rollout_devices",
            "trainer_devices"]
+
+
+def __getattr__(name: str):
+    if name in ("MemoryPlan", "predicted_memory", "rollout_devices", "trainer_devices"):
+        from marinrl.dry_run import memory
+
+        return getattr(memory, name)
+    if name in ("DryRunReport", "DryRunShapes", "dry_run"):
+        from marinrl.dry_run import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module 'marinrl.dry_run' has no attribute {name!r}")

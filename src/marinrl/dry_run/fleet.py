@@ -1,6 +1,7 @@
 """The fleet planner: one trainer and N rollout hosts talking through object storage, per step, as pure
 arithmetic (no JAX, no Ray, no storage): what `marinrl plan` prints and `bench/fleet.py` checks
 (docs/planning.md; tests/test_fleet.py holds it to the bench within ±25% on step time and idle fraction).
+A job config and the planner's flags become a `FleetShape` in `fleet_inputs.py`.
 
 The model (every figure per trainer step; `FleetShape` names the inputs, `plan_fleet` returns `FleetPlan`):
 
@@ -27,24 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-from marinrl.dry_run.flops import chip_peak_flops
-
-_KINDS = {"v4": "TPU v4", "v5e": "TPU v5 lite", "v5p": "TPU v5", "v6e": "TPU v6 lite", "a100": "NVIDIA A100",
-          "h100": "NVIDIA H100"}
-ACCELERATORS: dict[str, dict[str, float]] = {
-    # chip: bf16 dense peak FLOP/s per chip (`flops.CHIP_PEAK_FLOPS`, by JAX's device kind), a training MFU, and
-    # an assumed generation speed of one rollout host (tokens/s, a 0.6B–8B model with batched decoding). The CPU
-    # row is this repository's measured figures (docs/performance.md, bench/fleet.py defaults); the H100's MFU
-    # and tokens/s are bench/device_check.py's (Qwen3-0.6B: a train step of 32 × 1024 tokens with gradient
-    # checkpointing; the scan sampler on one H100, 256 rows of up to 768 tokens: docs/device_check.md); the
-    # other figures are assumptions.
-    "cpu": {"peak_flops": 1.8e11, "mfu": 0.5, "host_tokens_per_s": 8_000.0},
-    **{name: {"peak_flops": chip_peak_flops(_KINDS[name]), "mfu": mfu, "host_tokens_per_s": tps}
-       for name, mfu, tps in (("v4", 0.4, 20_000.0), ("v5e", 0.4, 15_000.0), ("v5p", 0.4, 30_000.0),
-                              ("v6e", 0.4, 40_000.0), ("a100", 0.4, 20_000.0), ("h100", 0.21, 8_000.0))},
-}
-"""Chip peaks (bf16 dense, per chip) and the assumptions the planner makes per accelerator."""
 
 ROLLOUT_FILE_BYTES_PER_TOKEN = 13.5
 """Parquet bytes per token of a rollout file (token ids, logprobs, masks, rewards), measured with
@@ -117,6 +100,10 @@ class FleetShape:
 @dataclasses.dataclass(frozen=True)
 class FleetPlan:
     hosts: int
+    groups_per_host: int
+    """A host's share of the step's groups (rounded up)."""
+    busy_hosts: int
+    """Hosts that are given groups: fewer than `hosts` where the step's groups run out first."""
     step_s: float
     trainer_busy_s: float
     trainer_idle_fraction: float
@@ -195,7 +182,8 @@ def plan_fleet(shape: FleetShape, hosts: int, measured: dict[str, float] | None 
     waits = "trainer" if step_s - busy_s >= host_idle else "rollout hosts"
     polls = busy_s / 1.0 + (step_s - busy_s) / 0.1  # every poll_interval_s (1 s) busy, 10-100 ms waiting
     return FleetPlan(
-        hosts=hosts, step_s=step_s, trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
+        hosts=hosts, groups_per_host=groups_per_host, busy_hosts=-(-step_groups // groups_per_host), step_s=step_s,
+        trainer_busy_s=busy_s, trainer_idle_fraction=idle, waits=waits,
         parts_s={"generate": gen_s * slowest, "write": _transfer_s(s, file_bytes), "ingest": read_s + decode_s,
                  "batch": batch_s, "train": train_s, "publish": publish_s, "fetch": fetch_s,
                  "host_fetch": host_fetch_s, "fanout": fanout_s},
@@ -233,42 +221,6 @@ def smallest_fleet(shape: FleetShape, max_hosts: int = 4096) -> int | None:
     return None
 
 
-def shape_of_job(job, hosts: int, *, accelerator: str = "cpu", trainer_chips: int = 1,
-                 host_tokens_per_s: float | None = None, prompt_tokens: int | None = None,
-                 response_tokens: int | None = None, params: float | None = None, **overrides) -> FleetShape:
-    """The `FleetShape` of an `RLJobConfig` (`job`) with `hosts` rollout hosts sharing its step's groups.
-
-    The trainer's tokens/s is the chip's peak × MFU × `trainer_chips` over the train step's model FLOPs
-    per token (`dry_run.flops.train_flops`, from the config's architecture; `params` in parameters
-    instead, at 6 FLOPs per parameter per token, for a model the config names by checkpoint). Response
-    tokens: the lessons' largest `max_tokens` (a budget: an upper bound); prompt tokens: the rest of
-    `batching.max_length`. A version is the parameters in the job's rollout dtype (`rollout_dtype()`: 2
-    bytes unless float32)."""
-    from marinrl.dry_run.flops import ModelDims, train_flops
-
-    if accelerator not in ACCELERATORS:
-        raise ValueError(f"unknown accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
-    chip = ACCELERATORS[accelerator]
-    lessons = job.curriculum.lessons if job.curriculum is not None else ()
-    response = response_tokens or max((lesson.max_tokens for lesson in lessons), default=256)
-    prompt = prompt_tokens or max(1, job.batching.max_length - response)
-    rows = job.groups_per_step * job.n_generations
-    if params is None:
-        dims = ModelDims.of(job.model.model, job.model.vocab_size)
-        flops = train_flops(dims, rows, prompt + response, 0)
-        per_token = flops.model / flops.tokens
-        params = dims.matmul_params + dims.vocab * dims.hidden * (0 if dims.tied_embeddings else 1)
-    else:
-        per_token = 6.0 * params
-    train_tps = chip["peak_flops"] * chip["mfu"] * trainer_chips / per_token
-    dtype_bytes = 4 if str(job.rollout_dtype()) in ("float32", "f32") else 2
-    return FleetShape(groups_per_step=job.groups_per_step, group_size=job.n_generations,
-                      prompt_tokens=prompt, response_tokens=response,
-                      host_tokens_per_s=host_tokens_per_s or chip["host_tokens_per_s"],
-                      train_tokens_per_s=train_tps, max_staleness=job.max_staleness,
-                      weight_bytes=params * dtype_bytes, **overrides)
-
-
 def describe(plan: FleetPlan, shape: FleetShape) -> str:
     """`marinrl plan`'s text: the step, who waits, the parts, requests and bytes."""
     lines = [f"{plan.hosts} rollout hosts: a step every {plan.step_s:.2f} s; the trainer works "
@@ -277,4 +229,20 @@ def describe(plan: FleetPlan, shape: FleetShape) -> str:
              "  per step: " + ", ".join(f"{k} {v:.3f} s" for k, v in plan.parts_s.items()),
              "  requests per step: " + ", ".join(f"{k} {v:.0f}" for k, v in plan.requests_per_step.items()),
              "  bytes per step: " + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in plan.bytes_per_step.items())]
-    return "\n".join(lines)
+    return "\n".join(lines + [f"  remark: {r}" for r in remarks(plan, shape)])
+
+
+def remarks(plan: FleetPlan, shape: FleetShape) -> list[str]:
+    """What a plan's fleet size gets wrong about the job: hosts the step's groups cannot all keep busy, a share
+    of groups that is not whole (a job refuses `n_rollout_workers` that do not divide `groups_per_step`)."""
+    groups = shape.groups_per_step
+    if not groups:
+        return []
+    if plan.busy_hosts < plan.hosts:
+        each = f"{plan.groups_per_host} group{'s' if plan.groups_per_host > 1 else ''} each"
+        return [f"groups_per_step {groups} keeps {plan.busy_hosts} of the {plan.hosts} hosts busy ({each}), the "
+                f"other {plan.hosts - plan.busy_hosts} idle: more hosts need a larger groups_per_step"]
+    if groups % plan.hosts:
+        return [f"groups_per_step {groups} does not divide among {plan.hosts} hosts (marinrl train refuses "
+                f"n_rollout_workers={plan.hosts}): planned as {plan.groups_per_host} groups a host"]
+    return []
