@@ -249,6 +249,21 @@ def test_the_engine_cache_is_sized_as_the_engine_sizes_it_on_each_device_kind():
     assert kv <= plan.bytes_per_device["cache"] <= kv * 1.01
 
 
+def test_a_shared_gpus_memory_fraction_is_the_limit_the_engines_pages_fill():
+    """A rollout worker that shares its GPU (`memory_fraction`, the one-GPU mode) has that share of the GPU as its
+    allocator's limit, and the engine's pages fill hbm_utilization of it, not of JAX's default 75%."""
+    from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, rollout_device
+
+    job = _recipe()
+    gpu = dataclasses.replace(job.ray.rollout, tpu=None, num_gpus=1, accelerator_type="H100")
+    shared = _with(job, "ray", rollout=dataclasses.replace(gpu, memory_fraction=0.3))
+    assert rollout_device(shared).memory_bytes == DEVICE_MEMORY_GIB["H100"] * 0.3 * 2**30
+    plans = [predicted_memory(j, "rollout", 1) for j in (shared, _with(job, "ray", rollout=gpu))]
+    assert f"({DEVICE_MEMORY_GIB['H100'] * 0.3:.2f} GiB limit)" in plans[0].notes[0]
+    pages = [int(re.search(r"(\d+) pages of 128 tokens", plan.notes[0])[1]) for plan in plans]
+    assert pages[0] < pages[1] / 2  # 0.3 of the GPU against 0.75, less the same weights
+
+
 def test_engine_pages_agree_with_levanters_own_sizing(monkeypatch):
     """Levanter's `_infer_max_pages_from_hbm`, given the budget the dry run derives (a TPU's free memory cannot
     be had on this machine: its budget function is the one stand-in), finds the same page count."""
