@@ -876,8 +876,8 @@ def test_a_stop_ends_a_wait_for_rollouts_that_never_come(tmp_path, ingesting):
     if ingesting:
         buf.start()
     stop, got = threading.Event(), []
-    waiter = threading.Thread(target=lambda: got.append(
-        next_batch(Cohort(), buf, 0, SimpleNamespace(groups_per_step=2), stop, trainer=None)))
+    waiter = threading.Thread(target=lambda: got.append(  # a daemon: a wait that ignores `stop` fails, never hangs
+        next_batch(Cohort(), buf, 0, SimpleNamespace(groups_per_step=2), stop, trainer=None)), daemon=True)
     waiter.start()
     reader.wait_for_listings(2)  # the wait has begun: the reader was listed (and found nothing)
     assert waiter.is_alive()

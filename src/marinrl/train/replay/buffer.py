@@ -262,7 +262,8 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
         return self
 
     def stop(self, timeout_s: float = 60.0) -> None:
-        """Stops the ingestion thread after its current read; raises if it does not stop in time."""
+        """Stops the ingestion thread after its current read, then the reader's read threads (which are not
+        daemons: left running, they would keep the process from exiting); raises if it does not stop in time."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -270,6 +271,9 @@ class ReplayBuffer(ReplayCheckpointing, ReplayReporting):
             if self._thread.is_alive():
                 raise RuntimeError(f"the replay ingestion thread did not stop within {timeout_s} s")
             self._thread = None
+        close = getattr(self.reader, "close", None)  # a later poll starts them again
+        if close is not None:
+            close()
 
     @property
     def running(self) -> bool:
