@@ -167,3 +167,21 @@ def test_a_multi_host_cpu_trainer_packs_on_one_node_only_when_asked():
     assert placement_problem(trainer, rollout, 1, one_node, spread=False) is None
     problem = placement_problem(trainer, rollout, 3, one_node, spread=False)
     assert problem.field == "n_rollout_workers" and "at most 2 do" in problem.problem
+
+
+@pytest.mark.parametrize("accelerator", ["v2-8", "v3-32", "v4-8", "v4-16", "v4-128", "v5p-8", "v5p-64", "v5p-1024",
+                                         "v5litepod-1", "v5litepod-4", "v5litepod-8", "v5litepod-16",
+                                         "v5litepod-256", "v6e-1", "v6e-8", "v6e-16", "v6e-64", "v7x-8", "v7x-16"])
+def test_the_tpu_table_is_rays_arithmetic(accelerator):
+    """The config layer's own table of slice types (no Ray import in `marinrl plan`) gives Ray's chips, chips per
+    host and cores per chip for every generation Ray knows."""
+    from ray._private.accelerators import tpu
+
+    from marinrl.config import placement
+
+    assert set(placement.TPU_GENERATIONS) == set(tpu.VALID_TPU_TYPES)
+    assert tuple(placement.TPU_VALID_CHIP_OPTIONS) == tuple(tpu.TPU_VALID_CHIP_OPTIONS)
+    assert placement.tpu_cores_per_chip(accelerator) == tpu.get_tpu_cores_per_chip(accelerator)
+    assert placement.tpu_total_chips(accelerator) == tpu.get_total_chips_from_accelerator_type(accelerator)
+    assert placement.tpu_chips_per_host(accelerator) == min(tpu.get_num_tpu_visible_chips_per_host(accelerator),
+                                                            tpu.get_total_chips_from_accelerator_type(accelerator))

@@ -57,18 +57,20 @@ def _plan(capsys, *argv) -> tuple[int, str, str]:
 
 def test_marinrl_plan_imports_no_jax_ray_torch_transformers_or_levanter(tmp_path):
     """What docs/planning.md promises: the plan answers in about a second because it loads none of them. Run in a
-    fresh interpreter (this one imported everything long ago), for a CPU config and a GPU one."""
+    fresh interpreter (this one imported everything long ago), for a CPU config, a GPU one and a TPU one."""
     gpu = _config(tmp_path, "{num_gpus: 8, accelerator_type: H100}", "{num_gpus: 1, accelerator_type: H200}")
+    tpu = _config(tmp_path, "{tpu: v5p-64}", "{tpu: v5litepod-8}", name="tpu.yaml")
     script = textwrap.dedent(f"""
         import json, sys
         from marinrl.cli import main
-        codes = [main(["plan", config, "--rollout_hosts", "1", "8"]) for config in ({str(QUICKSTART)!r}, {gpu!r})]
+        codes = [main(["plan", config, "--rollout_hosts", "1", "8"])
+                 for config in ({str(QUICKSTART)!r}, {gpu!r}, {tpu!r})]
         print(json.dumps(dict(codes=codes, loaded=[m for m in {HEAVY!r} if m in sys.modules])))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=tmp_path)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got == {"codes": [0, 0], "loaded": []}
-    assert out.stdout.count("rollout hosts: a step every") == 4 and "8 x h100 (ray.trainer: num_gpus=8)" in out.stdout
+    assert got == {"codes": [0, 0, 0], "loaded": []}, out.stdout[-3000:]
+    assert out.stdout.count("rollout hosts: a step every") == 6 and "8 x h100 (ray.trainer: num_gpus=8)" in out.stdout
 
 
 @pytest.mark.parametrize("flag, value", [

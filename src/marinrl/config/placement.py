@@ -76,8 +76,6 @@ class PlacementConfig:
                                                   "of accelerator")
             tpu_hosts(self.tpu, f"{field}.tpu")
         if self.tpu_chips is not None:
-            from ray._private.accelerators.tpu import TPU_VALID_CHIP_OPTIONS
-
             if self.tpu is not None or self.num_gpus:
                 other = f"tpu={self.tpu!r}" if self.tpu else f"num_gpus={self.num_gpus}"
                 raise ConfigError(f"{field}.tpu_chips", f"{self.tpu_chips} chips of one host and {other}: "
@@ -158,9 +156,7 @@ class PlacementConfig:
         if self.tpu_chips is not None:
             return self.tpu_chips
         if self.tpu is not None:
-            from ray._private.accelerators import tpu
-
-            cores = tpu.get_tpu_cores_per_chip(self.tpu)  # v2/v3: one JAX device per core; v4 on: per chip
+            cores = tpu_cores_per_chip(self.tpu)  # v2/v3: one JAX device per core; v4 on: per chip
             return tpu_chips_per_host(self.tpu) * (cores if self.tpu.startswith(("v2", "v3")) else 1)
         return None
 
@@ -171,27 +167,44 @@ _FIELD_OF = {"GPU": "num_gpus", "TPU": "tpu", "CPU": "num_cpus"}
 # ------------------------------------------------------------------------------------ TPU slices
 
 
-def _check_tpu_type(accelerator: str, field: str) -> None:
-    from ray._private.accelerators import tpu
+TPU_GENERATIONS = ("v2", "v3", "v4", "v5p", "v5litepod", "v6e", "v7x")
+"""The slice generations Ray schedules (`ray._private.accelerators.tpu.VALID_TPU_TYPES`). This module keeps
+Ray's arithmetic of a slice type as a table of its own, so that the config layer (and `marinrl plan`) never
+imports Ray; tests/test_placement.py holds every function below equal to Ray's."""
+TPU_ONE_CORE_PER_CHIP = ("v5litepod", "v6e")
+"""Generations whose slice size counts chips; the others count TensorCores, two a chip."""
+TPU_CHIPS_PER_HOST = 4
+"""Chips a host of a multi-host slice holds (a v5litepod or v6e slice of at most 8 chips is one host of all)."""
+TPU_VALID_CHIP_OPTIONS = (1, 2, 4, 8)
+"""The chip counts Ray gives one TPU actor (`tpu_chips`)."""
 
+
+def _check_tpu_type(accelerator: str, field: str) -> None:
     generation, _, size = str(accelerator).rpartition("-")
-    if generation not in tpu.VALID_TPU_TYPES or not size.isdigit() or int(size) < 1:
+    if generation not in TPU_GENERATIONS or not size.isdigit() or int(size) < 1:
         raise ConfigError(field, f"{accelerator!r} is not a TPU slice type Ray knows (<generation>-<size> with "
-                                 f"generation in {list(tpu.VALID_TPU_TYPES)}, e.g. v5litepod-8, v6e-4, v5p-8)")
+                                 f"generation in {list(TPU_GENERATIONS)}, e.g. v5litepod-8, v6e-4, v5p-8)")
+
+
+def tpu_cores_per_chip(accelerator: str) -> int:
+    return 1 if accelerator.startswith(TPU_ONE_CORE_PER_CHIP) else 2
+
+
+def tpu_total_chips(accelerator: str) -> int:
+    """The chips of a slice type (`v5p-64`: 32 chips of two cores; `v6e-16`: 16)."""
+    return int(accelerator.rpartition("-")[2]) // tpu_cores_per_chip(accelerator)
 
 
 def tpu_chips_per_host(accelerator: str) -> int:
-    from ray._private.accelerators import tpu
-
-    return min(tpu.get_num_tpu_visible_chips_per_host(accelerator),
-               tpu.get_total_chips_from_accelerator_type(accelerator))
+    total = tpu_total_chips(accelerator)
+    if accelerator.startswith(TPU_ONE_CORE_PER_CHIP) and total <= 8:
+        return total
+    return min(TPU_CHIPS_PER_HOST, total)
 
 
 def tpu_hosts(accelerator: str, field: str = "tpu") -> int:
-    from ray._private.accelerators import tpu
-
     _check_tpu_type(accelerator, field)
-    total = tpu.get_total_chips_from_accelerator_type(accelerator)
+    total = tpu_total_chips(accelerator)
     if total < 1:
         raise ConfigError(field, f"{accelerator!r} has no whole chip")
     return max(1, math.ceil(total / tpu_chips_per_host(accelerator)))
