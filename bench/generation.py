@@ -25,6 +25,12 @@ devices (`InferenceServerConfig.model_axis_size`); `--cpu-devices 4` gives the C
 
     python bench/generation.py --cpu-devices 4 --modes scan,scan@4,scan@2
 
+The mode `scan_kernel` is the scan sampler with `inference.attention: gpu_kernel` (the Pallas decode kernel,
+docs/inference.md, "The decode kernel"); its JSON line says which attention ran (`attention`: off a GPU the
+server runs `xla`) and its tokens/s over `scan`'s in paired calls (`over_scan`):
+
+    python bench/generation.py --shape recipe --modes scan,scan_kernel
+
 `--baseline REV` adds the mode `baseline`: the scan sampler of git revision REV (its `sampler.py` and
 `decoder.py`, loaded beside today's), called interleaved with today's, so a change to the sampler is an A/B in
 one run: `python bench/generation.py --modes scan --baseline 9179f9f`.
@@ -268,8 +274,10 @@ def main(args) -> None:
         if mode == "baseline":
             continue
         backend, _, axis = mode.partition("@")
-        cfg = InferenceServerConfig(backend=backend, serve_http=False, engine=engine_cfg,
-                                    model_axis_size=int(axis) if axis else None)
+        attention = "gpu_kernel" if backend == "scan_kernel" else "xla"
+        cfg = InferenceServerConfig(backend="scan" if backend == "scan_kernel" else backend, serve_http=False,
+                                    engine=engine_cfg, model_axis_size=int(axis) if axis else None,
+                                    attention=attention)
         servers[mode] = InferenceServer(cfg, model, tokenizer).start()
     scan_server = next((s for m, s in servers.items() if m.startswith("scan")), None)
     budget = scan_server.scan_cache_bytes if scan_server else scan_plan.CPU_CACHE_BYTES
@@ -302,7 +310,7 @@ def main(args) -> None:
     print(f"generation at the {args.shape} shape: {n_params / 1e6:.2f}M params, {args.prompts} prompts x "
           f"{args.samples} samples, {args.prompt_tokens}-token prompts, up to {args.new_tokens} new tokens, "
           f"T={args.temperature}, backend {jax.default_backend()} ({jax.device_count()} device)")
-    print(f"{'mode':8s} {'tokens/s median':>16s} {'min':>9s} {'max':>9s} {'call s':>8s} {'tokens/call':>12s} "
+    print(f"{'mode':11s} {'tokens/s median':>16s} {'min':>9s} {'max':>9s} {'call s':>8s} {'tokens/call':>12s} "
           f"{'compile s':>10s} {'tokens/cpu-s':>13s}")
     results = {}
     for mode in modes:
@@ -317,20 +325,22 @@ def main(args) -> None:
                          "step_ms": 1e3 * statistics.median(times[mode][measured]) / args.new_tokens,
                          "gen_tokens_per_cpu_s": stats(per_cpu),
                          "tokens_per_call": statistics.median(tokens[mode][measured])}
+        if mode in servers and hasattr(servers[mode], "attention"):
+            results[mode]["attention"] = servers[mode].attention
         if mode.startswith("scan") and "@" not in mode:
             results[mode].update(figures)
             if figures.get("roofline_tokens_per_s"):
                 results[mode]["roofline_fraction"] = stats(tps)["median"] / figures["roofline_tokens_per_s"]
-        print(f"{mode:8s} {stats(tps)['median']:16,.0f} {min(tps):9,.0f} {max(tps):9,.0f} {call_s:8.3f} "
+        print(f"{mode:11s} {stats(tps)['median']:16,.0f} {min(tps):9,.0f} {max(tps):9,.0f} {call_s:8.3f} "
               f"{statistics.median(tokens[mode]):12.0f} {compile_s:10.2f} {statistics.median(per_cpu):13,.0f}")
-    for other in ("engine", "baseline"):
-        if "scan" in results and other in results:
+    for mode, other in (("scan", "engine"), ("scan", "baseline"), ("scan_kernel", "scan")):
+        if mode in results and other in results:
             paired = [(ts / ns) / (to / no) for ns, ts, no, to in zip(
-                tokens["scan"][FIRST_MEASURED - 1:], times["scan"][FIRST_MEASURED - 1:],
+                tokens[mode][FIRST_MEASURED - 1:], times[mode][FIRST_MEASURED - 1:],
                 tokens[other][FIRST_MEASURED - 1:], times[other][FIRST_MEASURED - 1:])]
             ratio = statistics.median(1 / r for r in paired)
-            results["scan"][f"over_{other}"] = ratio
-            print(f"scan / {other} tokens/s, median of the paired calls: {ratio:.2f}x "
+            results[mode][f"over_{other}"] = ratio
+            print(f"{mode} / {other} tokens/s, median of the paired calls: {ratio:.2f}x "
                   f"(min {min(1 / r for r in paired):.2f}, max {max(1 / r for r in paired):.2f})")
     if "scan" in results and "calls" in results["scan"]:
         r = results["scan"]

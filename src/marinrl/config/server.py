@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal, Optional, Union
 
 from marinrl.config.checks import check_api_key, is_loopback, require_at_least
+from marinrl.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,8 @@ class EngineConfig:
 
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 """What `inference.dtype` may name."""
+ATTENTIONS = ("xla", "gpu_kernel")
+"""What `inference.attention` may name."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,12 @@ class InferenceServerConfig:
     into equal chunks (same samples either way). `auto`: on an accelerator 0.8 of what the device's allocator
     has left after the served weights (a shared GPU's `memory_fraction` included), on a CPU 1 GiB
     (`inference/scan_plan.py`). The sampler logs the split when it makes more than one call."""
+    attention: str = "xla"
+    """Scan sampler: how a decode step attends to the KV cache. `xla`: XLA ops over whole cache arrays, masked
+    (`decoder.GroupedDecodeAttention`). `gpu_kernel`: a Pallas GPU kernel that reads only the slots holding
+    tokens, skipping the prompts' left padding and finished rows (`inference/decode_kernel.py`); same tokens,
+    logprobs within float32 rounding. Off a GPU, or for a head size the kernel cannot tile, `gpu_kernel` runs
+    `xla` and says so in one log line (docs/inference.md, "The decode kernel")."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """Levanter engine sizing (HTTP endpoint, and `generate` with backend='engine')."""
     dtype: Optional[str] = None
@@ -110,6 +119,8 @@ class InferenceServerConfig:
                 not isinstance(self.scan_max_cache_bytes, int) or self.scan_max_cache_bytes < 1):
             raise ValueError(f"inference.scan_max_cache_bytes must be 'auto' or an integer >= 1, "
                              f"got {self.scan_max_cache_bytes!r}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError("inference.attention", f"must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.dtype is not None and self.dtype not in ROLLOUT_DTYPES:
             raise ValueError(f"inference.dtype must be one of {', '.join(ROLLOUT_DTYPES)} (or null: the trainer's "
                              f"compute dtype), got {self.dtype!r}")

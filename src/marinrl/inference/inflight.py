@@ -82,10 +82,11 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
                                greedy=greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "lm_head_float32", "greedy"), donate_argnames=("state",))
-def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32, greedy):
+@functools.partial(jax.jit, static_argnames=("mesh", "lm_head_float32", "greedy", "attention"),
+                   donate_argnames=("state",))
+def _decode(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32, greedy, attention):
     return scan_sampler._decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, mesh=mesh,
-                                      lm_head_float32=lm_head_float32, greedy=greedy)
+                                      lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
 
 
 @functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
@@ -123,7 +124,8 @@ _outputs = jax.jit(scan_sampler._outputs)
 
 
 def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-             *, n: int, max_new: int, mesh, lm_head_float32: bool = False, greedy: bool = False):
+             *, n: int, max_new: int, mesh, lm_head_float32: bool = False, greedy: bool = False,
+             attention: str = "xla"):
     """One device call of the scan sampler in chunks of `swaps.every_tokens` steps, swapping weights
     between chunks. Returns what `sampler._generate` returns, plus int64 [max_new]: the weight step of
     the weights that sampled token t (the same for every row)."""
@@ -139,7 +141,7 @@ def generate(swaps: WeightSwaps, ids, lens, active, stops, stop_valid, budget, t
                 state = _recompute(swaps.model, state, stops, mesh=mesh)
         t_stop = (t // swaps.every_tokens + 1) * swaps.every_tokens
         state = _decode(swaps.model, state, stops, stop_valid, budget, temperature, jnp.asarray(t_stop, jnp.int32),
-                        mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
+                        mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
         t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
         t = int(t)
         if finished:

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from marinrl.inference.decode_kernel import decode_attention
 from marinrl.inference.decoder import (
     DenseAttention,
-    GroupedDecodeAttention,
     cache_layout,
     constrain,
     forward,
@@ -108,6 +108,7 @@ def sample(
     dry_run: bool = False,
     swaps=None,
     lm_head_float32: bool = False,
+    attention: str = "xla",
 ) -> SampleOutput:
     """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
@@ -134,7 +135,10 @@ def sample(
     left at the newest weights); `weight_steps` says which weights sampled each token.
 
     `lm_head_float32`: the LM head's logits in float32 (`decoder.head_logits`), as a trainer with
-    `model.lm_head_float32` computes its own."""
+    `model.lm_head_float32` computes its own.
+
+    `attention`: how decode steps read the KV cache, `xla` or the GPU kernel (`decode_kernel.decode_attention`;
+    the server resolves `inference.attention` with `decode_kernel.resolve_attention`)."""
     check_supported(model)
     n_prompts = len(prompts)
     if prompt_keys is None:
@@ -179,11 +183,11 @@ def sample(
         rows = len(part) * n
         if swaps is None:
             out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
-                            greedy=greedy)
+                            greedy=greedy, attention=attention)
             steps = None
         else:
             *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh,  # inflight.py builds on this module
-                                            lm_head_float32=lm_head_float32, greedy=greedy)
+                                            lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
             steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
@@ -268,13 +272,13 @@ def _pick(logits, temperature, u, greedy: bool):
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy"))
+@functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy", "attention"))
 def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
-              max_new, mesh, lm_head_float32=False, greedy=False):
+              max_new, mesh, lm_head_float32=False, greedy=False, attention="xla"):
     state = _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
                    n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
     state = _decode_until(model, state, stops, stop_valid, budget, temperature, jnp.asarray(max_new, jnp.int32),
-                          mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
+                          mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
     return _outputs(state, stops)
 
 
@@ -351,10 +355,10 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
 
 
 def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False,
-                  greedy=False):
+                  greedy=False, attention="xla"):
     """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached, in the
     phases of `scan_plan.decode_blocks`: a step writes its token's keys and values into the block its slot lies
-    in and reads only that block and the ones before it."""
+    in and reads only that block and the ones before it (`attention`: `decode_kernel.decode_attention`)."""
     p_len = state["row_ids"].shape[1]
     max_new = state["out_logprobs"].shape[1]
     layers = model.transformer.layers.unstacked()
@@ -372,10 +376,11 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
 
         def body(state, block=block):
             t = state["t"]
-            attention = GroupedDecodeAttention(t - 1, prompt_ok, block, starts)  # the token sampled at step t - 1
+            step_attention = decode_attention(attention, t - 1, prompt_ok, pad, state["done"], block,  # token t - 1
+                                              starts)
             caches = [(*pc, *gc) for pc, gc in zip(state["prompt_caches"], state["caches"])]
             logits, caches = forward(model, layers, packed, lm_head, state["tok"][:, None], (lens + t - 1)[:, None],
-                                     caches, attention, lm_head_float32)
+                                     caches, step_attention, lm_head_float32)
             caches = cache_layout([c[2:] for c in caches], mesh)
             logits = constrain(logits, mesh, DATA, None)
             tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False),

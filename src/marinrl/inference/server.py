@@ -35,6 +35,7 @@ from marinrl.config.server import InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import scan_plan, sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
+from marinrl.inference.decode_kernel import resolve_attention
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
@@ -84,6 +85,9 @@ class InferenceServer:
         self._mesh = sharding.rollout_mesh(model, config.model_axis_size)
         self._model = sharding.place(model, self._mesh)
         self._scan_cache_bytes = scan_cache_budget(config.scan_max_cache_bytes, self._mesh)
+        self._attention = resolve_attention(config.attention, jax.devices()[0].platform,
+                                            model.config.attention_config().head_size,
+                                            devices=1 if self._mesh is None else self._mesh.mesh.size)
         self._weight_step = int(weight_step)
         self._lock = threading.Lock()
         self._engine: Optional[LevanterEngine] = None
@@ -173,6 +177,12 @@ class InferenceServer:
     def scan_cache_bytes(self) -> int:
         """The scan sampler's cache budget of one call per device (`scan_cache_budget`)."""
         return self._scan_cache_bytes
+
+    @property
+    def attention(self) -> str:
+        """What the scan sampler's decode steps attend with: `inference.attention` as this device runs it
+        (`decode_kernel.resolve_attention`)."""
+        return self._attention
 
     @property
     def weight_step(self) -> int:
@@ -344,6 +354,7 @@ class InferenceServer:
             dry_run=dry_run,
             swaps=swaps,
             lm_head_float32=self.config.lm_head_float32,
+            attention=self._attention,
         )
         result = []
         for i in range(len(requests)):
