@@ -26,30 +26,40 @@ class BridgeDied(RuntimeError):
 def run_noticed(argv: list[str], timeout: float, what: str,
                 notice_s: float = WAIT_NOTICE_S) -> tuple[Optional[int], str, str]:
     """(exit status, stdout, stderr) of `argv` run to its end; the status is None when it ran past `timeout`
-    seconds (it is killed then, with every process it started). Prints `[marinrl] waiting for <what>` on stderr
-    once it has run `notice_s` seconds, and every `WAIT_NOTICE_REPEAT_S` after."""
+    seconds. Prints `[marinrl] waiting for <what>` on stderr once it has run `notice_s` seconds, and every
+    `WAIT_NOTICE_REPEAT_S` after. It runs in a session of its own, killed with every process it started when it
+    runs out of time or the caller is interrupted (Ctrl-C reaches only the caller)."""
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
     started = time.monotonic()
     notice_at = notice_s
-    while True:
-        elapsed = time.monotonic() - started
-        try:
-            out, err = proc.communicate(timeout=max(0.0, min(timeout, notice_at) - elapsed))
-            return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
-        except subprocess.TimeoutExpired:
+    try:
+        while True:
             elapsed = time.monotonic() - started
-            if elapsed >= timeout:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # its children too, which hold its pipes open
-                except ProcessLookupError:
-                    pass
-                out, err = proc.communicate()
-                return None, out.decode(errors="replace"), err.decode(errors="replace")
-            if elapsed >= notice_at:
-                print(f"[marinrl] waiting for {what}: no answer for {elapsed:.0f} s (up to {timeout:g} s)",
-                      file=sys.stderr, flush=True)
-                notice_at += WAIT_NOTICE_REPEAT_S
+            try:
+                out, err = proc.communicate(timeout=max(0.0, min(timeout, notice_at) - elapsed))
+                return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - started
+                if elapsed >= timeout:
+                    _kill_session(proc)
+                    out, err = proc.communicate()
+                    return None, out.decode(errors="replace"), err.decode(errors="replace")
+                if elapsed >= notice_at:
+                    print(f"[marinrl] waiting for {what}: no answer for {elapsed:.0f} s (up to {timeout:g} s)",
+                          file=sys.stderr, flush=True)
+                    notice_at += WAIT_NOTICE_REPEAT_S
+    except BaseException:
+        _kill_session(proc)
+        raise
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Kills `proc` and its children (which hold its pipes open), all in the session it leads."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def last_words(stdout: str, stderr: str, n: int = 800) -> str:
