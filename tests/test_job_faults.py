@@ -287,6 +287,20 @@ def test_two_node_cluster_places_trainer_and_rollout_worker_by_resource(tmp_path
 _ECHO_LESSON = "    - {lesson_id: echo, env: {name: echo, args: {alphabet_size: 10}}, max_tokens: 1, graduate_at: null}"
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _priority(pid: int):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid)
+    except OSError:
+        return None
+
+
 def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
     """`marinrl train` in its own session, SIGINT to the whole process group as a terminal's Ctrl-C
     sends it: the trainer saves a resumable checkpoint, the command exits 130, and every process it
@@ -297,6 +311,10 @@ def test_ctrl_c_checkpoints_and_leaves_no_ray_process_behind(tmp_path):
     with TrainCommand(config, tmp_path / "train.log") as job:
         started = job.running_once(lambda: len(list(rollouts.glob("step=*"))) >= 3, "three trainer steps' rollouts")
         assert len(started) >= 3  # at least Ray's GCS, the raylet and the actors' workers
+        actors = [p for p in started if _cmdline(p).startswith(("ray::TrainerActor", "ray::RolloutActor"))]
+        assert len(actors) == 2  # the job's own actors run at the driver's priority, not Ray's default nice 15
+        assert {_priority(p) for p in actors} == {_priority(job.proc.pid)}, [(_cmdline(p), _priority(p))
+                                                                             for p in actors]
         job.interrupt(timeout_s=180)
     out = job.output()
     assert job.proc.returncode == 130, out[-3000:]

@@ -93,7 +93,10 @@ class RLJob:
                              object_store_memory=512 * 1024 * 1024,
                              runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
                              log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
-                             logging_level=logging.ERROR)  # Ray's own startup lines would bury a one-line error
+                             logging_level=logging.ERROR,  # Ray's own startup lines would bury a one-line error
+                             # Ray starts workers at nice 15: on a shared machine the job's own actors then lose
+                             # the CPU to anything at 0 (SmolLM2's steps took 2-3x as long; docs/real_model.md)
+                             _system_config={"worker_niceness": 0})
             except BaseException:
                 self._reaper.stop()  # what Ray started before it failed
                 self._reaper = None
