@@ -40,9 +40,10 @@ ARCH = LlamaConfig(
     gradient_checkpointing=False,
 )
 VOCAB = 512
+SERVED = "marinrl-policy"  # the model name the endpoint serves (another is refused)
 KEY = "test-key-0123456789abcdef"
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4)
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+CHAT = {"model": SERVED, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def _error_of(response: httpx.Response) -> dict:
     ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/no/such/route"),
 ])
 def test_every_route_but_health_needs_the_key(server, method, path):
-    body = CHAT if path.endswith("chat/completions") else {"model": "m", "prompt": "a", "max_tokens": 2}
+    body = CHAT if path.endswith("chat/completions") else {"model": SERVED, "prompt": "a", "max_tokens": 2}
     kwargs = {"json": body} if method == "POST" else {}
     with httpx.Client(base_url=_base(server), timeout=60) as http:
         missing = _error_of(http.request(method, path, **kwargs))
@@ -112,7 +113,8 @@ def test_the_right_key_serves_the_same_tokens_as_generate(server, tokenizer):
     client = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
     assert [m.id for m in client.models.list()] == ["marinrl-policy"]
     msgs = [{"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.7, logprobs=True, seed=3)
+    r = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=8, temperature=0.7, logprobs=True,
+                                       seed=3)
     prompt = chat_prompt_tokens(tokenizer, msgs)
     (ref,) = server.generate([prompt, prompt], 1, SamplingParams(temperature=0.7, max_tokens=8), seed=3)[0]
     (choice,) = r.choices

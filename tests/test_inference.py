@@ -37,6 +37,7 @@ ARCH = LlamaConfig(
     gradient_checkpointing=False,
 )
 VOCAB = 512
+SERVED = "marinrl-policy"  # the model name the endpoint serves (another is refused)
 ENGINE = EngineConfig(max_seqs=16, max_seq_len=96, max_prefill_tokens=256)
 FWD_LEN = 64  # full-forward reference runs on sequences right-padded to this length (one compile)
 
@@ -241,21 +242,21 @@ def test_reload_changes_greedy_output_and_reverting_restores_it(server, model):
     sp = SamplingParams(temperature=0.0, max_tokens=16)
     before = server.generate(prompts, 1, sp, 0)
     http = openai.OpenAI(base_url=server.url, api_key=server.api_key)
-    http_before = http.completions.create(model="m", prompt=prompts[0], max_tokens=8, temperature=0.0)
+    http_before = http.completions.create(model=SERVED, prompt=prompts[0], max_tokens=8, temperature=0.0)
     compiled = scan_sampler.compiled_shapes()
 
     server.reload(_model(1), weight_step=1)
     assert server.weight_step == 1
     other = server.generate(prompts, 1, sp, 0)
     assert any(not np.array_equal(a[0].tokens, b[0].tokens) for a, b in zip(before, other))
-    http_other = http.completions.create(model="m", prompt=prompts[0], max_tokens=8, temperature=0.0)
+    http_other = http.completions.create(model=SERVED, prompt=prompts[0], max_tokens=8, temperature=0.0)
     assert http_other.choices[0].text != http_before.choices[0].text  # the endpoint sees the new weights too
 
     server.reload(model, weight_step=2)
     after = server.generate(prompts, 1, sp, 0)
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a[0].tokens, b[0].tokens)
-    assert http.completions.create(model="m", prompt=prompts[0], max_tokens=8,
+    assert http.completions.create(model=SERVED, prompt=prompts[0], max_tokens=8,
                                    temperature=0.0).choices[0].text == http_before.choices[0].text
     assert scan_sampler.compiled_shapes() == compiled  # reload recompiled nothing
     assert server.weight_step == 2
@@ -323,22 +324,23 @@ def client(server):
 
 def test_http_completions_with_logprobs_match_a_full_forward_pass(client, model, tokenizer):
     prompt = "The quick brown"
-    r = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0.8, logprobs=1, seed=5)
+    r = client.completions.create(model=SERVED, prompt=prompt, max_tokens=10, temperature=0.8, logprobs=1, seed=5)
     (choice,) = r.choices
     assert choice.finish_reason == "length" and r.usage.completion_tokens == 10
     ids = tokenizer.convert_tokens_to_ids(choice.logprobs.tokens)
     ref, _ = reference_logprobs(model, tokenizer.encode(prompt, add_special_tokens=False), ids, 0.8)
     np.testing.assert_allclose(choice.logprobs.token_logprobs, ref, atol=1e-4)
     # several prompts, n samples each, in prompt-major order; same seed, same text
-    r2 = client.completions.create(model="m", prompt=["ab", "cd"], max_tokens=6, n=3, seed=5)
+    r2 = client.completions.create(model=SERVED, prompt=["ab", "cd"], max_tokens=6, n=3, seed=5)
     assert len(r2.choices) == 6 and [c.index for c in r2.choices] == list(range(6))
-    r3 = client.completions.create(model="m", prompt=["ab", "cd"], max_tokens=6, n=3, seed=5)
+    r3 = client.completions.create(model=SERVED, prompt=["ab", "cd"], max_tokens=6, n=3, seed=5)
     assert [c.text for c in r2.choices] == [c.text for c in r3.choices]
 
 
 def test_http_chat_completions_with_logprobs(client, model, tokenizer):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=1.0, logprobs=True, seed=1)
+    r = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=8, temperature=1.0, logprobs=True,
+                                       seed=1)
     (choice,) = r.choices
     assert choice.finish_reason == "length" and choice.message.role == "assistant"
     ids = tokenizer.convert_tokens_to_ids([c.token for c in choice.logprobs.content])
@@ -351,7 +353,7 @@ def test_http_each_stop_string_works_and_text_ends_before_it(client, tokenizer):
     prompt = [72, 101, 108, 108, 111]  # token prompts work too
 
     def run(seed, stop=None):
-        r = client.completions.create(model="m", prompt=prompt, max_tokens=24, temperature=1.0, seed=seed, stop=stop,
+        r = client.completions.create(model=SERVED, prompt=prompt, max_tokens=24, temperature=1.0, seed=seed, stop=stop,
                                       logprobs=1)
         return r.choices[0], tokenizer.convert_tokens_to_ids(r.choices[0].logprobs.tokens)
 
@@ -374,9 +376,9 @@ def test_http_each_stop_string_works_and_text_ends_before_it(client, tokenizer):
 
 def test_http_refuses_unsupported_options(client):
     with pytest.raises(openai.BadRequestError, match="top_p"):
-        client.completions.create(model="m", prompt="a", max_tokens=2, top_p=0.5)
+        client.completions.create(model=SERVED, prompt="a", max_tokens=2, top_p=0.5)
     with pytest.raises(openai.BadRequestError, match="max_seq_len"):
-        client.completions.create(model="m", prompt="a", max_tokens=1000)
+        client.completions.create(model=SERVED, prompt="a", max_tokens=1000)
 
 
 def test_http_health_and_models(server):
@@ -393,7 +395,7 @@ def test_http_token_endpoint_through_the_engine(server, client):
     """/inference/v1/generate (tests/test_token_endpoint.py covers it through the scan sampler): the tokens
     /v1/completions samples for the same prompt and seed, each stamped with the engine's weight step."""
     prompt = [256, 104, 105]
-    ref = client.completions.create(model="m", prompt=prompt, max_tokens=4, seed=5, logprobs=0).choices[0]
+    ref = client.completions.create(model=SERVED, prompt=prompt, max_tokens=4, seed=5, logprobs=0).choices[0]
     body = {"token_ids": prompt, "sampling_params": {"max_tokens": 4, "seed": 5, "logprobs": 1}}
     post = functools.partial(client.post, server.url.removesuffix("/v1") + "/inference/v1/generate",
                              cast_to=httpx.Response)
@@ -421,7 +423,7 @@ def test_shutdown_leaves_no_thread_or_port(model, tokenizer):
     srv.start()
     srv.wait_until_ready(timeout=60)
     port = int(srv.url.rsplit(":", 1)[1].split("/")[0])
-    r = openai.OpenAI(base_url=srv.url, api_key=srv.api_key).completions.create(model="m", prompt="x", max_tokens=2)
+    r = openai.OpenAI(base_url=srv.url, api_key=srv.api_key).completions.create(model=SERVED, prompt="x", max_tokens=2)
     assert len(r.choices) == 1
     srv.shutdown()
     srv.shutdown()  # idempotent

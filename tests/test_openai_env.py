@@ -40,6 +40,7 @@ ARCH = LlamaConfig(
     gradient_checkpointing=False,
 )
 VOCAB = 512
+SERVED = "marinrl-policy"  # the model name the endpoint serves (another is refused)
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=4)
 META = RolloutMetadata(worker_id="test", weight_step=0)
 
@@ -68,7 +69,8 @@ def _sample(env, ctx, n_examples, n_generations, sampling=SAMPLING, seed=0):
 def test_endpoint_token_ids_and_logprobs_equal_the_scan_sampler(server, tokenizer):
     client = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
     msgs = [{"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0.7, logprobs=True, seed=3)
+    r = client.chat.completions.create(model=SERVED, messages=msgs, max_tokens=8, temperature=0.7, logprobs=True,
+                                       seed=3)
     (choice,) = r.choices
     prompt = chat_prompt_tokens(tokenizer, msgs)
     assert r.prompt_token_ids == prompt
@@ -80,7 +82,7 @@ def test_endpoint_token_ids_and_logprobs_equal_the_scan_sampler(server, tokenize
     assert choice.finish_reason == ref.finish_reason
     # completions: prompt i of a request is sampled with (seed, i), as `generate` samples prompt i
     prompts = [[97, 98], [99, 100, 101]]
-    c = client.completions.create(model="m", prompt=prompts, max_tokens=5, seed=9, logprobs=1)
+    c = client.completions.create(model=SERVED, prompt=prompts, max_tokens=5, seed=9, logprobs=1)
     refs = server.generate(prompts, 1, SamplingParams(max_tokens=5), seed=9)
     for k, ch in enumerate(c.choices):
         (g,) = refs[k]

@@ -115,7 +115,6 @@ def test_an_hf_checkpoint_serves_openai_and_verifiers_clients(ckpts, verifiers_p
     try:
         url, token_url = serving.wait_for(READY).groups()
         assert token_url == url.removesuffix("/v1") + "/inference/v1/generate"
-        assert not any(KEY in line for line in serving.seen)  # a configured key is never printed
         client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0)
         assert [m.id for m in client.models.list()] == ["marinrl-policy"]
         r = client.chat.completions.create(model="marinrl-policy", messages=MESSAGES, max_tokens=5, temperature=1.0,
@@ -142,6 +141,7 @@ def test_an_hf_checkpoint_serves_openai_and_verifiers_clients(ckpts, verifiers_p
 
         assert serving.stop(signal.SIGINT) == 0
         assert serving.seen[-1] == "marinrl serve: stopped" and _closed(url)
+        assert not any(KEY in line for line in serving.seen)  # all it printed, start to stop: the key never
     finally:
         serving.kill()
 
@@ -162,6 +162,52 @@ def test_a_levanter_run_folder_serves_its_latest_step_with_a_key_made_at_start(c
         serving.kill()
 
 
+def test_a_busy_server_stops_with_one_line(ckpts):
+    """SIGINT while requests are being generated (the first one compiling, likely): the requests in hand are
+    answered 503 or cut, and all the server prints after its start is the one line that says it stopped."""
+    serving = Serving(str(ckpts / "hf"), "--port", "0", env=_env(MARINRL_API_KEY=KEY))
+    done = threading.Event()
+
+    def keep_asking(url):
+        body = {"model": "marinrl-policy", "messages": MESSAGES, "n": 64, "max_tokens": 40}
+        with httpx.Client(timeout=300, headers={"Authorization": f"Bearer {KEY}"}) as http:
+            while not done.is_set():
+                try:
+                    http.post(f"{url}/chat/completions", json=body)
+                except httpx.HTTPError:
+                    return
+
+    try:
+        url, _ = serving.wait_for(READY).groups()
+        started = len(serving.seen)
+        askers = [threading.Thread(target=keep_asking, args=(url,), daemon=True) for _ in range(4)]
+        for t in askers:
+            t.start()
+        health = url.removesuffix("/v1") + "/health"
+        while httpx.get(health, timeout=60).json()["requests_in_hand"] < 1:
+            pass
+        assert serving.stop(signal.SIGINT) == 0
+        after = serving.seen[started:]
+        assert len(after) == 1 and after[0].startswith("marinrl serve: stopped"), after
+        assert _closed(url)
+    finally:
+        done.set()
+        serving.kill()
+
+
+def test_weights_that_do_not_load_are_one_line(ckpts, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in (ckpts / "hf").iterdir():
+        data = f.read_bytes()
+        (bad / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    done = subprocess.run([sys.executable, "-m", "marinrl.cli", "serve", str(bad), "--port", "0"],
+                          capture_output=True, text=True, env=_env(), timeout=300)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"marinrl serve: cannot load the weights of {bad}: ")
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def _fails(argv, capsys) -> str:
     with pytest.raises(SystemExit) as e:
         cli(argv)
@@ -178,7 +224,8 @@ def test_bad_input_is_one_line_naming_it(ckpts, tmp_path, capsys):
     (tmp_path / "junk" / "weights.bin").write_bytes(b"x")
     assert "junk is neither a Levanter checkpoint" in _fails(["serve", str(tmp_path / "junk")], capsys)
     err = _fails(["serve", str(ckpts / "hf"), "--host", "0.0.0.0"], capsys)
-    assert "inference.host is '0.0.0.0'" in err and "api_key" in err
+    assert err.startswith("marinrl serve: --host 0.0.0.0 lets other machines reach the endpoint")
+    assert "--api-key KEY" in err and "$MARINRL_API_KEY" in err and "inference." not in err  # serve's own flags
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -79,7 +79,7 @@ def _reference(server, prompt, *, max_tokens, seed, temperature=1.0, stop_token_
 
 
 def test_the_sampled_tokens_logprobs_and_weight_steps_come_back(server):
-    r = _generate(server, {"model": "m", "token_ids": PROMPT,
+    r = _generate(server, {"model": "marinrl-policy", "token_ids": PROMPT,
                            "sampling_params": {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 1}})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -109,6 +109,34 @@ def test_stop_token_ids_end_the_turn_on_the_stop_token(server):
     assert len(choice["logprobs"]["content"]) == first + 1
 
 
+def _split_stop(server, tokenizer, max_tokens: int) -> tuple[int, list[int], str]:
+    """A seed, its free tokens and a stop string of two printable characters that the text holds but the
+    tokens do not (a special token, dropped from the text, sits between them): only the text cut finds it."""
+    for seed in range(100):
+        body = {"token_ids": PROMPT, "sampling_params": {"max_tokens": max_tokens, "seed": seed}}
+        tokens = _generate(server, body).json()["choices"][0]["token_ids"]
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        for k in range(len(text) - 1):
+            stop = text[k:k + 2]
+            ids = tokenizer.encode(stop, add_special_tokens=False)
+            if (stop.isascii() and stop.isprintable() and text.find(stop) == k
+                    and not any(tokens[i:i + len(ids)] == ids for i in range(len(tokens)))):
+                return seed, tokens, stop
+    raise AssertionError("no seed gave a stop string split by a special token")
+
+
+def test_a_stop_string_cuts_the_weight_steps_with_the_tokens(server, tokenizer):
+    seed, tokens, stop = _split_stop(server, tokenizer, max_tokens=24)
+    r = _generate(server, {"token_ids": PROMPT, "sampling_params": {"max_tokens": 24, "seed": seed, "stop": [stop],
+                                                                    "logprobs": 1}})
+    (choice,) = r.json()["choices"]
+    assert choice["finish_reason"] == "stop" and 0 < len(choice["token_ids"]) < len(tokens)
+    assert choice["token_ids"] == tokens[:len(choice["token_ids"])]
+    assert stop in tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    assert choice["weight_steps"] == [WEIGHT_STEP] * len(choice["token_ids"])  # cut with them, one per token
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+
+
 def test_n_samples_and_the_default_budget(server):
     r = _generate(server, {"token_ids": PROMPT, "sampling_params": {"n": 2, "seed": 1, "temperature": 1.0}})
     choices = r.json()["choices"]
@@ -134,8 +162,8 @@ def test_a_reload_shows_in_the_weight_steps(server):
     ({"features": {"mm_hashes": {}}}, "features"),
     ({"content_parts": [], "return_token_ids": True}, "content_parts, return_token_ids"),
     ({"kv_transfer_params": {}}, "kv_transfer_params"),
-    ({"sampling_params": {"top_p": 0.9}}, "sampling_params.top_p=0.9"),
-    ({"sampling_params": {"top_k": 50}}, "sampling_params.top_k=50"),
+    ({"sampling_params": {"presence_penalty": 0.5}}, "sampling_params.presence_penalty=0.5"),
+    ({"sampling_params": {"min_tokens": 3}}, "sampling_params.min_tokens=3"),
     ({"sampling_params": {"repetition_penalty": 1.1}}, "sampling_params.repetition_penalty=1.1"),
     ({"sampling_params": {"ignore_eos": True}}, "sampling_params.ignore_eos=True"),
     ({"sampling_params": {"logit_bias": {"1": 2.0}}}, "sampling_params.logit_bias"),
@@ -154,6 +182,11 @@ def test_unsupported_fields_are_refused_by_name(server, extra, named):
     ({"token_ids": [1, VOCAB]}, f"token_ids holds {VOCAB}, outside the vocabulary [0, {VOCAB})"),
     ({"token_ids": [1], "sampling_params": {"stop_token_ids": [-1]}}, "sampling_params.stop_token_ids holds -1"),
     ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "sampling_params.max_tokens must be >= 1"),
+    ({"token_ids": [1], "sampling_params": {"max_tokens": 10**12}}, "sampling_params.max_tokens is 1000000000000, "
+                                                                    "but the prompt (1 tokens) leaves 127 "),
+    ({"token_ids": [1], "sampling_params": {"n": 10**6}}, "sampling_params.n=1000000 x 1 prompt(s)"),
+    ({"token_ids": [1], "sampling_params": {"top_k": -2}}, "sampling_params.top_k must be >= 1"),
+    ({"token_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p must be in (0, 1]"),
     ({"token_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n must be >= 1"),
     ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature must be >= 0"),
     ({"token_ids": []}, "invalid request: token_ids: List should have at least 1 item"),
@@ -191,8 +224,9 @@ def test_the_openai_client_posts_to_it_as_renderers_does(server):
     raw = client.post(url, body={"token_ids": PROMPT, "sampling_params": {"max_tokens": 3, "seed": 3, "logprobs": 1}},
                       cast_to=httpx.Response)
     assert raw.json()["choices"][0]["token_ids"] == _reference(server, PROMPT, max_tokens=3, seed=3).tokens.tolist()
-    with pytest.raises(openai.BadRequestError, match=r"sampling_params\.top_k=50"):
-        client.post(url, body={"token_ids": PROMPT, "sampling_params": {"top_k": 50}}, cast_to=httpx.Response)
+    with pytest.raises(openai.BadRequestError, match=r"sampling_params\.repetition_penalty=1\.1"):
+        client.post(url, body={"token_ids": PROMPT, "sampling_params": {"repetition_penalty": 1.1}},
+                    cast_to=httpx.Response)
     assert [m.id for m in client.models.list()] == ["marinrl-policy"]
 
 
@@ -204,7 +238,7 @@ def test_verifiers_train_client_gets_the_tokens_we_sampled(server, tokenizer, to
     ok, refused = run_verifiers_client(verifiers_python, base_url=server.url, api_key=server.api_key,
                                        tokenizer_dir=tokenizer_dir, turns=[
         [messages, {"max_tokens": 6, "temperature": 1.0, "seed": 3}],
-        [messages, {"max_tokens": 6, "top_k": 50}],
+        [messages, {"max_tokens": 6, "repetition_penalty": 1.1}],
     ])
     prompt = chat_prompt_tokens(tokenizer, messages)
     assert ok["prompt_ids"] == prompt  # verifiers' renderer made the same prompt our chat template makes
@@ -213,4 +247,4 @@ def test_verifiers_train_client_gets_the_tokens_we_sampled(server, tokenizer, to
     assert ok["completion_ids"] == ref.tokens.tolist()
     np.testing.assert_allclose(ok["completion_logprobs"], ref.logprobs, rtol=1e-5, atol=1e-5)
     assert ok["finish_reason"] == ref.finish_reason
-    assert refused["status_code"] == 400 and "sampling_params.top_k=50" in refused["error"]
+    assert refused["status_code"] == 400 and "sampling_params.repetition_penalty=1.1" in refused["error"]

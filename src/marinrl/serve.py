@@ -13,14 +13,17 @@ the weights onto the rollout mesh (`eval.load_policy`, as `marinrl eval` does) a
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
+import sys
 import threading
 from typing import TYPE_CHECKING
 
 import fsspec
 
 from marinrl.config.serve import ServeConfig
+from marinrl.inference.generate_queue import THREAD_NAME
 
 if TYPE_CHECKING:  # JAX and Levanter: imported by `start`, after the checks that need neither
     from marinrl.eval import Checkpoint
@@ -97,7 +100,10 @@ def describe(served: Served, config: ServeConfig) -> list[str]:
 
 
 def main(config: ServeConfig) -> int:
-    """Serve `config.checkpoint` until SIGINT or SIGTERM; returns 0 once the server has stopped."""
+    """Serve `config.checkpoint` until SIGINT or SIGTERM; returns 0 once the server has stopped. The requests in
+    hand are answered 503 after the device call in progress; when that call (a compile, say) outlasts the
+    endpoint's stop, the process ends at once, since no device call can be interrupted and Python's exit would
+    abort beside it."""
     served = start(config)
     stop = threading.Event()
     handlers = {}
@@ -113,5 +119,9 @@ def main(config: ServeConfig) -> int:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         served.shutdown()
+    if any(t.name == THREAD_NAME and t.is_alive() for t in threading.enumerate()):
+        print("marinrl serve: stopped (a device call still running ends with the process)", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
     print("marinrl serve: stopped", flush=True)
     return 0

@@ -7,6 +7,7 @@ import os
 
 from marinrl.cli.errors import InputError
 from marinrl.cli.eval import add_checkpoint_arguments
+from marinrl.config.checks import is_loopback
 
 API_KEY_VARIABLE = "MARINRL_API_KEY"
 """Where `marinrl serve` reads its API key when `--api-key` is not given (a flag shows in `ps`)."""
@@ -16,6 +17,12 @@ def run(args: argparse.Namespace) -> int:
     from marinrl.config.serve import ServeConfig
     from marinrl.config.server import EngineConfig, InferenceServerConfig
 
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    if api_key is None and not is_loopback(args.host):
+        raise InputError(f"--host {args.host} lets other machines reach the endpoint, so it needs an API key: "
+                         f"set ${API_KEY_VARIABLE} (e.g. export {API_KEY_VARIABLE}=\"$(openssl rand -hex 32)\") or "
+                         "pass --api-key KEY, and send it as 'Authorization: Bearer <key>'; or serve on "
+                         "--host 127.0.0.1")
     try:
         model = None
         if args.model_config:
@@ -24,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
             model = load_model_config(args.model_config)
         inference = InferenceServerConfig(
             backend=args.backend, serve_http=True, host=args.host, port=args.port,
-            api_key=args.api_key or os.environ.get(API_KEY_VARIABLE) or None, model_name=args.model_name,
+            api_key=api_key, model_name=args.model_name,
             default_max_tokens=args.default_max_tokens, dtype=args.dtype,
             engine=EngineConfig(max_seq_len=args.max_seq_len))
         config = ServeConfig(checkpoint=args.checkpoint, inference=inference, model=model, tokenizer=args.tokenizer,

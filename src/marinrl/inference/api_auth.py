@@ -13,7 +13,8 @@ import secrets
 from typing import Optional
 
 OPEN_PATHS = frozenset({"/health"})
-"""Paths served without the API key: a liveness probe, which tells nothing but the served model's name."""
+"""Paths served without the API key: a liveness probe, which tells the served model's name and how many
+requests are in hand, nothing else."""
 
 
 def new_api_key() -> str:

@@ -16,17 +16,34 @@ from marinrl.config.checks import require_at_least
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one turn. `temperature == 0` is greedy."""
+    """How to sample one turn. `temperature == 0` is greedy. The filters (`top_k`, `top_p`, `min_p`) need the
+    scan sampler; the logprobs are those of the filtered distribution sampled from."""
+
+    @property
+    def filtered(self) -> bool:
+        """Whether any filter restricts the distribution."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
     temperature: float = 1.0
     max_tokens: int = 32
     """Budget of new tokens for this turn."""
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     """Token-id sequences that end the turn (included in the response); EOS always stops."""
+    top_k: int = 0
+    """Sample among the `top_k` likeliest tokens only (0: all)."""
+    top_p: float = 1.0
+    """Sample among the likeliest tokens whose probabilities sum to `top_p` (1: all)."""
+    min_p: float = 0.0
+    """Sample among the tokens at least `min_p` times as likely as the likeliest (0: all)."""
 
     def __post_init__(self):
         require_at_least(self, 0, "temperature")
         require_at_least(self, 1, "max_tokens")
+        require_at_least(self, 0, "top_k")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
         for s in self.stop_sequences:
             if len(s) == 0:
                 raise ValueError("SamplingParams.stop_sequences holds an empty sequence")

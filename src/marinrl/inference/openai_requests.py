@@ -1,8 +1,11 @@
 """What the OpenAI routes accept: the bodies of `/v1/completions` and `/v1/chat/completions`, the options refused
-with 400 rather than ignored (`stream`, `echo`, `top_p` other than 1, penalties, `logit_bias`, `best_of` > 1,
-`top_logprobs`), and the prompts, messages, stop strings and token budgets the bodies carry.
+with 400 rather than ignored (`stream`, `echo`, penalties, `logit_bias`, `best_of` > 1, `top_logprobs`,
+`response_format` other than text, `tools`, and any field this module does not know), the served model's name,
+and the prompts, messages, stop strings, token budgets and row counts the bodies carry.
 
-Every problem is an `HTTPException(400)` naming the field; the endpoint answers it in OpenAI's error format.
+`top_k`, `top_p`, `min_p`, `seed` and `stop` are honoured (the scan sampler's `_pick`). Every problem is an
+`HTTPException(400)` naming the field (404 for a model not served here); the endpoint answers it in OpenAI's
+error format.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ class OpenAIRequest(BaseModel):
     max_tokens: Optional[int] = None
     temperature: float = 1.0
     top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
@@ -53,13 +58,29 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: Optional[int] = None
 
 
-def refuse_unsupported(req: OpenAIRequest) -> None:
-    """400 naming every option of `req` we do not implement, or a value out of range."""
-    problems = []
+MAX_ROWS_PER_REQUEST = 256
+"""The most samples one request may ask for (prompts x `n`): more is refused with 400 before any work; the rows
+of one prompt must also fit one device call's KV cache (`InferenceServer._admit`)."""
+
+IGNORED = frozenset({"user", "metadata", "store"})
+"""Fields accepted and ignored: they change no sample and no returned text."""
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",), "stream_options": (None,),
+    "parallel_tool_calls": (None,), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,),
+    "skip_special_tokens": (True,), "n_probs": (None,),
+}
+"""Fields we do not implement, accepted only at the value that changes nothing."""
+
+
+def refuse_unsupported(req: OpenAIRequest, model_name: str) -> None:
+    """400 naming every option of `req` we do not implement, or a value out of range; 404 for another model."""
+    if req.model and req.model != model_name:
+        raise HTTPException(status_code=404, detail=f"model {req.model!r} is not served here: this endpoint serves "
+                                                    f"{model_name!r} (GET /v1/models)")
+    problems = [k for k, v in (req.model_extra or {}).items()
+                if k not in IGNORED and not any(v == ok for ok in NO_OP_VALUES.get(k, ()))]
     if req.stream:
         problems.append("stream")
-    if req.top_p is not None and req.top_p != 1.0:
-        problems.append("top_p other than 1")
     if req.presence_penalty or req.frequency_penalty:
         problems.append("presence/frequency penalties")
     if req.logit_bias:
@@ -73,10 +94,48 @@ def refuse_unsupported(req: OpenAIRequest) -> None:
         problems.append("top_logprobs")
     if problems:
         raise HTTPException(status_code=400, detail=f"unsupported: {', '.join(problems)}")
-    if req.n < 1:
-        raise HTTPException(status_code=400, detail=f"n must be >= 1, got {req.n}")
-    if req.temperature < 0:
-        raise HTTPException(status_code=400, detail=f"temperature must be >= 0, got {req.temperature}")
+    for ok, what in ((req.n >= 1, f"n must be >= 1, got {req.n}"),
+                     (req.temperature >= 0, f"temperature must be >= 0, got {req.temperature}"),
+                     (req.top_p is None or 0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}"),
+                     (req.top_k is None or req.top_k >= -1, f"top_k must be >= 1 (0 or -1: all), got {req.top_k}"),
+                     (req.min_p is None or 0 <= req.min_p <= 1, f"min_p must be in [0, 1], got {req.min_p}")):
+        if not ok:
+            raise HTTPException(status_code=400, detail=what)
+
+
+def filters(req: OpenAIRequest) -> dict:
+    """The request's `top_k`, `top_p` and `min_p` as `SamplingParams` takes them (vLLM's -1: no top_k)."""
+    return {"top_k": max(req.top_k or 0, 0), "top_p": 1.0 if req.top_p is None else req.top_p,
+            "min_p": req.min_p or 0.0}
+
+
+def token_budget(given: Optional[int], field: str, prompt_tokens: int, default: int, context: Optional[int],
+                 context_source: str) -> int:
+    """The new-token budget of a prompt: `given` if it is >= 1 and fits the model's context with the prompt, else
+    400 naming `field`; none given: `default`, cut to what the context leaves."""
+    if given is not None and given < 1:
+        raise HTTPException(status_code=400, detail=f"{field} must be >= 1, got {given}")
+    if context is None:
+        return default if given is None else given
+    room = context - prompt_tokens
+    if room < 1:
+        raise HTTPException(status_code=400, detail=f"the prompt ({prompt_tokens} tokens) fills the model's context "
+                                                    f"of {context} tokens ({context_source})")
+    if given is None:
+        return min(default, room)
+    if given > room:
+        raise HTTPException(status_code=400, detail=f"{field} is {given}, but the prompt ({prompt_tokens} tokens) "
+                                                    f"leaves {room} of the model's context of {context} tokens "
+                                                    f"({context_source}): ask for {field} <= {room}")
+    return given
+
+
+def check_rows(n: int, prompts: int, field: str = "n") -> None:
+    """400 when a request asks for more samples than `MAX_ROWS_PER_REQUEST`."""
+    if n * prompts > MAX_ROWS_PER_REQUEST:
+        raise HTTPException(status_code=400, detail=f"{field}={n} x {prompts} prompt(s) asks for {n * prompts} samples"
+                                                    f", over the endpoint's {MAX_ROWS_PER_REQUEST} a request: split "
+                                                    "it into several requests")
 
 
 def invalid_body_message(exc: RequestValidationError) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Optional, Sequence
+from typing import Generator, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,9 @@ from marinrl.inference.decoder import (
     forward,
     pack_layer,
 )
+from marinrl.inference.picking import cumsum_last as _cumsum_last  # noqa: F401 - the sampler's, tested here
+from marinrl.inference.picking import pick as _pick
+from marinrl.inference.picking import picking
 from marinrl.inference.sampler_families import check_window, sampler_family
 from marinrl.inference.scan_plan import (
     CPU_CACHE_BYTES,
@@ -92,7 +95,17 @@ def call_plan(model, n_prompts: int, *, n: int, prompt_tokens: int, max_tokens: 
                       kv_heads=attn.num_kv_heads, data=data, model=model_axis, min_prompts=min_prompts)
 
 
-def sample(
+def sample(model, prompts: Sequence[Sequence[int]], **kwargs) -> SampleOutput:
+    """`sample_steps` run to the end: `n` samples of each prompt."""
+    steps = sample_steps(model, prompts, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def sample_steps(
     model,
     prompts: Sequence[Sequence[int]],
     *,
@@ -101,6 +114,9 @@ def sample(
     max_tokens: int,
     stop_sequences: Sequence[Sequence[int]],
     seed: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
     max_cache_bytes: int = CPU_CACHE_BYTES,
     prompt_keys: Optional[Sequence[tuple[int, int]]] = None,
     min_prompts: int = 1,
@@ -108,9 +124,11 @@ def sample(
     dry_run: bool = False,
     swaps=None,
     lm_head_float32: bool = False,
+    chunk_tokens: Optional[int] = None,
     attention: str = "xla",
-) -> SampleOutput:
-    """`n` samples of each prompt. A row ends at the first occurrence of any of `stop_sequences` inside
+) -> Generator[None, None, SampleOutput]:
+    """`n` samples of each prompt, as a generator that yields after each device call and returns the
+    `SampleOutput` (`sample` runs it to the end). A row ends at the first occurrence of any of `stop_sequences` inside
     its generated tokens (which it includes), or after `max_tokens` tokens.
 
     All prompts go to one device call unless their KV cache would exceed `max_cache_bytes` on a device
@@ -136,6 +154,13 @@ def sample(
 
     `lm_head_float32`: the LM head's logits in float32 (`decoder.head_logits`), as a trainer with
     `model.lm_head_float32` computes its own.
+
+    `top_k`, `top_p`, `min_p`: sample from the temperature-scaled distribution restricted to the tokens
+    these filters keep (`_pick`), renormalized; the logprobs are those of that distribution.
+
+    `chunk_tokens`: decode in device calls of that many steps, yielding between them (no in-flight swaps),
+    so that a caller can run other work between the chunks of a long generation (the HTTP endpoint's
+    `generate_queue`); the samples are those of one call.
 
     `attention`: how decode steps read the KV cache, `xla` or the GPU kernel (`decode_kernel.decode_attention`;
     the server resolves `inference.attention` with `decode_kernel.resolve_attention`)."""
@@ -172,7 +197,7 @@ def sample(
 
     stops, stop_valid = _stop_table(stop_sequences)
     shared = (jnp.asarray(stops), jnp.asarray(stop_valid), jnp.asarray(max_tokens, dtype=jnp.int32),
-              jnp.asarray(temperature, dtype=jnp.float32))
+              picking(temperature, top_k, top_p, min_p))
 
     pieces = []
     for start in range(0, n_prompts, chunk):
@@ -181,7 +206,11 @@ def sample(
             part, chunk, p_len, lens[start:], key_seeds[start:], key_index[start:], dry_run)
         args = (ids, part_lens, active, *shared, part_seeds, part_index)
         rows = len(part) * n
-        if swaps is None:
+        if swaps is None and chunk_tokens is not None:
+            out = yield from _generate_in_chunks(model, args, chunk_tokens, n=n, max_new=t_len, mesh=mesh,
+                                                 lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
+            steps = None
+        elif swaps is None:
             out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
                             greedy=greedy, attention=attention)
             steps = None
@@ -192,6 +221,8 @@ def sample(
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
                        steps))
+        if start + chunk < n_prompts:
+            yield
     return SampleOutput(
         tokens=np.concatenate([p[0] for p in pieces]).astype(np.int32),
         logprobs=np.concatenate([p[1] for p in pieces]).astype(np.float32),
@@ -199,6 +230,23 @@ def sample(
         stopped=np.concatenate([p[3] for p in pieces]).astype(bool),
         weight_steps=None if swaps is None else np.concatenate([p[4] for p in pieces]).astype(np.int64),
     )
+
+
+def _generate_in_chunks(model, args, chunk_tokens: int, *, n, max_new, mesh, lm_head_float32, greedy, attention="xla"):
+    """`_generate` as device calls of at most `chunk_tokens` decode steps, yielding between them; what it returns.
+    Rows step in lockstep, so `t` (the next step) and whether every row is done say when to stop."""
+    ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index = args
+    state = _start_call(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
+                        n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
+    t, finished = 1, False  # the prefill sampled token 0
+    while t < max_new and not finished:
+        yield
+        state = _decode_call(model, state, stops, stop_valid, budget, temperature,
+                             jnp.asarray(t + chunk_tokens, jnp.int32), mesh=mesh, lm_head_float32=lm_head_float32,
+                             greedy=greedy, attention=attention)
+        t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
+        t = int(t)
+    return _outputs(state, stops)
 
 
 def _stop_table(stop_sequences) -> tuple[np.ndarray, np.ndarray]:
@@ -236,40 +284,6 @@ def compiled_shapes() -> int:
 
 
 # ----------------------------------------------------------------------------------------- device
-
-
-def _cumsum_last(p, block: int = 32):
-    """Cumulative sum over the last axis of p [R, V] as two small matmuls (within blocks of `block`, then
-    over block totals): on a CPU much cheaper than XLA's reduce-window cumsum at vocabulary sizes."""
-    r, v = p.shape
-    if v % block:
-        p = jnp.pad(p, ((0, 0), (0, block - v % block)))
-    nb = p.shape[1] // block
-    blocks = p.reshape(r, nb, block)
-    within = jnp.matmul(blocks, jnp.triu(jnp.ones((block, block), p.dtype)), precision="highest")
-    before = jnp.matmul(within[:, :, -1], jnp.triu(jnp.ones((nb, nb), p.dtype), k=1), precision="highest")
-    return (within + before[:, :, None]).reshape(r, -1)[:, :v]
-
-
-def _pick(logits, temperature, u, greedy: bool):
-    """Sample one token per row from logits [R, V] given one uniform number per row u [R]; returns
-    (tokens, logprobs at the sampling temperature). `greedy` (temperature 0, known on the host): the argmax,
-    its logprob at T = 1; the choice is made when the program is traced, not by a branch at every step.
-
-    Inverse-CDF sampling needs one uniform number per row, not one per vocabulary entry as Gumbel-max
-    does; all of them are drawn before the decode loop, so no PRNG runs inside it (on a CPU, PRNG
-    hashing was the largest cost of a decode step at small model sizes). The token is the first index
-    whose CDF exceeds u * total, which never picks a zero-probability token."""
-    if greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        logp = jax.nn.log_softmax(logits / temperature, axis=-1)
-        cdf = _cumsum_last(jnp.exp(logp))
-        total = cdf[:, -1]
-        x = jnp.minimum(u * total, jnp.nextafter(total, jnp.zeros_like(total)))
-        tokens = jnp.sum(cdf <= x[:, None], axis=-1, dtype=jnp.int32)
-    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy", "attention"))
@@ -390,3 +404,9 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
 
         state = jax.lax.while_loop(cond, body, state)
     return state
+
+
+# `_start` and `_decode_until` as device calls of their own (`_generate_in_chunks`)
+_start_call = jax.jit(_start, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy"))
+_decode_call = jax.jit(_decode_until, static_argnames=("mesh", "lm_head_float32", "greedy", "attention"),
+                       donate_argnames=("state",))

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
@@ -42,6 +42,10 @@ from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
 from marinrl.models.policy_model import abstract_model, build_model, build_tokenizer
 
 logger = logging.getLogger(__name__)
+
+HTTP_CHUNK_TOKENS = 32
+"""The HTTP endpoint's scan sampler decodes in device calls of this many steps, so that the requests queued behind
+a long generation are served between its chunks (`generate_queue.py`, docs/inference.md)."""
 
 def load_served_model(model_config: ModelConfig, config: InferenceServerConfig, dtype: Optional[str] = None):
     """The model `model_config` describes, in `dtype` (default: `model_config.dtype`), built straight onto
@@ -124,15 +128,17 @@ class InferenceServer:
         if http:
             backend, min_batch = self._http_backend, self.config.http_min_batch
             self._endpoint = OpenAIEndpoint(
-                lambda requests: self.generate_requests(requests, backend=backend, min_batch=min_batch,
-                                                        stamp_weight_steps=True),
+                lambda requests: self.generate_request_steps(requests, backend=backend, min_batch=min_batch,
+                                                             stamp_weight_steps=True, chunk_tokens=HTTP_CHUNK_TOKENS),
                 self._tokenizer,
+                admit=self._admit if backend == "scan" else None,
                 host=self.config.host,
                 port=self.config.port,
                 model_name=self.config.model_name,
                 default_max_tokens=self.config.default_max_tokens,
                 api_key=self.config.api_key,
-                max_model_len=self.config.engine.max_seq_len if backend == "engine" else None,
+                max_model_len=self.config.engine.max_seq_len if backend == "engine" else model_context(self._model),
+                context_source="inference.engine.max_seq_len" if backend == "engine" else "the model's seq_len",
                 vocab_size=self._vocab,
             ).start()
         self._started = True
@@ -287,14 +293,26 @@ class InferenceServer:
         empty = Generation(np.zeros((0,), np.int32), np.zeros((0,), np.float32), "length")
         return [[empty] * n for _ in prompts]
 
-    def generate_requests(
+    def generate_requests(self, requests: Sequence[TokenRequest], **kwargs) -> list[list[Generation]]:
+        """`generate_request_steps` run to the end: the samples of each request, in order."""
+        steps = self.generate_request_steps(requests, **kwargs)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def generate_request_steps(
         self, requests: Sequence[TokenRequest], *, backend: Optional[str] = None, min_batch: int = 1,
         dry_run: bool = False, inflight: bool = False, stamp_weight_steps: bool = False,
-    ) -> list[list[Generation]]:
-        """Samples of each request, in order, through `backend` (default: `config.backend`). Requests
-        with equal sampling settings share one device call; sample j of a request depends only on
-        (its seed, its index, j), its prompt and the weights. ValueError names a bad request. The scan
-        sampler pads a device call to at least `min_batch` prompts (fewer compiled shapes).
+        chunk_tokens: Optional[int] = None,
+    ) -> Generator[None, None, list[list[Generation]]]:
+        """Samples of each request, in order, through `backend` (default: `config.backend`), as a generator
+        that yields between device calls and returns them. Requests with equal sampling settings share one
+        device call; sample j of a request depends only on (its seed, its index, j), its prompt and the
+        weights. ValueError names a bad request. The scan sampler pads a device call to at least `min_batch`
+        prompts (fewer compiled shapes) and, with `chunk_tokens`, decodes in calls of that many steps
+        (`sampler.sample_steps`: the HTTP endpoint serves other requests between them).
         `stamp_weight_steps`: every Generation's `weight_steps` is filled (the step of the weights that
         sampled each token), never None, as the HTTP endpoint reports it."""
         if not self._started:
@@ -317,12 +335,32 @@ class InferenceServer:
             by_settings.setdefault((r.n, r.sampling), []).append(k)
         out: list = [None] * len(requests)
         for (n, sampling), ks in by_settings.items():
-            rows = self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run, swaps)
+            rows = yield from self._generate_scan(model, [requests[k] for k in ks], n, sampling, min_batch, dry_run,
+                                                  swaps, chunk_tokens)
             for k, row in zip(ks, rows):
                 out[k] = row
         if stamp_weight_steps:
             out = [[_stamped(g, step) for g in row] for row in out]
         return out
+
+    def _admit(self, requests: Sequence[TokenRequest]) -> None:
+        """ValueError, before any work, for a request whose samples of one prompt would not fit one device call's
+        KV cache budget (the scan sampler splits a call by prompts, never a prompt's `n` samples)."""
+        budget = self._scan_cache_bytes
+        mesh = None if self._mesh is None else self._mesh.mesh
+        for r in requests:
+            def cache(n: int, r=r) -> float:
+                return scan_sampler.call_plan(self._model, 1, n=n, prompt_tokens=len(r.prompt),
+                                              max_tokens=r.sampling.max_tokens, max_cache_bytes=budget,
+                                              mesh=mesh).per_device_cache_bytes
+            need = cache(r.n)
+            if need > budget:
+                per_sample = max(cache(2) - cache(1), 1.0)
+                most = max(0, int((budget - cache(1)) // per_sample) + 1)
+                raise ValueError(f"n={r.n} samples of up to {len(r.prompt) + r.sampling.max_tokens} tokens need "
+                                 f"{need / 2**30:.2f} GiB of KV cache a device, over one call's budget of "
+                                 f"{budget / 2**30:.2f} GiB (inference.scan_max_cache_bytes): ask for n <= {most} "
+                                 "or fewer max_tokens")
 
     def _stops(self, sampling: SamplingParams) -> tuple[tuple[int, ...], ...]:
         eos = self._tokenizer.eos_token_id
@@ -338,12 +376,16 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
-    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False, swaps=None):
-        out = scan_sampler.sample(
+    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False, swaps=None, chunk_tokens=None):
+        out = yield from scan_sampler.sample_steps(
             model,
             [r.prompt for r in requests],
             n=n,
             temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+            chunk_tokens=chunk_tokens,
             max_tokens=sampling.max_tokens,
             stop_sequences=self._stops(sampling),
             seed=0,
@@ -376,6 +418,9 @@ class InferenceServer:
     def _generate_engine(self, requests, stamp_weight_steps: bool = False):
         if self._engine is None:
             raise RuntimeError("the Levanter engine is not built (backend and http_backend are 'scan')")
+        if any(r.sampling.filtered for r in requests):
+            raise ValueError("top_k, top_p and min_p need the scan sampler: the engine backend samples from the whole "
+                             "distribution (serve with inference.backend: scan, or leave them at 0, 1 and 0)")
         jobs = [
             EngineJob(r.prompt, r.n, r.sampling.max_tokens, r.sampling.temperature, engine_key(r.seed, r.index),
                       self._stops(r.sampling))
@@ -415,6 +460,13 @@ class InferenceServer:
     def text(self, generation: Generation) -> str:
         """The text of a generation, special tokens left out."""
         return response_text(self._tokenizer, generation)
+
+
+def model_context(model) -> Optional[int]:
+    """The longest prompt + generation the model was built for (its config's `max_seq_len` or `seq_len`)."""
+    cfg = model.config
+    length = getattr(cfg, "max_seq_len", None) or getattr(cfg, "seq_len", None)
+    return int(length) if length else None
 
 
 def _cast_floating(model, dtype: str):

@@ -5,9 +5,9 @@ beside the OpenAI routes, behind the same API key; this module is its request, i
 
 Request (vLLM's `GenerateRequest`, the part we serve):
 
-    {"model": "...", "token_ids": [1, 2, 3],
-     "sampling_params": {"max_tokens": 64, "temperature": 1.0, "n": 1, "seed": 0, "stop": ["\\n\\n"],
-                         "stop_token_ids": [257], "logprobs": 1}}
+    {"model": "marinrl-policy", "token_ids": [1, 2, 3],
+     "sampling_params": {"max_tokens": 64, "temperature": 1.0, "top_k": 50, "top_p": 0.95, "min_p": 0.0, "n": 1,
+                         "seed": 0, "stop": ["\\n\\n"], "stop_token_ids": [257], "logprobs": 1}}
 
 Answer:
 
@@ -21,14 +21,17 @@ Answer:
 is token k's sampler logprob (`token` names its id as vLLM's `return_tokens_as_token_ids` does; no
 alternatives: `top_logprobs` is empty), present when `sampling_params.logprobs` is 0 or 1; `weight_steps[k]`
 is the weight step that sampled token k (ours; vLLM clients ignore it). A request without `max_tokens` gets
-the endpoint's default budget.
+the endpoint's default budget, cut to what the model's context leaves; `max_tokens` over it is refused, as are
+more than `openai_requests.MAX_ROWS_PER_REQUEST` samples and a `model` other than the served one (404).
+`top_k`, `top_p` and `min_p` are honoured as on the OpenAI routes (the logprobs are those of the filtered
+distribution).
 
 Every field we do not serve is refused with 400 naming it, never ignored; fields that change no sample and no
 returned token are accepted: `cache_salt`, `priority` (no prefix cache, no scheduler priorities here),
 `sampling_params.skip_special_tokens`, `spaces_between_special_tokens`, `detokenize`,
 `include_stop_str_in_output` (no text is returned), `routed_experts_prompt_start` (no expert routing is
-returned), and the others at their no-op values (`top_p: 1`, `top_k: 0 or -1`, `min_p: 0`, penalties 0,
-`repetition_penalty: 1`, `min_tokens: 0`, `ignore_eos: false`).
+returned), and the others at their no-op values (penalties 0, `repetition_penalty: 1`, `min_tokens: 0`,
+`ignore_eos: false`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ IGNORED_SAMPLING = frozenset({
 })
 """`sampling_params` fields accepted and ignored: they shape text or data we do not return."""
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "top_p": (1, 1.0), "top_k": (0, -1), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_tokens": (0,), "ignore_eos": (False,),
     "prompt_logprobs": (None,),
 }
@@ -65,6 +68,9 @@ class GenerateSamplingParams(BaseModel):
 
     n: int = 1
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
     max_tokens: Optional[int] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
@@ -105,8 +111,16 @@ def _no_op(name: str, value) -> bool:
     return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in values)
 
 
-def check(req: GenerateRequest, vocab_size: int) -> None:
-    """400 naming the first problem: a field we do not serve, or a value out of range."""
+def filters(sp: GenerateSamplingParams) -> dict:
+    """`top_k`, `top_p`, `min_p` as `SamplingParams` takes them (vLLM's -1: no top_k)."""
+    return {"top_k": max(sp.top_k, 0), "top_p": sp.top_p, "min_p": sp.min_p}
+
+
+def check(req: GenerateRequest, vocab_size: int, model_name: str) -> None:
+    """400 naming the first problem: a field we do not serve, or a value out of range; 404: another model."""
+    if req.model and req.model != model_name:
+        raise HTTPException(status_code=404, detail=f"model {req.model!r} is not served here: this endpoint serves "
+                                                    f"{model_name!r} (GET /v1/models)")
     problems = refusals(req)
     if problems:
         raise HTTPException(status_code=400, detail=f"unsupported: {', '.join(problems)}")
@@ -115,8 +129,11 @@ def check(req: GenerateRequest, vocab_size: int) -> None:
         raise HTTPException(status_code=400, detail=f"sampling_params.n must be >= 1, got {sp.n}")
     if sp.temperature < 0:
         raise HTTPException(status_code=400, detail=f"sampling_params.temperature must be >= 0, got {sp.temperature}")
-    if sp.max_tokens is not None and sp.max_tokens < 1:
-        raise HTTPException(status_code=400, detail=f"sampling_params.max_tokens must be >= 1, got {sp.max_tokens}")
+    for ok, what in ((0 < sp.top_p <= 1, f"top_p must be in (0, 1], got {sp.top_p}"),
+                     (sp.top_k >= -1, f"top_k must be >= 1 (0 or -1: all), got {sp.top_k}"),
+                     (0 <= sp.min_p <= 1, f"min_p must be in [0, 1], got {sp.min_p}")):
+        if not ok:
+            raise HTTPException(status_code=400, detail=f"sampling_params.{what}")
     for name, ids in (("token_ids", req.token_ids), ("sampling_params.stop_token_ids", sp.stop_token_ids or ())):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
