@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from marinrl.inference.decoder import GroupedDecodeAttention
+from marinrl.inference.decoder import GroupedDecodeAttention, write_generated_kv
 
 logger = logging.getLogger(__name__)
 
@@ -193,11 +193,8 @@ class KernelDecodeAttention(eqx.Module):
     def __call__(self, q, k, v, cache, scale, soft_cap):
         """q [R, KV, G, 1, D]; k, v [R, KV, 1, D]; cache (prompt keys, prompt values, then each generated block's
         keys and values) -> ([R, 1, KV*G*D], cache)."""
-        kp, vp, *gen = cache
+        kp, vp, gen = write_generated_kv(cache, k, v, self.block, self.block_starts, self.write_at)
         b = self.block
-        start = self.block_starts[b]
-        gen[2 * b] = jax.lax.dynamic_update_slice_in_dim(gen[2 * b], k, self.write_at - start, axis=2)
-        gen[2 * b + 1] = jax.lax.dynamic_update_slice_in_dim(gen[2 * b + 1], v, self.write_at - start, axis=2)
         n_prompts, n_kv, s_p, _ = kp.shape
         rows, _, group, _, head = q.shape
         n = rows // n_prompts

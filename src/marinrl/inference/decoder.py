@@ -139,11 +139,8 @@ class GroupedDecodeAttention(eqx.Module):
     def __call__(self, q, k, v, cache, scale, soft_cap):
         """q [R, KV, G, 1, D]; k, v [R, KV, 1, D]; cache (prompt keys, prompt values, then each generated block's
         keys and values) -> ([R, 1, KV*G*D], cache)."""
-        kp, vp, *gen = cache
+        kp, vp, gen = write_generated_kv(cache, k, v, self.block, self.block_starts, self.write_at)
         b = self.block
-        start = self.block_starts[b]
-        gen[2 * b] = jax.lax.dynamic_update_slice_in_dim(gen[2 * b], k, self.write_at - start, axis=2)
-        gen[2 * b + 1] = jax.lax.dynamic_update_slice_in_dim(gen[2 * b + 1], v, self.write_at - start, axis=2)
         n_prompts, n_kv, s_p, _ = kp.shape
         rows, _, group, _, head = q.shape
         n = rows // n_prompts
@@ -155,7 +152,8 @@ class GroupedDecodeAttention(eqx.Module):
             n_prompts, n_kv, n, group, s_p).transpose(0, 2, 1, 3, 4).reshape(rows, n_kv, group, s_p)
         s_prompt = jnp.where(self.prompt_ok[:, None, None, :], s_prompt, -jnp.inf)
         s_gen = [_scores(q, gen[2 * i], scale, soft_cap, "rkgd,rksd->rkgs") for i in range(b + 1)]
-        slots = start + jnp.arange(gen[2 * b].shape[2])  # earlier blocks are full: every slot holds a token
+        # earlier blocks are full: every slot holds a token
+        slots = self.block_starts[b] + jnp.arange(gen[2 * b].shape[2])
         s_gen[b] = jnp.where(slots[None, None, None, :] <= self.write_at, s_gen[b], -jnp.inf)
         # one softmax over every part: their shared max, then each part's exponentials and sum
         top = s_prompt.max(-1, keepdims=True)
@@ -248,3 +246,13 @@ def cache_layout(caches, mesh):
     """KV caches [rows, kv_head, slot, head] (per layer a tuple of them: prompt and generated keys and values, or
     one cache's): heads over the model axis, rows (or prompts) over the data axis."""
     return [tuple(constrain(c, mesh, DATA, MODEL, None, None) for c in cache) for cache in caches]
+
+
+def write_generated_kv(cache, k, v, block: int, block_starts, write_at):
+    """(prompt keys, prompt values, the generated blocks with this step's k, v written into block `block` at
+    `write_at`): the cache write both decode attentions (XLA, decode_kernel.py) make first."""
+    kp, vp, *gen = cache
+    start = block_starts[block]
+    gen[2 * block] = jax.lax.dynamic_update_slice_in_dim(gen[2 * block], k, write_at - start, axis=2)
+    gen[2 * block + 1] = jax.lax.dynamic_update_slice_in_dim(gen[2 * block + 1], v, write_at - start, axis=2)
+    return kp, vp, gen
