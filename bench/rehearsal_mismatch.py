@@ -47,7 +47,8 @@ def measure(yaml_path: str, out_path: str, groups: int, generations: int, max_to
 
     from marinrl.config.trainer import parse_mp
     from marinrl.inference.context import SamplingParams
-    from marinrl.inference.server import InferenceServer, load_served_model
+    from marinrl.inference.served_model import load_served_model
+    from marinrl.inference.server import InferenceServer
     from marinrl.models.policy_model import build_tokenizer
     from marinrl.recipe import parse_recipe
     from marinrl.train.batching import make_training_batch

@@ -97,7 +97,8 @@ def test_a_rollout_model_is_read_straight_onto_its_tensor_parallel_mesh(hf_path)
     and in the requested dtype; the server then serves those very buffers, placing nothing again."""
     from marinrl.config.server import InferenceServerConfig
     from marinrl.inference import sharding
-    from marinrl.inference.server import InferenceServer, load_served_model
+    from marinrl.inference.served_model import load_served_model
+    from marinrl.inference.server import InferenceServer
 
     config = InferenceServerConfig(model_axis_size=2)
     model = load_served_model(ModelConfig(hf_checkpoint=hf_path), config, dtype="bfloat16")

@@ -16,7 +16,7 @@ from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
 from marinrl.inference import scan_plan
-from marinrl.inference.server import scan_cache_budget
+from marinrl.inference.served_model import scan_cache_budget
 from marinrl.models.policy_model import build_model
 
 QWEN3_0P6B_KV = dict(layers=28, kv_heads=8, head_size=128, itemsize=2)  # 112 KiB of KV a token in bfloat16

@@ -193,7 +193,7 @@ def check_architecture(checkpoint: Checkpoint, model: Optional[ModelConfig]) -> 
 def load_policy(checkpoint: Checkpoint, config: EvalConfig | ServeConfig):
     """(model, tokenizer) of a resolved checkpoint, read straight onto the rollout mesh of `config.inference`,
     with `config.model`'s architecture and dtype and `config.tokenizer` where they are given."""
-    from marinrl.inference.server import load_served_model
+    from marinrl.inference.served_model import load_served_model
     from marinrl.models.policy_model import build_tokenizer
 
     base = config.model or ModelConfig()

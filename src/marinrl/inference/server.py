@@ -33,46 +33,26 @@ from marinrl.config.inflight import InflightConfig
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
 from marinrl.inference import sampler as scan_sampler
-from marinrl.inference import scan_plan, sharding
+from marinrl.inference import sharding
 from marinrl.inference.context import Generation, SamplingParams, chat_prompt_tokens, response_text
 from marinrl.inference.decode_kernel import resolve_attention
 from marinrl.inference.inflight import WeightSwaps
 from marinrl.inference.levanter_engine import EngineJob, LevanterEngine, engine_key
 from marinrl.inference.openai_api import OpenAIEndpoint, TokenRequest
-from marinrl.models.policy_model import abstract_model, build_model, build_tokenizer
+from marinrl.inference.served_model import (
+    cast_floating,
+    check_same_structure,
+    load_served_model,
+    model_context,
+    scan_cache_budget,
+)
+from marinrl.models.policy_model import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
 HTTP_CHUNK_TOKENS = 32
 """The HTTP endpoint's scan sampler decodes in device calls of this many steps, so that the requests queued behind
 a long generation are served between its chunks (`generate_queue.py`, docs/inference.md)."""
-
-def load_served_model(model_config: ModelConfig, config: InferenceServerConfig, dtype: Optional[str] = None):
-    """The model `model_config` describes, in `dtype` (default: `model_config.dtype`), built straight onto
-    the rollout mesh `config` asks for: the mesh is planned from the checkpoint's config file alone, then
-    each weight is read (or initialized) already sharded, so no device holds the whole model unless the
-    mesh has one device. `InferenceServer` then finds it in place (`sharding.place` copies nothing)."""
-    where = sharding.rollout_mesh(abstract_model(model_config, dtype), config.model_axis_size)
-    if where is None:
-        return build_model(model_config, dtype=dtype)
-    return build_model(model_config, axis_mapping=where.axis_mapping, mesh=where.mesh, dtype=dtype)
-
-
-def scan_cache_budget(setting, mesh: Optional[sharding.RolloutMesh]) -> int:
-    """The scan sampler's cache budget of one call per device for `inference.scan_max_cache_bytes` (`setting`):
-    `auto` reads the allocator of the first rollout device now, with the served weights on it
-    (`scan_plan.auto_cache_budget`); a number is taken as it is."""
-    if setting != "auto":
-        return int(setting)
-    device = mesh.mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    budget = scan_plan.auto_cache_budget(stats.get("bytes_limit"), stats.get("bytes_in_use", 0))
-    limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
-    where = f"device limit {limit / 2**30:.2f} GiB, {used / 2**30:.2f} GiB in use" if limit else "the CPU default"
-    logger.info("scan sampler: a call's KV cache may take %.2f GiB a device (inference.scan_max_cache_bytes: auto, "
-                "%s)", budget / 2**30, where)
-    return budget
-
 
 class InferenceServer:
     """Implements `marinrl.inference.context.InferenceContext`. Thread-safe: `generate` may be called
@@ -85,7 +65,7 @@ class InferenceServer:
         self.config = config
         self._tokenizer = tokenizer
         if config.dtype is not None:  # a no-op for a model built in it (the rollout worker's)
-            model = _cast_floating(model, config.dtype)
+            model = cast_floating(model, config.dtype)
         self._mesh = sharding.rollout_mesh(model, config.model_axis_size)
         self._model = sharding.place(model, self._mesh)
         self._scan_cache_bytes = scan_cache_budget(config.scan_max_cache_bytes, self._mesh)
@@ -200,7 +180,7 @@ class InferenceServer:
         Calls already running finish with the old weights. Leaves not yet on the rollout shardings are
         put there (one device_put each); leaves already there, as the weight transfer delivers them,
         are used as they are."""
-        _check_same_structure(self._model, model)
+        check_same_structure(self._model, model)
         model = sharding.place(model, self._mesh)
         with self._lock:
             self._model = model
@@ -462,42 +442,9 @@ class InferenceServer:
         return response_text(self._tokenizer, generation)
 
 
-def model_context(model) -> Optional[int]:
-    """The longest prompt + generation the model was built for (its config's `max_seq_len` or `seq_len`)."""
-    cfg = model.config
-    length = getattr(cfg, "max_seq_len", None) or getattr(cfg, "seq_len", None)
-    return int(length) if length else None
-
-
-def _cast_floating(model, dtype: str):
-    """`model` with every floating weight in `dtype` (itself when all already are)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(dtype)
-    if all(x.dtype == dtype for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))):
-        return model
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if eqx.is_inexact_array(x) else x, model)
-
-
 def _stamped(generation: Generation, step: int) -> Generation:
     """`generation` with `weight_steps` filled: `step` on every token when it has none (sampled by the
     weights the call began with)."""
     if generation.weight_steps is not None:
         return generation
     return dataclasses.replace(generation, weight_steps=np.full(len(generation.tokens), step, np.int64))
-
-
-def _check_same_structure(old, new) -> None:
-    import equinox as eqx
-    import jax
-
-    a = jax.tree_util.tree_structure(eqx.filter(old, eqx.is_array))
-    b = jax.tree_util.tree_structure(eqx.filter(new, eqx.is_array))
-    if a != b:
-        raise ValueError("reload: the new model's structure differs from the served one")
-    for x, y in zip(jax.tree_util.tree_leaves(eqx.filter(old, eqx.is_array)),
-                    jax.tree_util.tree_leaves(eqx.filter(new, eqx.is_array))):
-        if x.shape != y.shape or x.dtype != y.dtype:
-            raise ValueError(f"reload: a weight changed from {x.shape} {x.dtype} to {y.shape} {y.dtype}")

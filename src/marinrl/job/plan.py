@@ -158,7 +158,7 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupCloc
     import psutil
 
     from marinrl.envs.base import with_endpoint_if_needed
-    from marinrl.inference.server import load_served_model
+    from marinrl.inference.served_model import load_served_model
     from marinrl.models.policy_model import build_tokenizer
     from marinrl.rollout.policy_router import PolicyRouter
 
