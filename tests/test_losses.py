@@ -608,7 +608,8 @@ def test_token_logprobs_equal_manual_forward_at_each_rows_temperature(llama):
     full, blocked, batch, manual, _ = llama
     want = np.asarray(manual.array)
     assert want.std() > 0.3  # not a uniform distribution: the comparison means something
-    for model in (full, blocked):
+    # 64 = 40 + a straggler of 24 is the shape Levanter's blockwise loss gets wrong (`lm_head_block`)
+    for model in (full, blocked, with_block_size(full, 40)):
         got = _token_logprobs(model, batch)
         assert got.axes == batch.target_ids.axes
         np.testing.assert_allclose(np.asarray(got.array), want, atol=2e-5, rtol=1e-5)
@@ -633,13 +634,15 @@ def test_rl_loss_through_llama_is_finite_with_gradient_equal_to_plain_autodiff(l
     assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
     for g, w in zip(leaves, want_leaves):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=1e-6)
-    # The blockwise lm head (two blocks and a straggler) gives the same loss and entropy.
-    (b_loss, b_metrics), b_grads = _rl_loss_and_grad(blocked, batch, reference)
-    assert float(b_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-6)
-    assert float(b_metrics["entropy"]) == pytest.approx(float(metrics["entropy"]), rel=1e-5)
-    # and the same gradients, to float32 rounding of sums over the vocabulary in another order
-    for g, w in zip(jax.tree_util.tree_leaves(eqx.filter(b_grads, eqx.is_inexact_array)), leaves):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
+    # The blockwise lm head (two blocks and a straggler; one block and a straggler) gives the same loss and
+    # entropy
+    for block_size in (24, 40):
+        (b_loss, b_metrics), b_grads = _rl_loss_and_grad(with_block_size(full, block_size), batch, reference)
+        assert float(b_loss) == pytest.approx(float(loss), rel=1e-5, abs=1e-6), block_size
+        assert float(b_metrics["entropy"]) == pytest.approx(float(metrics["entropy"]), rel=1e-5), block_size
+        # and the same gradients, to float32 rounding of sums over the vocabulary in another order
+        for g, w in zip(jax.tree_util.tree_leaves(eqx.filter(b_grads, eqx.is_inexact_array)), leaves):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-6)
 
 
 def test_a_large_vocabulary_is_computed_in_blocks_by_default():
@@ -648,6 +651,33 @@ def test_a_large_vocabulary_is_computed_in_blocks_by_default():
     assert lm_head_block(None, 151_936) == VOCAB_BLOCK < 151_936  # Qwen3: no [tokens, vocab] float32 array
     assert lm_head_block(None, 512) == 512  # a small vocabulary stays one block
     assert lm_head_block(24, 64) == 24  # the model config's own block wins
+    # one block and a straggler, which Levanter's blockwise loss counts twice: two halves instead
+    assert lm_head_block(None, 49_152) == 24_576  # SmolLM2
+    assert lm_head_block(40, 64) == 32
+    assert lm_head_block(40, 81) == 40  # two blocks and a straggler are computed right
+
+
+def test_token_logprobs_equal_log_softmax_at_smollm2s_vocabulary():
+    """49,152 columns with the default block: every target's logprob is that of a plain log-softmax (a
+    straggler counted twice made targets past column 32,768 positive, up to +27 nats)."""
+    from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
+
+    vocab = 49_152
+    config = LlamaConfig(seq_len=16, hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1, initializer_range=0.5)
+    model = eqx.filter_jit(lambda k: LlamaLMHeadModel.init(hax.Axis("vocab", vocab), config, key=k))(
+        jax.random.PRNGKey(1))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab, (2, 13)).astype(np.int32)
+    ids[:, 1::2] = rng.integers(40_000, vocab, (2, 6))  # targets in the last block
+    batch = TrainingBatch.one_sequence_per_row(
+        input_ids=ids[:, :-1], target_ids=ids[:, 1:], loss_mask=np.ones((2, 12), np.float32),
+        sampler_logprobs=np.zeros((2, 12)), advantages=np.zeros((2, 12), np.float32),
+        temperature=np.ones(2, np.float32))
+    want, _ = _manual_logprobs(model, batch)
+    got = np.asarray(_token_logprobs(model, batch).array)
+    assert (got < 0).all()
+    np.testing.assert_allclose(got, np.asarray(want.array), atol=5e-5, rtol=1e-5)
 
 
 def test_every_advantage_kind_has_one_estimator_and_a_hand_reference():

@@ -31,8 +31,17 @@ block, as before; 32k keeps the blocks few (5 at 151,936, 4 at Llama 3's 128,256
 
 
 def lm_head_block(cross_entropy_block_size: int | None, vocab_size: int) -> int:
-    """The vocabulary block of the train step's logprobs and entropy (and what the dry run counts)."""
-    return min(cross_entropy_block_size or VOCAB_BLOCK, vocab_size)
+    """The vocabulary block of the train step's logprobs and entropy (and what the dry run counts).
+
+    Never one whole block plus a straggler: Levanter's blockwise cross-entropy (levanter 1.2's
+    `_block_cross_entropy_forward` and its backward) processes a single full block at the size of the whole
+    vocabulary and then the straggler again, so the straggler's columns count twice in log Z and a target
+    among them twice in its logit (logprobs up to +27 nats on SmolLM2's 49,152 columns with 32,768-column
+    blocks). Such a vocabulary is cut into two halves instead (and a straggler of at most one column)."""
+    block = min(cross_entropy_block_size or VOCAB_BLOCK, vocab_size)
+    if vocab_size // block == 1 and vocab_size % block:
+        block = vocab_size // 2
+    return block
 
 
 KEY_POSITION = "key_position"
