@@ -48,15 +48,15 @@ curriculum:
       temperature: 1.0
       max_tokens: 24              # a bare answer is 2-4 tokens; explanations are cut here (and score 0 if cut early)
       graduate_at: null
-num_train_steps: 60
-groups_per_step: 8
-n_generations: 8
+num_train_steps: 90
+groups_per_step: 4
+n_generations: 16              # 16 samples: a hard question's group mixes its rewards (docs/real_model.md)
 max_staleness: 1
-optimizer: {{learning_rate: 2.0e-5, lr_schedule: constant, warmup: 2, weight_decay: 0.0, max_grad_norm: 1.0}}
+optimizer: {{learning_rate: 2.0e-5, lr_schedule: cosine, warmup: 2, weight_decay: 0.0, max_grad_norm: 1.0}}
 loss: {{kl_beta: 0.0}}
-eval_every: 15
+eval_every: 30
 eval_examples: {HELDOUT}
-batching: {{max_length: 256, min_bucket: 256}}  # one row length (a group: 44 prompt + 8 x 24 tokens): one compile
+batching: {{max_length: 256, min_bucket: 256}}  # one row length (a group, 44 prompt + 16 x 24 tokens, in two): one compile
 """
 
 
