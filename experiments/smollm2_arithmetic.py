@@ -56,7 +56,7 @@ optimizer: {{learning_rate: 2.0e-5, lr_schedule: cosine, warmup: 2, weight_decay
 loss: {{kl_beta: 0.0}}
 eval_every: 30
 eval_examples: {HELDOUT}
-batching: {{max_length: 256, min_bucket: 256}}  # one row length (a group, 44 prompt + 16 x 24 tokens, in two): one compile
+batching: {{max_length: 256, min_bucket: 256}}  # one row length (a group of 44 + 16 x 24 tokens in two): one compile
 """
 
 
