@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from marinrl.config.model import ModelConfig
 from marinrl.config.server import InferenceServerConfig
@@ -35,8 +37,8 @@ def scan_cache_budget(setting, mesh: Optional[sharding.RolloutMesh]) -> int:
         return int(setting)
     device = mesh.mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
     stats = device.memory_stats() or {}
-    budget = scan_plan.auto_cache_budget(stats.get("bytes_limit"), stats.get("bytes_in_use", 0))
     limit, used = stats.get("bytes_limit"), stats.get("bytes_in_use", 0)
+    budget = scan_plan.auto_cache_budget(limit, used)
     where = f"device limit {limit / 2**30:.2f} GiB, {used / 2**30:.2f} GiB in use" if limit else "the CPU default"
     logger.info("scan sampler: a call's KV cache may take %.2f GiB a device (inference.scan_max_cache_bytes: auto, "
                 "%s)", budget / 2**30, where)
@@ -52,9 +54,6 @@ def model_context(model) -> Optional[int]:
 
 def cast_floating(model, dtype: str):
     """`model` with every floating weight in `dtype` (itself when all already are)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
 
     dtype = jnp.dtype(dtype)
     if all(x.dtype == dtype for x in jax.tree_util.tree_leaves(eqx.filter(model, eqx.is_inexact_array))):
@@ -64,8 +63,6 @@ def cast_floating(model, dtype: str):
 
 def check_same_structure(old, new) -> None:
     """Raises ValueError unless `new` has `old`'s tree, shapes and dtypes: a reload swaps buffers, never a program."""
-    import equinox as eqx
-    import jax
 
     a = jax.tree_util.tree_structure(eqx.filter(old, eqx.is_array))
     b = jax.tree_util.tree_structure(eqx.filter(new, eqx.is_array))
