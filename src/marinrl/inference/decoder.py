@@ -1,6 +1,9 @@
 """The cached decoder forward the rollout sampler runs (`sampler.py`): a Levanter model's own modules (embedding,
 norms, rotary embeddings, QK norms, activation, LM head) around its projections packed into plain matrices, and
-the dense KV cache's layout on a mesh. The in-flight sampler (`inflight.py`) runs the same forward."""
+the dense KV cache's layout on a mesh. The in-flight sampler (`inflight.py`) runs the same forward.
+
+With adapters (`models/adapter_stack.py`: one base, K LoRA slots) each adapted projection adds its rows' own
+low-rank term, unmerged (`adapter_rows.py`); without them nothing of it is traced."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from marinrl.inference.adapter_rows import adapter_delta
 from marinrl.inference.sampler_families import sampler_family
 from marinrl.inference.sharding import DATA, MODEL
 
@@ -173,16 +177,21 @@ class GroupedDecodeAttention(eqx.Module):
         return out[:, None, :].astype(dtype), (kp, vp, *gen)
 
 
-def _layer(layer, packed: PackedLayer, x, pos, cache, attention):
+def _layer(layer, packed: PackedLayer, x, pos, cache, attention, adapters=None):
     """One decoder layer on x (batch, position, embed) at absolute positions `pos` (batch, position), attending
     with `attention` (`DenseAttention`, `GroupedDecodeAttention`) over this layer's `cache`, which it returns
-    updated. Norms, rotary embeddings, QK norms and the activation are the layer's own modules."""
+    updated. Norms, rotary embeddings, QK norms and the activation are the layer's own modules. `adapters`:
+    (this layer's `PackedAdapters`, the rows' mask [B, K·r]) or None."""
+    lora, mask = (None, None) if adapters is None else adapters
     attn = layer.self_attn
     cfg = attn.config
     n_kv, group, head = cfg.KVHeads.size, cfg.QHeadsPerGroup.size, cfg.HeadSize.size
     residual = x
     h = layer.input_layernorm(x)
     qkv = jnp.einsum("bne,ekf->bnkf", h.array, packed.qkv)
+    delta = None if lora is None else lora.qkv(h.array, mask, n_kv, (group * head, head, head))
+    if delta is not None:
+        qkv = qkv + delta
     if packed.qkv_bias is not None:
         qkv = qkv + packed.qkv_bias
     b, n = qkv.shape[:2]
@@ -201,17 +210,27 @@ def _layer(layer, packed: PackedLayer, x, pos, cache, attention):
     v = jnp.transpose(v, (0, 2, 1, 3)).astype(cache_dtype)
     scale = cfg.scaling_factor if cfg.scaling_factor is not None else 1.0 / math.sqrt(head)
     out, cache = attention(q, k, v, cache, scale, cfg.logits_soft_cap)
-    attn_out = _named(_linear(out.astype(x.dtype), packed.o, packed.o_bias), "batch", "position", "embed")
+    o = _linear(out.astype(x.dtype), packed.o, packed.o_bias)
+    if lora is not None and lora.o is not None:
+        o = o + adapter_delta(out.astype(x.dtype), lora.o, mask)
+    attn_out = _named(o, "batch", "position", "embed")
     if getattr(layer, "post_attn_layernorm", None) is not None:  # Llama's hybrid_norm only
         attn_out = layer.post_attn_layernorm(attn_out)
     x = residual + attn_out
     residual = x
     h = layer.post_attention_layernorm(x).array
     gate_up = jnp.einsum("bne,etf->bntf", h, packed.gate_up)
+    delta = None if lora is None else lora.gate_up(h, mask, gate_up.shape[-1])
+    if delta is not None:
+        gate_up = gate_up + delta
     if packed.gate_up_bias is not None:
         gate_up = gate_up + packed.gate_up_bias
     gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
-    mlp_out = _named(_linear(layer.mlp.act(gate) * up, packed.down, packed.down_bias), "batch", "position", "embed")
+    act = layer.mlp.act(gate) * up
+    down = _linear(act, packed.down, packed.down_bias)
+    if lora is not None and lora.down is not None:
+        down = down + adapter_delta(act, lora.down, mask)
+    mlp_out = _named(down, "batch", "position", "embed")
     if getattr(layer, "post_mlp_layernorm", None) is not None:
         mlp_out = layer.post_mlp_layernorm(mlp_out)
     return residual + mlp_out, cache
@@ -227,19 +246,26 @@ def head_logits(h, lm_head, lm_head_float32: bool = False):
     return jnp.matmul(h, lm_head, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def forward(model, layers, packed, lm_head, ids, pos, caches, attention, lm_head_float32: bool = False):
+def forward(model, layers, packed, lm_head, ids, pos, caches, attention, lm_head_float32: bool = False,
+            adapters=None):
     """Embed `ids` (batch, position), run every layer with its cache and `attention`, return last-position
-    logits [B, V] (float32; the head itself in float32 with `lm_head_float32`, `head_logits`) and the caches."""
+    logits [B, V] (float32; the head itself in float32 with `lm_head_float32`, `head_logits`) and the caches.
+    `adapters` (`adapter_rows.RowAdapters`): each row's own LoRA adapter on top of the base, unmerged."""
     x = model.embeddings.embed(_named(ids, "batch", "position"))
     if sampler_family(model).embed_scale:  # Gemma: as its `activations` does, the factor in the embeddings' dtype
         x = x * jnp.sqrt(model.config.hidden_dim).astype(x.dtype)
     pos = _named(pos, "batch", "position")
     new_caches = []
-    for layer, p, cache in zip(layers, packed, caches):
-        x, cache = _layer(layer, p, x, pos, cache, attention)
+    for i, (layer, p, cache) in enumerate(zip(layers, packed, caches)):
+        x, cache = _layer(layer, p, x, pos, cache, attention,
+                          None if adapters is None else (adapters.layers[i], adapters.mask))
         new_caches.append(cache)
     x = model.transformer.norm(x["position", -1])
-    return head_logits(x.rearrange(("batch", "embed")).array, lm_head, lm_head_float32), new_caches
+    h = x.rearrange(("batch", "embed")).array
+    logits = head_logits(h, lm_head, lm_head_float32)
+    if adapters is not None and adapters.head is not None:
+        logits = logits + adapters.head_logits(h, lm_head_float32)
+    return logits, new_caches
 
 
 def cache_layout(caches, mesh):

@@ -9,6 +9,11 @@ sampled token under the temperature-scaled distribution, log softmax(logits / T)
 numbers a full forward pass gives (tests check this). At temperature 0 the token is the argmax and
 its logprob is taken at T = 1, as Levanter's sampler does.
 
+Many agents, one base: with `adapters` (`models/adapter_stack.py`, K LoRA slots on the model) and an
+`adapter_index`, each prompt's rows sample from the base with their own slot's adapter, applied unmerged in
+every adapted layer (`adapter_rows.py`), and one call mixes rows of every slot. Without them the program is
+the plain model's, unchanged.
+
 Why not Levanter's `InferenceEngine` for rollouts: at the reference shape of docs/performance.md (64
 sequences of 16 + 32 tokens on 2 CPU cores) the engine's paged scheduler spends most of its time in
 per-token bookkeeping (queues, page tables, host round trips between rounds), about 3-5k tokens/s,
@@ -28,6 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from marinrl.inference import call_rows
+from marinrl.inference.adapter_rows import pack_adapters
+from marinrl.inference.call_rows import STOP_PAD
 from marinrl.inference.decode_kernel import decode_attention
 from marinrl.inference.decoder import (
     DenseAttention,
@@ -50,8 +58,6 @@ from marinrl.inference.scan_plan import (
 )
 from marinrl.inference.sharding import DATA, MODEL
 
-STOP_PAD = -1
-"""Left padding of a stop sequence: matches anything."""
 TOKEN_PAD = -2
 """Filler of the output buffer before the first generated token and after a row stops."""
 
@@ -126,6 +132,8 @@ def sample_steps(
     lm_head_float32: bool = False,
     chunk_tokens: Optional[int] = None,
     attention: str = "xla",
+    adapters=None,
+    adapter_index: Optional[Sequence[int]] = None,
 ) -> Generator[None, None, SampleOutput]:
     """`n` samples of each prompt, as a generator that yields after each device call and returns the
     `SampleOutput` (`sample` runs it to the end). A row ends at the first occurrence of any of `stop_sequences` inside
@@ -163,119 +171,111 @@ def sample_steps(
     `generate_queue`); the samples are those of one call.
 
     `attention`: how decode steps read the KV cache, `xla` or the GPU kernel (`decode_kernel.decode_attention`;
-    the server resolves `inference.attention` with `decode_kernel.resolve_attention`)."""
+    the server resolves `inference.attention` with `decode_kernel.resolve_attention`).
+
+    `adapters` (`adapter_stack.StackedAdapters` of K slots on `model`) with `adapter_index` (a slot per prompt,
+    or per row agreeing within each prompt; -1: the base alone, `call_rows.prompt_slots`): each row samples
+    from the base with its slot's adapter, unmerged. Not with `swaps`."""
     check_supported(model)
     n_prompts = len(prompts)
-    if prompt_keys is None:
-        prompt_keys = [(seed, i) for i in range(n_prompts)]
-    if len(prompt_keys) != n_prompts:
-        raise ValueError(f"prompt_keys has {len(prompt_keys)} entries for {n_prompts} prompts")
-    key_seeds = np.array([k[0] % (1 << 32) for k in prompt_keys], dtype=np.uint32)
-    key_index = np.array([k[1] for k in prompt_keys], dtype=np.int32)
+    slots = call_rows.adapter_slots(adapters, adapter_index, swaps, n_prompts, n)
+    key_seeds, key_index = call_rows.prompt_keys(prompt_keys, seed, n_prompts)
     if swaps is not None and dry_run:
         swaps = None  # nothing is generated: nothing to swap
     if n_prompts == 0:
-        return SampleOutput(
-            np.zeros((0, max_tokens), np.int32), np.zeros((0, max_tokens), np.float32),
-            np.zeros((0,), np.int32), np.zeros((0,), bool),
-            None if swaps is None else np.zeros((0, max_tokens), np.int64),
-        )
+        return _concat([], max_tokens, swaps is not None)
     lens = np.array([len(p) for p in prompts], dtype=np.int32)
-    if lens.min() < 1:
-        raise ValueError("every prompt needs at least one token")
-    check_window(model, int(lens.max()), max_tokens)
-    p_len = bucket(int(lens.max()), 16)
-    t_len = bucket(max_tokens, 16)
-    plan = call_plan(model, n_prompts, n=n, prompt_tokens=int(lens.max()), max_tokens=max_tokens,
-                     max_cache_bytes=max_cache_bytes, min_prompts=min_prompts, mesh=mesh)
-    chunk = plan.prompts_per_call
-    if plan.calls > 1:
-        logger.info("scan sampler: %d prompts x %d samples in %d calls of %d rows (cache %.2f GiB a device, "
-                    "budget %.2f GiB)", n_prompts, n, plan.calls, plan.rows_per_call,
-                    plan.per_device_cache_bytes / 2**30, max_cache_bytes / 2**30)
+    p_len, t_len = bucket(int(lens.max()), 16), bucket(max_tokens, 16)
+    chunk = _chunk(model, lens, n=n, max_tokens=max_tokens, max_cache_bytes=max_cache_bytes, min_prompts=min_prompts,
+                   mesh=mesh)
     greedy = temperature == 0
 
-    stops, stop_valid = _stop_table(stop_sequences)
+    stops, stop_valid = call_rows.stop_table(stop_sequences)
     shared = (jnp.asarray(stops), jnp.asarray(stop_valid), jnp.asarray(max_tokens, dtype=jnp.int32),
               picking(temperature, top_k, top_p, min_p))
 
     pieces = []
     for start in range(0, n_prompts, chunk):
         part = prompts[start:start + chunk]
-        ids, part_lens, active, part_seeds, part_index = _call_rows(
+        ids, part_lens, active, part_seeds, part_index = call_rows.prompt_rows(
             part, chunk, p_len, lens[start:], key_seeds[start:], key_index[start:], dry_run)
         args = (ids, part_lens, active, *shared, part_seeds, part_index)
+        # no adapters: not even a None argument, so the call (and its program) is the plain model's
+        lora = {} if slots is None else dict(adapters=adapters,
+                                             adapter_index=call_rows.padded_slots(slots[start:start + chunk], chunk))
         rows = len(part) * n
-        if swaps is None and chunk_tokens is not None:
-            out = yield from _generate_in_chunks(model, args, chunk_tokens, n=n, max_new=t_len, mesh=mesh,
-                                                 lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
-            steps = None
-        elif swaps is None:
-            out = _generate(model, *args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
-                            greedy=greedy, attention=attention)
-            steps = None
-        else:
-            *out, by_token = swaps.generate(*args, n=n, max_new=t_len, mesh=mesh,  # inflight.py builds on this module
-                                            lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
-            steps = np.broadcast_to(by_token[None, :max_tokens], (rows, max_tokens))
+        out, steps = yield from _run_call(model, args, n=n, max_new=t_len, mesh=mesh, lm_head_float32=lm_head_float32,
+                                          greedy=greedy, attention=attention, swaps=swaps, chunk_tokens=chunk_tokens,
+                                          **lora)
+        if steps is not None:
+            steps = np.broadcast_to(steps[None, :max_tokens], (rows, max_tokens))
         tokens, logprobs, lengths, stopped = jax.device_get(tuple(out))
         pieces.append((tokens[:rows, :max_tokens], logprobs[:rows, :max_tokens], lengths[:rows], stopped[:rows],
                        steps))
         if start + chunk < n_prompts:
             yield
+    return _concat(pieces, max_tokens, swaps is not None)
+
+
+def _chunk(model, lens, *, n, max_tokens, max_cache_bytes, min_prompts, mesh) -> int:
+    """Prompts per device call (`call_plan`), after checking the prompts' lengths against the model's window."""
+    if lens.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    check_window(model, int(lens.max()), max_tokens)
+    plan = call_plan(model, len(lens), n=n, prompt_tokens=int(lens.max()), max_tokens=max_tokens,
+                     max_cache_bytes=max_cache_bytes, min_prompts=min_prompts, mesh=mesh)
+    if plan.calls > 1:
+        logger.info("scan sampler: %d prompts x %d samples in %d calls of %d rows (cache %.2f GiB a device, "
+                    "budget %.2f GiB)", len(lens), n, plan.calls, plan.rows_per_call,
+                    plan.per_device_cache_bytes / 2**30, max_cache_bytes / 2**30)
+    return plan.prompts_per_call
+
+
+def _concat(pieces, max_tokens: int, with_steps: bool) -> SampleOutput:
+    """The calls' outputs (tokens, logprobs, lengths, stopped, weight steps) as one `SampleOutput`."""
+    if not pieces:
+        return SampleOutput(np.zeros((0, max_tokens), np.int32), np.zeros((0, max_tokens), np.float32),
+                            np.zeros((0,), np.int32), np.zeros((0,), bool),
+                            np.zeros((0, max_tokens), np.int64) if with_steps else None)
     return SampleOutput(
         tokens=np.concatenate([p[0] for p in pieces]).astype(np.int32),
         logprobs=np.concatenate([p[1] for p in pieces]).astype(np.float32),
         lengths=np.concatenate([p[2] for p in pieces]).astype(np.int32),
         stopped=np.concatenate([p[3] for p in pieces]).astype(bool),
-        weight_steps=None if swaps is None else np.concatenate([p[4] for p in pieces]).astype(np.int64),
+        weight_steps=np.concatenate([p[4] for p in pieces]).astype(np.int64) if with_steps else None,
     )
 
 
-def _generate_in_chunks(model, args, chunk_tokens: int, *, n, max_new, mesh, lm_head_float32, greedy, attention="xla"):
+def _run_call(model, args, *, swaps, chunk_tokens, **kw):
+    """One device call's (tokens, logprobs, lengths, stopped) and, with in-flight `swaps`, the weight step of each
+    generated position (else None): in one program, in chunks of `chunk_tokens` steps, or through `swaps`."""
+    if swaps is not None:
+        *out, by_token = swaps.generate(*args, **kw)  # inflight.py builds on this module
+        return out, by_token
+    if chunk_tokens is not None:
+        out = yield from _generate_in_chunks(model, args, chunk_tokens, **kw)
+        return out, None
+    return _generate(model, *args, **kw), None
+
+
+def _generate_in_chunks(model, args, chunk_tokens: int, *, n, max_new, mesh, lm_head_float32, greedy, attention="xla",
+                        **lora):
     """`_generate` as device calls of at most `chunk_tokens` decode steps, yielding between them; what it returns.
-    Rows step in lockstep, so `t` (the next step) and whether every row is done say when to stop."""
+    Rows step in lockstep, so `t` (the next step) and whether every row is done say when to stop. `lora`: the
+    adapters and each prompt row's slot, or nothing."""
     ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index = args
     state = _start_call(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                        n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
+                        n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy, **lora)
+    decode_lora = {} if not lora else dict(adapters=lora["adapters"])
     t, finished = 1, False  # the prefill sampled token 0
     while t < max_new and not finished:
         yield
         state = _decode_call(model, state, stops, stop_valid, budget, temperature,
                              jnp.asarray(t + chunk_tokens, jnp.int32), mesh=mesh, lm_head_float32=lm_head_float32,
-                             greedy=greedy, attention=attention)
+                             greedy=greedy, attention=attention, **decode_lora)
         t, finished = jax.device_get((state["t"], jnp.all(state["done"])))
         t = int(t)
     return _outputs(state, stops)
-
-
-def _stop_table(stop_sequences) -> tuple[np.ndarray, np.ndarray]:
-    """Stop sequences as a left-padded table [bucket(k), bucket(longest)] (`STOP_PAD` matches anything) and which
-    of its rows are real."""
-    s_max = max((len(s) for s in stop_sequences), default=1)
-    stops = np.full((bucket(max(len(stop_sequences), 1)), bucket(s_max)), STOP_PAD, dtype=np.int32)
-    stop_valid = np.zeros((stops.shape[0],), dtype=bool)
-    for k, s in enumerate(stop_sequences):
-        stops[k, stops.shape[1] - len(s):] = np.asarray(s, dtype=np.int32)
-        stop_valid[k] = True
-    return stops, stop_valid
-
-
-def _call_rows(part, chunk: int, p_len: int, lens, key_seeds, key_index, dry_run: bool):
-    """One device call's prompt rows, padded to `chunk`: left-padded ids [chunk, p_len], lengths (1 for padding
-    rows), which rows generate, and each row's key (seed, index)."""
-    k = len(part)
-    ids = np.zeros((chunk, p_len), dtype=np.int32)
-    for i, p in enumerate(part):
-        ids[i, p_len - len(p):] = np.asarray(p, dtype=np.int32)
-    part_lens = np.ones((chunk,), dtype=np.int32)
-    part_lens[:k] = lens[:k]
-    active = np.arange(chunk) < (0 if dry_run else k)
-    seeds = np.zeros((chunk,), dtype=np.uint32)
-    seeds[:k] = key_seeds[:k]
-    index = np.zeros((chunk,), dtype=np.int32)
-    index[:k] = key_index[:k]
-    return tuple(jnp.asarray(x) for x in (ids, part_lens, active, seeds, index))
 
 
 def compiled_shapes() -> int:
@@ -287,12 +287,14 @@ def compiled_shapes() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("n", "max_new", "mesh", "lm_head_float32", "greedy", "attention"))
-def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n,
-              max_new, mesh, lm_head_float32=False, greedy=False, attention="xla"):
+def _generate(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, adapters=None,
+              adapter_index=None, *, n, max_new, mesh, lm_head_float32=False, greedy=False, attention="xla"):
     state = _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index,
-                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy)
+                   n=n, max_new=max_new, mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy,
+                   adapters=adapters, adapter_index=adapter_index)
     state = _decode_until(model, state, stops, stop_valid, budget, temperature, jnp.asarray(max_new, jnp.int32),
-                          mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy, attention=attention)
+                          mesh=mesh, lm_head_float32=lm_head_float32, greedy=greedy, attention=attention,
+                          adapters=adapters)
     return _outputs(state, stops)
 
 
@@ -318,11 +320,12 @@ def _record(state, t, tok, lp, stops, stop_valid, budget):
 
 
 def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key_seeds, key_index, *, n, max_new,
-           mesh, lm_head_float32=False, greedy=False):
+           mesh, lm_head_float32=False, greedy=False, adapters=None, adapter_index=None):
     """Prefills the prompts once and samples token 0 of their `n` rows each: the decode state (a dict of arrays)
     that `_decode_until` advances. The prompts' caches stay one per prompt (`prompt_caches`); each row's
     generated tokens get a cache of their own, in the blocks of `scan_plan.decode_blocks` (`caches`: per layer the
-    keys and values of each block, `decoder.GroupedDecodeAttention`)."""
+    keys and values of each block, `decoder.GroupedDecodeAttention`). With `adapters`, prompt row i prefills with
+    slot `adapter_index[i]` and its n rows keep it (`state["adapter_rows"]`)."""
     b_prompts, p_len = ids.shape
     rows = b_prompts * n
     stop_len = stops.shape[1]
@@ -341,8 +344,9 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
     key_ok = key_ok | (slots[None, None, :] == slots[None, :, None])  # pad queries see themselves: no NaN
     empty = jnp.zeros((b_prompts, kv_heads, p_len, head), dtype)
     prompt_caches = cache_layout([(empty, empty) for _ in range(cfg.num_layers)], mesh)
+    lora = None if adapters is None else pack_adapters(adapters, model, layers, adapter_index)
     logits, prompt_caches = forward(model, layers, packed, lm_head, ids, pos, prompt_caches,
-                                    DenseAttention(jnp.asarray(0, jnp.int32), key_ok), lm_head_float32)
+                                    DenseAttention(jnp.asarray(0, jnp.int32), key_ok), lm_head_float32, lora)
 
     # ---- n rows per prompt: row i * n + j is sample j of prompt i, with its own key
     expand = lambda x: jnp.repeat(x, n, axis=0)  # noqa: E731
@@ -364,12 +368,14 @@ def _start(model, ids, lens, active, stops, stop_valid, budget, temperature, key
         out_logprobs=jnp.zeros((rows, max_new), jnp.float32), lengths=jnp.zeros((rows,), jnp.int32),
         done=~expand(active), stopped=jnp.zeros((rows,), bool),
     )
+    if adapters is not None:
+        state["adapter_rows"] = expand(adapter_index)
     tok, lp = _pick(logits, temperature, uniforms[:, 0], greedy)
     return dict(_record(state, 0, tok, lp, stops, stop_valid, budget), tok=tok)
 
 
 def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, *, mesh, lm_head_float32=False,
-                  greedy=False, attention="xla"):
+                  greedy=False, attention="xla", adapters=None):
     """Decodes from step `state["t"]` until every row is done or step `t_stop` (exclusive) is reached, in the
     phases of `scan_plan.decode_blocks`: a step writes its token's keys and values into the block its slot lies
     in and reads only that block and the ones before it (`attention`: `decode_kernel.decode_attention`)."""
@@ -378,6 +384,7 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
     layers = model.transformer.layers.unstacked()
     packed = [pack_layer(layer, mesh) for layer in layers]
     lm_head = model.get_lm_head().rearrange(("embed", "vocab")).array
+    lora = None if adapters is None else pack_adapters(adapters, model, layers, state["adapter_rows"])
     pad, lens, uniforms = state["pad"], state["lens"], state["uniforms"]
     prompt_ok = jnp.arange(p_len)[None, :] >= pad[:, None]
     t_stop = jnp.minimum(t_stop, max_new)
@@ -394,7 +401,7 @@ def _decode_until(model, state, stops, stop_valid, budget, temperature, t_stop, 
                                               starts)
             caches = [(*pc, *gc) for pc, gc in zip(state["prompt_caches"], state["caches"])]
             logits, caches = forward(model, layers, packed, lm_head, state["tok"][:, None], (lens + t - 1)[:, None],
-                                     caches, step_attention, lm_head_float32)
+                                     caches, step_attention, lm_head_float32, lora)
             caches = cache_layout([c[2:] for c in caches], mesh)
             logits = constrain(logits, mesh, DATA, None)
             tok, lp = _pick(logits, temperature, jax.lax.dynamic_index_in_dim(uniforms, t, axis=1, keepdims=False),
