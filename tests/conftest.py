@@ -71,6 +71,18 @@ def pytest_collection_modifyitems(items):
     items[:] = [item for name in ordered for item in by_file[name]]
 
 
+def pytest_configure(config):
+    """The processes tests start (`marinrl train`, recipes' dry runs, multi-host children, servers) import
+    Levanter without torch, as the job's actors do (marinrl/job/actors.py `actor_env`): transformers imports
+    torch whenever it finds it, 3.5 s of CPU a process. This process imports transformers first, so its own
+    tests keep torch (transformers reads USE_TORCH once, on import). xdist's controller leaves it unset: its
+    workers are processes that run tests."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        import transformers  # noqa: F401
+
+        os.environ.setdefault("USE_TORCH", "0")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_timeout_set_timer(item, settings):
     """pytest-timeout's thread method (its output: the test's captured output, every thread's stack,
