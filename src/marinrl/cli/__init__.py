@@ -14,12 +14,12 @@ import traceback
 from typing import Sequence
 
 from marinrl.cli import eval as eval_command
-from marinrl.cli import inspect, lock, plan, report, serve, train
+from marinrl.cli import export_peft, inspect, lock, plan, report, serve, train
 from marinrl.cli.errors import EXIT_CODES, InputError, InputExit
 
 __all__ = ["EXIT_CODES", "InputError", "InputExit", "build_parser", "main"]
 
-COMMANDS = (inspect, eval_command, serve, train, plan, report, lock)
+COMMANDS = (inspect, eval_command, serve, train, plan, report, lock, export_peft)
 """Each subcommand's module, in the order `marinrl --help` lists them."""
 
 
