@@ -159,8 +159,10 @@ def test_swapping_one_slot_changes_only_the_rows_routed_to_it(family):
     stack = fresh_stack(family.base, family.adapters)
     before = [np.array(x, copy=True) for x in jax.tree.leaves(stack.adapters)]
     new = random_adapter(family.base, 3)
+    old = jax.tree.leaves(stack.adapters)
     swapped = stack.with_adapter(1, new, scale=0.5)
     assert swapped.base is family.base  # the base: the same arrays, never copied
+    assert all(x.is_deleted() for x in old)  # the stack's arrays were donated to the update: written in place
     after = [np.asarray(x) for x in jax.tree.leaves(swapped.adapters)]
     fresh = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(new, eqx.is_inexact_array))]
     for old, got, one in zip(before[:-1], after[:-1], fresh, strict=True):  # the A and B of each module; scales last

@@ -13,7 +13,8 @@ Built on Levanter's `levanter.lora`: `loraize` wraps each targeted `hnn.Linear` 
 - **Rollout side.** `AdapterMergingClient` keeps the base the rollout worker loaded at start and, for
   each version it receives, merges `W + (alpha / r)·A·B` into every targeted layer (`merge_adapters`):
   the sampler then runs a plain model (its scan sampler reads each Linear's weight directly). Only the
-  targeted weights are new arrays; the rest of the served model is the base's, shared.
+  targeted weights are new arrays; the rest of the served model is the base's, shared. Several adapters on
+  one base, unmerged and sampled in one batch, are `adapter_stack.AdapterStack` (not yet used by the job).
 """
 
 from __future__ import annotations
