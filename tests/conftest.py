@@ -15,6 +15,12 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+# LLVM at -O0 behind XLA:CPU: the suite's programs are tiny, so compiling them costs more than running them. A
+# cold compile cache (a fresh clone, CI) spends two thirds of a compile-bound file's time in LLVM's optimizer;
+# at -O0 such files took 0.57x the time, and no longer with a warm cache (README.md, "Development"). Floating
+# point is IEEE either way: the optimization level does not change results. Processes the tests start inherit it.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".jax_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
@@ -138,6 +144,12 @@ def _release_compiled_programs():
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
         gc.collect()
+
+
+def xla_flags_without_device_count() -> str:
+    """This session's XLA_FLAGS less its 4 fake devices: for a process the test starts with devices of its own."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
 
 
 def free_port() -> int:

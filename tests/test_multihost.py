@@ -22,7 +22,7 @@ import time
 import numpy as np
 import optax
 import pytest
-from conftest import free_port
+from conftest import free_port, xla_flags_without_device_count
 from levanter.optim import OptimizerConfig
 from test_train_worker import GROUPS, G, Producer, worker_config
 
@@ -85,7 +85,7 @@ def spawn_group(tmp: pathlib.Path, name: str, *, steps: int, run_id: str, checkp
                 kl_beta: float = 0.0):
     """The 2 processes, each with its own environment: CPU JAX, no 4-device flag of this test session."""
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_without_device_count()}
     procs, logs = [], []
     for pid in range(2):
         log = tmp / f"{name}-{pid}.jsonl"
@@ -278,7 +278,7 @@ def test_each_trainer_process_reads_only_its_rows_of_an_hf_checkpoint(tmp_path):
     tensor_bytes = sum(t.end - t.start for f in files for t in _read_header(fs, f, "<count-nothing>"))
 
     port = free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags_without_device_count()}
     procs, outs = [], []
     for pid in range(2):
         out = tmp_path / f"reads-{pid}.json"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import xla_flags_without_device_count
 
 from marinrl.config.trainer import parse_mp
 from marinrl.envs.base import make_env
@@ -118,7 +119,7 @@ def test_one_host_variants_split_one_host_and_keep_the_rest():
 
 
 def _dry_run(name: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_without_device_count()}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--dry_run"], env=env,
                          capture_output=True, text=True, timeout=300)
