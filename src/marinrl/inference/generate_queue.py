@@ -39,6 +39,9 @@ class TokenRequest:
     seed: int
     index: int = 0
     """The prompt's position in its HTTP request: sample j depends on (seed, index, j) only."""
+    adapter: Optional[int] = None
+    """The adapter slot that samples it on a server holding several adapters on one base
+    (`rollout/shared_base.py`); None: the server's default (its first policy's slot), ignored elsewhere."""
 
 
 Steps = Generator[None, None, list[list[Generation]]]

@@ -6,9 +6,10 @@ shells around the same wiring.
   its parts (`TrainerParts`: the weight server, the replay buffer over the run's rollout files, the
   checkpoint writer, the audit trail, the frozen reference), handed to the TrainWorker, whose `run()` is
   the loop; a part that needs what Levanter loads is a function the loop calls;
-- a rollout host: `build_rollout_host` — the tokenizer, one inference server per policy model in the dtype
-  its trainer publishes (behind a `PolicyRouter` when there are several), each lesson's runtime, a weight
-  client per stream, and the `RolloutWorkerConfig`;
+- a rollout host: `build_rollout_host` — the tokenizer, an inference server per `full` or shared policy model
+  and one per base for the `lora` ones (a slot each: `rollout/shared_base.py`), in the dtype their trainers
+  publish (behind a `PolicyRouter` when there are several models), each lesson's runtime, a weight client per
+  stream, and the `RolloutWorkerConfig`;
 - an offline evaluation: `lesson_runtimes` and `serve`, as a rollout host builds them.
 
 The job config itself imports neither workers nor Levanter (docs/architecture.md, "Layers"); the workers'
@@ -27,6 +28,7 @@ from marinrl.levanter_configs import to_levanter, trainer_config
 
 if TYPE_CHECKING:
     from marinrl.config.curriculum import LessonConfig
+    from marinrl.config.lora import LoraRLConfig
     from marinrl.config.rollout_worker import ModelStream, RolloutWorkerConfig
     from marinrl.config.server import InferenceServerConfig
     from marinrl.config.train_worker import TrainWorkerConfig
@@ -143,7 +145,7 @@ class RolloutHost:
     config: RolloutWorkerConfig
     tokenizer: Any
     servers: dict[str, Any]
-    """Policy model name → its started `InferenceServer`."""
+    """Policy model name → its started `InferenceServer`, or its `PolicySlot` of a shared base (a `lora` model)."""
     server: Any
     """What the manager generates with: the one server, or a `PolicyRouter` over several."""
     lessons: dict[str, LessonRuntime]
@@ -161,38 +163,49 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupCloc
     from marinrl.inference.served_model import load_served_model
     from marinrl.models.policy_model import build_tokenizer
     from marinrl.rollout.policy_router import PolicyRouter
+    from marinrl.rollout.shared_base import PolicySlot, serving_groups, stack_serves
 
     config = rollout_worker_config(job, index)
     tokenizer = build_tokenizer(job.model)
     inference = with_endpoint_if_needed(dataclasses.replace(job.inference, dtype=job.rollout_dtype()),
                                         [lesson.env for lesson in job.curriculum.lessons])
     models = policy_models(job)  # each held in the dtype its trainer publishes (docs/models.md, "Dtypes")
+    groups = serving_groups(models, inference, job.inflight.enabled)  # lora models of one base: one server
+    stacked = stack_serves(inference, job.inflight.enabled)  # else each lora version is merged into its base
     rss_before_model = psutil.Process().memory_info().rss
-    weights = [load_served_model(m.model, inference, dtype=job.rollout_dtype()) for m in models]
+    weights = [load_served_model(models[g[0]].model, inference, dtype=job.rollout_dtype()) for g in groups]
     if clock is not None:
         clock.mark("model")
-    # each server's head as its model's trainer computes it (`model.lm_head_float32` sets both sides)
-    servers = {m.name: serve(dataclasses.replace(inference, serve_http=inference.serve_http and k == 0,
-                                                 lm_head_float32=m.model.lm_head_float32), w, tokenizer)
-               for k, (m, w) in enumerate(zip(models, weights))}
+    servers: dict[str, Any] = {}
+    for g, w in zip(groups, weights):
+        first = models[g[0]]  # each server's head as its models' trainers compute it (`model.lm_head_float32`)
+        served = serve(dataclasses.replace(inference, serve_http=inference.serve_http and g[0] == 0,
+                                           lm_head_float32=first.model.lm_head_float32), w, tokenizer,
+                       adapters=[models[i].lora for i in g] if first.lora is not None and stacked else None)
+        for k, i in enumerate(g):
+            servers[models[i].name] = served.slot(k) if first.lora is not None and stacked else served
     server = (servers[models[0].name] if len(models) == 1
               else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
     if clock is not None:
         clock.mark("server")
-    held = {s.name: (servers[s.name] if len(models) > 1 else server).model for s in config.streams}
-    clients = {s.name: weight_client(s, held[s.name]) for s in config.streams}
+    clients = {s.name: weight_client(s, servers[m.name].model, slot=isinstance(servers[m.name], PolicySlot))
+               for s, m in zip(config.streams, models)}
     return RolloutHost(config=config, tokenizer=tokenizer, servers=servers, server=server,
                        lessons=lesson_runtimes(job.curriculum.lessons, tokenizer), clients=clients,
                        rss_before_model=rss_before_model)
 
 
-def weight_client(stream: ModelStream, model) -> WeightTransferClient:
-    """A stream's weight client: full versions into `model`'s skeleton; with LoRA, adapter versions merged
-    into `model` (the base)."""
+def weight_client(stream: ModelStream, model, *, slot: bool = False) -> WeightTransferClient:
+    """A stream's weight client: full versions into `model`'s skeleton; with LoRA, adapter-only versions, written
+    into the stream's slot of a shared base (`slot`) or merged into `model` (the base)."""
     if stream.lora is None:
         from marinrl.transfer.endpoints import build_client
 
         return build_client(stream.weights, model)
+    if slot:
+        from marinrl.models.lora import adapter_client
+
+        return adapter_client(stream.weights, stream.lora, model)
     from marinrl.models.lora import AdapterMergingClient
 
     return AdapterMergingClient(stream.weights, stream.lora, model)
@@ -227,11 +240,18 @@ def _same(env: Env) -> Env:
     return env
 
 
-def serve(inference: InferenceServerConfig, model, tokenizer, *, weight_step: int = 0):
-    """A started `InferenceServer` for `model`, ready for requests."""
-    from marinrl.inference.server import InferenceServer
+def serve(inference: InferenceServerConfig, model, tokenizer, *, weight_step: int = 0,
+          adapters: Optional[Sequence[LoraRLConfig]] = None):
+    """A started `InferenceServer` for `model`, ready for requests; with `adapters` (a config per slot) a
+    `SharedBaseServer` holding `model` as the base of an adapter stack (`rollout/shared_base.py`)."""
+    if adapters:
+        from marinrl.rollout.shared_base import SharedBaseServer
 
-    server = InferenceServer(inference, model, tokenizer, weight_step=weight_step).start()
+        server = SharedBaseServer(inference, model, tokenizer, adapters).start()
+    else:
+        from marinrl.inference.server import InferenceServer
+
+        server = InferenceServer(inference, model, tokenizer, weight_step=weight_step).start()
     try:
         server.wait_until_ready()
     except BaseException:

@@ -4,9 +4,9 @@
 `Linear`, the K slots' A matrices stacked along a leading `adapter` axis ([K, (layer,) r, in] in Levanter's
 names) and their B matrices likewise ([K, (layer,) out, r]), with one scale alpha / r per slot (`scales`
 [K]). The structure is Levanter's own adapter tree (`lora.adapter_only` of the base with `lora.add_adapters`),
-so a weight version of `lora.AdapterMergingClient`'s stream (the adapter arrays alone) goes into a slot as it
-arrives. All slots share the stack's `LoraRLConfig` (its targets and rank: the arrays' shapes); a slot's
-scale is its own.
+so a weight version of a `lora` policy model's stream (the adapter arrays alone, `lora.adapter_client`) goes into
+a slot as it arrives: a rollout worker serves its `lora` policy models so (`rollout/shared_base.py`). All slots
+share the stack's `LoraRLConfig` (its targets and rank: the arrays' shapes); a slot's scale is its own.
 
 - **One slot at a time.** `with_adapter(k, adapter)` writes slot k's A and B and scale in one jitted update
   whose stacked inputs are donated (in place where the backend allows it): the base and the other slots are

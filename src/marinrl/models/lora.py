@@ -10,11 +10,13 @@ Built on Levanter's `levanter.lora`: `loraize` wraps each targeted `hnn.Linear` 
   reference is the policy with its adapters taken off (`without_adapters`): no second model.
 - **Weights.** A version carries the adapter arrays only (`adapter_only`: the policy's pytree with
   every base array left out), through any weight transfer mode.
-- **Rollout side.** `AdapterMergingClient` keeps the base the rollout worker loaded at start and, for
+- **Rollout side.** A rollout worker serves its `lora` policy models of one base from one
+  `adapter_stack.AdapterStack`, each version written into its model's slot unmerged (`adapter_client` receives
+  it; `rollout/shared_base.py`). Where the stack cannot serve (the engine backend, in-flight weight swaps),
+  `AdapterMergingClient` keeps the base the rollout worker loaded at start and, for
   each version it receives, merges `W + (alpha / r)·A·B` into every targeted layer (`merge_adapters`):
   the sampler then runs a plain model (its scan sampler reads each Linear's weight directly). Only the
-  targeted weights are new arrays; the rest of the served model is the base's, shared. Several adapters on
-  one base, unmerged and sampled in one batch, are `adapter_stack.AdapterStack` (not yet used by the job).
+  targeted weights are new arrays; the rest of the served model is the base's, shared.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from marinrl.transfer.base import WeightUpdate, cast_for_publish, floating_dtype
 from marinrl.transfer.endpoints import build_client
 
 __all__ = ["LoraRLConfig", "AdapterMergingClient", "add_adapters", "adapter_only", "without_adapters",
-           "merge_adapters", "trainable_filter", "adapted_modules", "check_targets", "parameter_counts", "describe"]
+           "merge_adapters", "published_adapters", "adapter_client", "trainable_filter", "adapted_modules",
+           "check_targets", "parameter_counts", "describe"]
 
 
 def levanter_lora(config: LoraRLConfig) -> LoraConfig:
@@ -148,16 +151,28 @@ def describe(model, config: LoraRLConfig) -> str:
 # ------------------------------------------------------------------------------------ rollout side
 
 
+def published_adapters(base, config: LoraRLConfig):
+    """`base` with adapters of `config`, in the dtype a trainer publishes them to this rollout side: the base's
+    own when it has one floating dtype (docs/weight_transfer.md). A weight client's skeleton is its
+    `adapter_only`."""
+    adapted = add_adapters(base, config)
+    dtypes = floating_dtypes(base)
+    return cast_for_publish(adapted, dtypes[0]) if len(dtypes) == 1 else adapted
+
+
+def adapter_client(weights: WeightTransferConfig, config: LoraRLConfig, base):
+    """A weight client of adapter-only versions for adapters of `config` on `base`: its `model` is the version's
+    adapter tree (`adapter_only`), as `adapter_stack.AdapterStack.with_adapter` takes it."""
+    return build_client(weights, adapter_only(published_adapters(base, config)))
+
+
 class AdapterMergingClient:
     """A weight-transfer client for adapter-only versions: holds the base the rollout worker loaded at
     start and returns each version merged into it (`model`: the merged model). Same interface as
     `WeightTransferClient` (poll, wait_for, wait_for_news, model, weight_step, version, metrics, close)."""
 
     def __init__(self, weights: WeightTransferConfig, config: LoraRLConfig, base):
-        self._adapted = add_adapters(base, config)
-        dtypes = floating_dtypes(base)
-        if len(dtypes) == 1:  # versions carry the adapters in the base's (rollout) dtype: docs/weight_transfer.md
-            self._adapted = cast_for_publish(self._adapted, dtypes[0])
+        self._adapted = published_adapters(base, config)
         self._inner = build_client(weights, adapter_only(self._adapted))
         self.location = self._inner.location
         self.model = None

@@ -1,11 +1,12 @@
-"""One inference server per policy model, behind one InferenceContext (docs/policies.md).
+"""A rollout worker's policy models behind one InferenceContext (docs/policies.md).
 
 A job of several policy models (`marinrl/config/policies.py`: a `full` or `lora` policy each, the shared ones
-together) gives every rollout worker one server per model, each loaded with that model's current
-weights. Environments reach them through `policy_context(ctx, policy)` (inference/context.py): a multi-agent
-environment asks for each agent's policy before its turn, a multi-turn one for its `policy_name`. Everything else (the
-tokenizer, `generate` of an environment that names no policy, the OpenAI endpoint) is the first
-model's: the one holding the shared policies, or the first policy defined.
+together) gives every rollout worker one server per `full` or shared model, each loaded with that model's
+current weights, and one server per base for its `lora` models, a slot each (`shared_base.PolicySlot`, the
+model's view of that server). Environments reach them through `policy_context(ctx, policy)`
+(inference/context.py): a multi-agent environment asks for each agent's policy before its turn, a multi-turn
+one for its `policy_name`. Everything else (the tokenizer, `generate` of an environment that names no policy,
+the OpenAI endpoint) is the first model's: the one holding the shared policies, or the first policy defined.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from marinrl.types import RolloutBatch, RolloutGroup
 
 
 class PolicyRouter:
-    """An InferenceContext over one server per policy model (name -> server, in the job's order) and the
+    """An InferenceContext over each policy model's server or slot (name -> server, in the job's order) and the
     policies each model plays (policy -> model name). A policy no model plays is sampled by the first
     model: its rollouts then reach the first model's trainer, which refuses them at ingestion naming the
     policy (`UnknownPolicyError`), as a job of one model does."""
@@ -63,7 +64,7 @@ class PolicyRouter:
         return self._first.generate_dry(prompts, n, sampling, seed)
 
     def reload(self, model, weight_step: int, model_name: str | None = None) -> None:
-        """New weights for one model's server (the first model's when unnamed)."""
+        """New weights for one model (the first model's when unnamed): its server's, or its slot's adapters."""
         (self._first if model_name is None else self.servers[model_name]).reload(model, weight_step)
 
     def shutdown(self) -> None:
