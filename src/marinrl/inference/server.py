@@ -356,6 +356,11 @@ class InferenceServer:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary [0, {self._vocab})")
         return p
 
+    def _adapter_args(self, requests) -> dict:
+        """The sampler's `adapters` and `adapter_index` for `requests`: none here (a plain model); a server of one
+        base and several adapters (rollout/shared_base.py) gives its stack and each request's slot."""
+        return {}
+
     def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False, swaps=None, chunk_tokens=None):
         out = yield from scan_sampler.sample_steps(
             model,
@@ -377,6 +382,7 @@ class InferenceServer:
             swaps=swaps,
             lm_head_float32=self.config.lm_head_float32,
             attention=self._attention,
+            **self._adapter_args(requests),
         )
         result = []
         for i in range(len(requests)):

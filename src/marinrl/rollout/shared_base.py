@@ -28,7 +28,6 @@ import threading
 from typing import Optional, Sequence
 
 from marinrl.config.lora import LoraRLConfig
-from marinrl.inference import sampler as scan_sampler
 from marinrl.inference.context import Generation, SamplingParams
 from marinrl.inference.generate_queue import TokenRequest
 from marinrl.inference.server import InferenceServer
@@ -117,34 +116,21 @@ class SharedBaseServer(InferenceServer):
     def inflight_updates(self, poll, config):
         raise ValueError("in-flight weight updates run the plain model: not with adapters on a shared base")
 
-    def _generate_scan(self, model, requests, n, sampling, min_batch, dry_run=False, swaps=None, chunk_tokens=None):
-        slots = [self._default if r.adapter is None else int(r.adapter) for r in requests]
+    def _adapter_args(self, requests) -> dict:
+        return {"adapters": self._stack.adapters,
+                "adapter_index": [self._default if r.adapter is None else int(r.adapter) for r in requests]}
+
+    def _generate_scan(self, *args, **kwargs):
+        """The base class's sampler call, counted as a reader of the slots: `write_slot` waits for it to end
+        (the stack's update is in place) and a call that starts during a write waits for the write."""
         with self._idle:
             self._readers += 1
-            adapters = self._stack.adapters
         try:
-            out = yield from scan_sampler.sample_steps(
-                model, [r.prompt for r in requests], n=n, temperature=sampling.temperature, top_k=sampling.top_k,
-                top_p=sampling.top_p, min_p=sampling.min_p, chunk_tokens=chunk_tokens,
-                max_tokens=sampling.max_tokens, stop_sequences=self._stops(sampling), seed=0,
-                max_cache_bytes=self._scan_cache_bytes, prompt_keys=[(r.seed, r.index) for r in requests],
-                min_prompts=min_batch, mesh=None if self.mesh is None else self.mesh.mesh, dry_run=dry_run,
-                swaps=swaps, lm_head_float32=self.config.lm_head_float32, attention=self._attention,
-                adapters=adapters, adapter_index=slots)
+            return (yield from super()._generate_scan(*args, **kwargs))
         finally:
             with self._idle:
                 self._readers -= 1
                 self._idle.notify_all()
-        rows = []
-        for i in range(len(requests)):
-            row = []
-            for j in range(n):
-                r = i * n + j
-                k = int(out.lengths[r])
-                row.append(Generation(tokens=out.tokens[r, :k].copy(), logprobs=out.logprobs[r, :k].copy(),
-                                      finish_reason="stop" if out.stopped[r] else "length"))
-            rows.append(row)
-        return rows
 
 
 class PolicySlot:
