@@ -2,7 +2,8 @@
 processes without Ray: a driver killed with SIGKILL takes the job's processes (marked, or descendants of
 a marked one) within seconds and leaves its other one alone; a driver that stops its watchdog (after
 ray.shutdown) has it sweep without a word.
-The same on a real job: tests/test_job_faults.py::test_the_drivers_death_takes_its_local_ray_with_it."""
+The same on a real job: tests/test_job_faults.py::test_the_drivers_death_takes_its_local_ray_with_it. A local Ray whose
+start times out is swept and started again (`RLJob._start_local_ray`)."""
 
 from __future__ import annotations
 
@@ -108,3 +109,72 @@ def _cmdline(pid: int) -> str:
         return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def _timing_out_ray_init(times: int, started: list):
+    """`ray.init` as a machine too busy for Ray's start has it: the first `times` calls start a process (as Ray
+    starts its GCS and raylet, inside the watchdog's mark) and then fail as Ray does when its raylet does not
+    register within its 30 s; a later call succeeds."""
+    calls = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) <= times:
+            proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            started.append(proc)
+            raise Exception("The current node timed out during startup. This could happen because some of the "
+                            "raylet failed to startup or the GCS has become overloaded.")
+
+    return init, calls
+
+
+def test_a_local_ray_that_times_out_starting_is_swept_and_started_again(tmp_path, monkeypatch, capsys):
+    import ray
+    from test_job import job_config
+
+    from marinrl.job import rl_job
+
+    started: list = []
+    init, calls = _timing_out_ray_init(2, started)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(rl_job, "LOCAL_RAY_BACKOFF_S", 0.01)
+    job = rl_job.RLJob(job_config(tmp_path))
+    job._start_local_ray(num_cpus=3)
+    assert len(calls) == 3 and calls[-1]["address"] == "local" and calls[-1]["num_cpus"] == 3
+    for proc in started:  # what each failed start left was swept before the next try
+        proc.wait(timeout=30)
+    out = capsys.readouterr().out
+    assert "did not start within Ray's 30 s" in out and "(try 2 of 3)" in out and "(try 3 of 3)" in out, out
+    job._reaper.stop()
+
+
+def test_a_local_ray_that_never_starts_is_one_error_and_other_failures_are_not_retried(tmp_path, monkeypatch):
+    import pytest
+    import ray
+    from test_job import job_config
+
+    from marinrl.job import rl_job
+
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    monkeypatch.setattr(rl_job, "LOCAL_RAY_BACKOFF_S", 0.01)
+    started: list = []
+    init, calls = _timing_out_ray_init(99, started)
+    monkeypatch.setattr(ray, "init", init)
+    job = rl_job.RLJob(job_config(tmp_path))
+    with pytest.raises(RuntimeError, match=r"local Ray did not start: 3 tries.*set ray\.address"):
+        job._start_local_ray(num_cpus=2)
+    assert len(calls) == rl_job.LOCAL_RAY_STARTS and job._reaper is None
+    for proc in started:
+        proc.wait(timeout=30)
+
+    def broken(**kwargs):
+        calls.append(kwargs)
+        raise ValueError("object_store_memory is more than the machine has")
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", broken)
+    with pytest.raises(ValueError, match="object_store_memory"):
+        job._start_local_ray(num_cpus=2)
+    assert len(calls) == 1  # not a start that timed out: no second try

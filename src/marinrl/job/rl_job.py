@@ -13,6 +13,7 @@ job/terminal.py's, and what a user is told when a trainer dies or stops job/outc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -62,6 +63,18 @@ class JobResult:
     first one's, whose trainer keeps the curriculum's clock); empty for one."""
 
 
+LOCAL_RAY_STARTS = 3
+"""Tries at starting the job's local Ray when Ray's own start times out (`RLJob._start_local_ray`)."""
+
+LOCAL_RAY_BACKOFF_S = 5.0
+"""The wait before the second try at starting the local Ray; doubled before each later one."""
+
+
+def _ray_start_timed_out(error: BaseException) -> bool:
+    """Ray's local start failed because its raylet did not register with the GCS within Ray's fixed 30 s."""
+    return type(error) is Exception and "timed out during startup" in str(error)
+
+
 class RLJob:
     """Runs one RLJobConfig on Ray. `run()` blocks until the trainer finishes."""
 
@@ -84,23 +97,7 @@ class RLJob:
             trainers = sum(cpus(m.placement) for m in policy_models(self.config))
             asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
-            self._reaper = Reaper()  # the driver's death (kill -9 included) takes this Ray with it at once
-            self._reaper.start()
-            try:
-                with self._reaper.marked():
-                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's
-                             namespace=f"marinrl-{self.config.run_id}",
-                             object_store_memory=512 * 1024 * 1024,
-                             runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
-                             log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
-                             logging_level=logging.ERROR,  # Ray's own startup lines would bury a one-line error
-                             # Ray starts workers at nice 15: on a shared machine the job's own actors then lose
-                             # the CPU to anything at 0 (SmolLM2's steps took 2-3x as long; docs/real_model.md)
-                             _system_config={"worker_niceness": 0})
-            except BaseException:
-                self._reaper.stop()  # what Ray started before it failed
-                self._reaper = None
-                raise
+            self._start_local_ray(num_cpus)
         else:
             try:
                 ray.init(address=cfg.address, namespace=f"marinrl-{self.config.run_id}",
@@ -114,6 +111,43 @@ class RLJob:
                                                  "machine") from None
         self._started_ray = True
         return ray.get_runtime_context().namespace
+
+    def _start_local_ray(self, num_cpus: int) -> None:
+        """A local Ray of the job's own, its processes marked for the watchdog. Ray gives its raylet a fixed 30 s
+        to register with the GCS and then fails the start; a machine busy enough for that gets
+        `LOCAL_RAY_STARTS` tries, `LOCAL_RAY_BACKOFF_S` apart (doubling), each after sweeping what the failed one
+        left, then one clear error."""
+        for attempt in range(1, LOCAL_RAY_STARTS + 1):
+            self._reaper = Reaper()  # the driver's death (kill -9 included) takes this Ray with it at once
+            self._reaper.start()
+            try:
+                with self._reaper.marked():
+                    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,  # never join a stranger's
+                             namespace=f"marinrl-{self.config.run_id}",
+                             object_store_memory=512 * 1024 * 1024,
+                             runtime_env={"env_vars": actor_env(compilation_cache_dir(self.config))},
+                             log_to_driver=False,  # actors log to <run_dir>/logs; errors still reach ray.get
+                             logging_level=logging.ERROR,  # Ray's own startup lines would bury a one-line error
+                             # Ray starts workers at nice 15: on a shared machine the job's own actors then lose
+                             # the CPU to anything at 0 (SmolLM2's steps took 2-3x as long; docs/real_model.md)
+                             _system_config={"worker_niceness": 0})
+                return
+            except BaseException as e:
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                self._reaper.stop()  # what Ray started before it failed
+                self._reaper = None
+                if not _ray_start_timed_out(e):
+                    raise
+                if attempt == LOCAL_RAY_STARTS:
+                    raise RuntimeError(f"the job's local Ray did not start: {LOCAL_RAY_STARTS} tries, each ended by "
+                                       "Ray's 30 s wait for its raylet to register with the GCS (a machine too busy "
+                                       "to start Ray's processes?): run the job again when the machine is "
+                                       "quieter, or start Ray yourself and set ray.address") from e
+                wait = LOCAL_RAY_BACKOFF_S * 2 ** (attempt - 1)
+                print(f"[marinrl] the job's local Ray did not start within Ray's 30 s (a busy machine?): starting "
+                      f"it again in {wait:g} s (try {attempt + 1} of {LOCAL_RAY_STARTS})", flush=True)
+                time.sleep(wait)
 
     def run(self) -> JobResult:
         """Holds the run's lease (marinrl/job/run_lock.py) from before Ray starts until the job ends."""
