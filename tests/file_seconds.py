@@ -1,7 +1,9 @@
 """Each test file's seconds in a `make test` run, which tests/conftest.py orders the files by (heaviest first,
-so that the last file a worker starts is a short one). Refresh after tests move or grow:
+so that the last file a worker starts is a short one). Measured as CI runs it, in a fresh clone (a cold compile
+cache). Refresh after tests move or grow:
 
-    PYTEST_ADDOPTS=--junitxml=/tmp/junit.xml make test && python tests/file_seconds.py /tmp/junit.xml
+    git clone . /tmp/fresh && cd /tmp/fresh && PYTEST_ADDOPTS=--junitxml=/tmp/junit.xml .ci/run
+    python tests/file_seconds.py /tmp/junit.xml   # here
 
 A file missing from the table (a new one) is weighed by its tests instead (conftest.py)."""
 
