@@ -25,7 +25,8 @@ class ModelStream:
     weights: WeightTransferConfig
     lora: Optional[LoraRLConfig] = None
     """The job's `LoraRLConfig` when it trains LoRA adapters: versions then carry the adapters only, and the
-    worker merges each into the base model it started with (`marinrl/models/lora.py`)."""
+    worker writes each into this model's slot of the one base its lora policies share (`marinrl/rollout/shared_base.py`;
+    merged into the base only with the engine backend or in-flight updates, `marinrl/models/lora.py`)."""
 
 
 def _default_streams() -> tuple[ModelStream, ...]:
