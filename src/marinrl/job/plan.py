@@ -179,11 +179,12 @@ def build_rollout_host(job: RLJobConfig, index: int, clock: Optional[StartupCloc
     servers: dict[str, Any] = {}
     for g, w in zip(groups, weights):
         first = models[g[0]]  # each server's head as its models' trainers compute it (`model.lm_head_float32`)
+        shared = first.lora is not None and stacked
         served = serve(dataclasses.replace(inference, serve_http=inference.serve_http and g[0] == 0,
                                            lm_head_float32=first.model.lm_head_float32), w, tokenizer,
-                       adapters=[models[i].lora for i in g] if first.lora is not None and stacked else None)
+                       adapters=[models[i].lora for i in g] if shared else None)
         for k, i in enumerate(g):
-            servers[models[i].name] = served.slot(k) if first.lora is not None and stacked else served
+            servers[models[i].name] = served.slot(k) if shared else served
     server = (servers[models[0].name] if len(models) == 1
               else PolicyRouter(servers, {p: m.name for m in models for p in m.policies}))
     if clock is not None:
