@@ -1,5 +1,5 @@
 """One policy per agent (docs/policies.md): a job of two policy models, a `full` one (L3) and a `lora`
-one (L2), each with its own trainer, weight stream and rollout files, on the `two_roles` environment
+one (L2), each with its own trainer, weight stream and rollout files, on the `roles` environment
 whose agents see the same prompt and must answer differently (one shared model cannot do both).
 Real local Ray, real trainers, tiny Llamas. Also the pure routing of a batch to the models."""
 
@@ -28,7 +28,7 @@ from marinrl.types import RolloutBatch, RolloutGroup, RolloutMetadata
 
 pytestmark = pytest.mark.timeout(1200)  # whole jobs: twice the suite's default (pyproject.toml), for a loaded machine
 
-ROLES = LessonConfig(lesson_id="roles", env=EnvConfig("two_roles", {"policies": {"second": "other"}}),
+ROLES = LessonConfig(lesson_id="roles", env=EnvConfig("roles", {"policies": {"second": "other"}}),
                      max_tokens=1, graduate_at=None)
 
 
@@ -54,11 +54,11 @@ def test_a_batch_is_split_per_policy_model_and_stamped_with_its_weights():
     assert {g.group_id for _, p in parts for g in p.groups} == {g.group_id for g in batch.groups}
 
 
-def test_two_roles_pays_each_agent_for_its_own_character():
+def test_roles_pays_each_agent_for_its_own_character():
     from marinrl.envs.base import Problem
-    from marinrl.envs.multiagent import Move, TwoRolesEnv
+    from marinrl.envs.multiagent import Move, RolesEnv
 
-    env = TwoRolesEnv(policies={"second": "other"})
+    env = RolesEnv(policies={"second": "other"})
     first, second = env.agents
     assert (first.policy, second.policy) == ("policy", "other")
     problem = Problem(prompt="3?", answer="", example_id="3")
@@ -73,9 +73,13 @@ def test_two_roles_pays_each_agent_for_its_own_character():
     ok = env.judge(problem, first, [Move("first", (48,), "0")])
     assert ok.reward == 1.0 and not ok.done
     with pytest.raises(ValueError, match="targets.first must be one ASCII character"):
-        TwoRolesEnv(targets={"first": "ab"})
+        RolesEnv(targets={"first": "ab"})
     with pytest.raises(ValueError, match="policies names unknown agents"):
-        TwoRolesEnv(policies={"third": "x"})
+        RolesEnv(policies={"third": "x"})
+    four = RolesEnv(targets={"a": "0", "b": "@", "c": "P", "d": "z"}, policies={"c": "cee"})
+    assert [(x.name, x.policy) for x in four.agents] == [("a", "policy"), ("b", "policy"), ("c", "cee"), ("d", "policy")]
+    assert not four.judge(problem, four.agents[2], [Move("c", (80,), "P")]).done  # the episode ends with `d`
+    assert four.judge(problem, four.agents[3], [Move("d", (122,), "z")]).reward == 1.0
 
 
 def _logged(path: pathlib.Path) -> list[dict]:

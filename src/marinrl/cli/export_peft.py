@@ -58,9 +58,12 @@ def run(args: argparse.Namespace) -> int:
     if taken and not args.overwrite:
         raise InputError(f"--out {args.out} already holds {taken[0]}: choose another folder, or --overwrite")
 
+    from marinrl.config.policies import trainers
     from marinrl.eval import resolve_checkpoint  # Levanter: seconds
 
-    source = args.checkpoint or f"{model.run_dir}/checkpoints"
+    (trainer,) = [t for t in trainers(job) if model in t.models]  # the adapters of one base: one trainer's slots
+    slot = (trainer.adapters.index(model), len(trainer.adapters)) if trainer.adapters else None
+    source = args.checkpoint or f"{trainer.run_dir}/checkpoints"
     try:
         checkpoint = resolve_checkpoint(source)
     except (FileNotFoundError, ValueError) as e:
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         result = export_peft(checkpoint.path, model.model, model.lora, args.out,
-                             base_model_name_or_path=args.base_model)
+                             base_model_name_or_path=args.base_model, slot=slot)
     except AdapterLoadError as e:
         raise InputError(str(e)) from e
     except (FileNotFoundError, ValueError) as e:  # the base's config.json, a family not exported

@@ -155,10 +155,19 @@ class PolicyModel:
     else `<run_dir>/policies/<name>`."""
     weights: WeightTransferConfig
     """Its weight stream, `fanout: auto` decided for the job's fleet."""
+    adapters: tuple[PolicyModel, ...] = ()
+    """A trainer of several `lora` models on one base (`trainers`): those models, one adapter each, whose own
+    rollout files and weight streams it reads and writes; its `run_dir` holds the trainer's checkpoints and
+    logs. Empty: one model, this one."""
 
     @property
     def rollout_root(self) -> str:
         return f"{self.run_dir}/rollouts"
+
+    @property
+    def models(self) -> tuple[PolicyModel, ...]:
+        """The policy models this trainer trains: its adapters', or itself."""
+        return self.adapters or (self,)
 
 
 def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
@@ -175,6 +184,36 @@ def policy_models(job: RLJobConfig) -> tuple[PolicyModel, ...]:
     shared = tuple(n for n in names if n not in own)
     groups = ([(shared[0], shared, PolicyConfig())] if shared else []) + [(n, (n,), policies[n]) for n in own]
     return tuple(_policy_model(job, name, members, policy) for name, members, policy in groups)
+
+
+def trainers(job: RLJobConfig) -> tuple[PolicyModel, ...]:
+    """What each of the job's trainers trains, in `policy_models` order (the first keeps the curriculum's clock):
+    `lora` models that share one base (the same `model`, `optimizer` and `loss`, adapters of one rank, alpha and
+    target_modules, and no `placement` of their own) are one trainer of several adapters on one copy of that
+    base (`PolicyModel.adapters`, docs/policies.md); every other model is a trainer of its own."""
+    models = policy_models(job)
+    groups: dict[tuple, list[PolicyModel]] = {}
+    for m in models:
+        own = job.policies.get(m.name)
+        shares = m.lora is not None and len(models) > 1 and (own is None or own.placement is None)
+        key = ((m.model, m.optimizer, m.loss, m.lora.rank, m.lora.alpha, m.lora.target_modules) if shares
+               else ("alone", m.name))
+        groups.setdefault(_hashable(key), []).append(m)
+    return tuple(g[0] if len(g) == 1 else _shared_base(job, tuple(g)) for g in groups.values())
+
+
+def _hashable(key: tuple) -> tuple:
+    return tuple(repr(k) for k in key)
+
+
+def _shared_base(job: RLJobConfig, models: tuple[PolicyModel, ...]) -> PolicyModel:
+    """The trainer of `models`' adapters on their one base: named by its models, its own run directory
+    `<run_dir>/trainers/<name>` (checkpoints, logs, the audit trail); rollout files and weight streams are the
+    models' own."""
+    first = models[0]
+    name = "+".join(m.name for m in models)
+    return dataclasses.replace(first, name=name, policies=tuple(p for m in models for p in m.policies),
+                               run_id=name, run_dir=f"{job.run_dir}/trainers/{name}", adapters=models)
 
 
 def _policy_model(job: RLJobConfig, name: str, members: tuple[str, ...], policy: PolicyConfig) -> PolicyModel:

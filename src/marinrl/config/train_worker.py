@@ -22,6 +22,23 @@ if TYPE_CHECKING:
     from levanter.trainer import TrainerConfig
 
 
+@dataclasses.dataclass(frozen=True)
+class AdapterSlotConfig:
+    """One adapter of a trainer that trains several on one base (`TrainWorkerConfig.adapters`): a `lora`
+    policy model's own rollout files, weight stream and adapters (`train/adapter_slots.py`)."""
+
+    name: str
+    """The policy model's name: its metrics' prefix and its entry in each checkpoint's replay state."""
+    rollout_root: str
+    """Its rollout files (`<run_dir>/policies/<name>/rollouts` in a job)."""
+    weights: WeightTransferConfig
+    """Its weight stream: versions of its adapter alone."""
+    policies: tuple[str, ...]
+    """The policy names its rollouts carry."""
+    lora: LoraRLConfig
+    """Its adapters: every slot's rank, alpha and target_modules are the trainer's `lora`; the seed is its own."""
+
+
 @dataclasses.dataclass
 class TrainWorkerConfig:
     rollout_root: str = "runs/default/rollouts"
@@ -63,13 +80,31 @@ class TrainWorkerConfig:
     """The dtype weight versions carry: the rollout workers' (`RLJobConfig.rollout_dtype()`). Floating
     weights are cast to it once per publish on the trainer's devices (`transfer.base.cast_for_publish`);
     the master weights and optimizer state stay as trained. None: publish the weights as they are."""
+    adapters: tuple[AdapterSlotConfig, ...] = ()
+    """Several `lora` policy models trained over one copy of `model` (`train/adapter_slots.py`): each its own
+    rollout files, replay buffer, weight stream and optimizer state, one trainer, one base, one batch per step.
+    Empty (the default): one model, whose files and stream are `rollout_root` and `weights`. Set, `lora` is
+    their shared shape and `rollout_root`, `weights` and `policies` are not read."""
     audit_root: Optional[str] = None
     """Where the trained-groups audit trail goes (`<run_dir>/trained` in a job): per step, the group ids
     trained, written before that step's checkpoint (`marinrl/train/audit.py`). None: no trail."""
 
+    @property
+    def trained_adapters(self):
+        """What `initial_weights.fresh_model_init` adapts the model with: `lora`, each slot's (several), or None."""
+        return tuple(a.lora for a in self.adapters) if self.adapters else self.lora
+
     def __post_init__(self):
         if self.lora is not None:
             self.lora.errors("lora")
+        if self.adapters:
+            if self.lora is None:
+                raise ValueError("TrainWorkerConfig.adapters needs `lora`, the adapters' shared rank and targets")
+            shape = lambda c: (c.rank, c.alpha, c.target_modules)  # noqa: E731
+            for a in self.adapters:
+                if shape(a.lora) != shape(self.lora):
+                    raise ValueError(f"TrainWorkerConfig.adapters[{a.name}].lora {shape(a.lora)} differs from the "
+                                     f"trainer's lora {shape(self.lora)} (rank, alpha, target_modules)")
         if self.publish_dtype is not None and self.publish_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"TrainWorkerConfig.publish_dtype must be float32, bfloat16 or float16 (or None), "
                              f"got {self.publish_dtype!r}")

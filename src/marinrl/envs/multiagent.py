@@ -270,31 +270,33 @@ class SolveCheckEnv(MultiAgentEnv):
                         indicators={"success": float(right), "accepted": float(verdict == "y")})
 
 
-@register_env("two_roles")
-class TwoRolesEnv(MultiAgentEnv):
-    """Two agents, `first` and `second`, see the same prompt (`<digit>?`) and are each paid for
-    answering their own character (`targets`, default `0` and `z`): one model that plays both cannot
-    satisfy both, one policy per agent (`policies:` with `full` or `lora` policies, docs/policies.md) can.
+@register_env("roles")
+class RolesEnv(MultiAgentEnv):
+    """Agents that see the same prompt (`<digit>?`), each paid for answering its own character: `targets` maps
+    each agent's name to it, in turn order (default: `first` answers `0`, `second` answers `z`). One model that
+    plays every agent cannot satisfy them all; one policy per agent (`policies:` with `full` or `lora` policies,
+    docs/policies.md) can.
 
     The reward is dense so that a tiny random model learns it in tens of steps: an answer whose first
     byte is `b` earns `max(0, 1 - |b - target| / 64)`; an empty answer, or one that begins with a
     special token (`<|…|>`: the byte-level tokenizer's reserved tokens are half its vocabulary), earns 0.
     Indicator `success`: the answer is exactly the target. `policies` maps agent names to policy names."""
 
-    env_name = "two_roles"
+    env_name = "roles"
 
     def __init__(self, targets: Mapping[str, str] | None = None, policies: Mapping[str, str] | None = None):
-        targets = {"first": "0", "second": "z", **dict(targets or {})}
+        targets = dict(targets or {"first": "0", "second": "z"})
         policies = dict(policies or {})
-        for what, given in (("targets", targets), ("policies", policies)):
-            unknown = set(given) - {"first", "second"}
-            if unknown:
-                raise ValueError(f"two_roles: {what} names unknown agents {sorted(unknown)}; agents: first, second")
+        if not targets:
+            raise ValueError("roles: targets must name at least one agent")
+        unknown = set(policies) - set(targets)
+        if unknown:
+            raise ValueError(f"roles: policies names unknown agents {sorted(unknown)}; agents: {', '.join(targets)}")
         for agent, target in targets.items():
             if not isinstance(target, str) or len(target.encode()) != 1:
-                raise ValueError(f"two_roles: targets.{agent} must be one ASCII character, got {target!r}")
+                raise ValueError(f"roles: targets.{agent} must be one ASCII character, got {target!r}")
         self.targets = targets
-        self.agents = tuple(Agent(name, policies.get(name, DEFAULT_POLICY)) for name in ("first", "second"))
+        self.agents = tuple(Agent(name, policies.get(name, DEFAULT_POLICY)) for name in targets)
         self.check_agents()
 
     def problems(self, n: int, rng: np.random.Generator, mode: Mode) -> list[Problem]:
@@ -309,5 +311,5 @@ class TwoRolesEnv(MultiAgentEnv):
         target = self.targets[agent.name].encode()[0]
         clean = answer and not answer.startswith(b"<|")
         reward = max(0.0, 1.0 - abs(answer[0] - target) / 64) if clean else 0.0
-        return Feedback(reward=reward, done=agent.name == "second",
+        return Feedback(reward=reward, done=agent.name == self.agents[-1].name,
                         indicators={"success": float(answer == bytes([target]))})

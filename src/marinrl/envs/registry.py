@@ -42,7 +42,7 @@ def register_env(name: str) -> Callable[[type], type]:
 BUILTIN_ENVS: dict[str, str] = {
     "echo": "toy", "parity": "toy", "arithmetic": "math", "math": "math", "add_sub": "add_sub", "guess": "games",
     "calculator": "games",
-    "solve_check": "multiagent", "two_roles": "multiagent", "openai_agent": "openai_env", "openenv": "openenv_env",
+    "solve_check": "multiagent", "roles": "multiagent", "openai_agent": "openai_env", "openenv": "openenv_env",
     "reasoning_gym": "reasoning_gym_env", "textarena": "textarena_env", "verifiers": "verifiers_env",
 }
 """Each built-in environment's module in marinrl.envs, imported (and so registered) when a config names it:

@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from marinrl.config.job import RLJobConfig
-from marinrl.config.policies import PolicyModel, policy_models
+from marinrl.config.policies import PolicyModel, policy_models, trainers
 from marinrl.levanter_configs import to_levanter, trainer_config
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from marinrl.inference.context import SamplingParams
     from marinrl.rollout.manager import LessonRuntime
     from marinrl.startup import StartupClock
+    from marinrl.train.adapter_streams import AdapterReplays
     from marinrl.train.parts import TrainerParts
     from marinrl.train.replay.buffer import ReplayBuffer
     from marinrl.transfer.base import WeightTransferClient
@@ -45,13 +46,14 @@ logger = logging.getLogger(__name__)
 
 def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = None, *,
                         device_bytes: Optional[float] = None) -> TrainWorkerConfig:
-    """The trainer's config of `policy_model` (default: the job's first, its only one without several): the
-    model's own parts from its view, the rest from the job. Built in the trainer's process:
+    """The trainer's config of `policy_model` (one of `policies.trainers(job)`; default: the job's first, its only
+    one without several): the model's own parts from its view (a trainer of several adapters on one base: each
+    adapter's rollout files and weight stream), the rest from the job. Built in the trainer's process:
     `model.model.gradient_checkpointing: auto` is resolved here, once, from the memory of `device_bytes`
     (default: this process's device, `local_device_bytes`), and the choice logged."""
-    from marinrl.config.train_worker import TrainWorkerConfig
+    from marinrl.config.train_worker import AdapterSlotConfig, TrainWorkerConfig
 
-    m = policy_model if policy_model is not None else policy_models(job)[0]
+    m = policy_model if policy_model is not None else trainers(job)[0]
     model = m.model
     if getattr(model.model, "gradient_checkpointing", None) == "auto":
         from marinrl.dry_run.memory import resolve_gradient_checkpointing
@@ -63,8 +65,9 @@ def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = 
         model = seen.model
         logger.info("%s", choice.line())
         print(f"[marinrl] {choice.line()}", flush=True)
+    adapters = tuple(AdapterSlotConfig(a.name, a.rollout_root, a.weights, a.policies, a.lora) for a in m.adapters)
     return TrainWorkerConfig(
-        rollout_root=m.rollout_root, weights=m.weights, model=model,
+        rollout_root=m.rollout_root, weights=m.weights, model=model, adapters=adapters,
         trainer=trainer_config(job, m), optimizer=to_levanter(m.optimizer), loss=m.loss,
         replay=dataclasses.replace(job.replay, sampling=job.sampling(), seed=job.seed),
         batching=job.batching, groups_per_step=job.groups_per_step, sync_interval=job.sync_interval,
@@ -92,12 +95,11 @@ def build_trainer(config: TrainWorkerConfig) -> TrainerParts:
     from marinrl.train.initial_weights import frozen_reference
     from marinrl.train.parts import TrainerParts
     from marinrl.train.saved_state import CheckpointWriter
-    from marinrl.transfer.endpoints import build_server
 
     leader = multihost.current_cohort().is_leader
     trainer_id = new_trainer_id()
     return TrainerParts(
-        trainer_id=trainer_id, weight_server=functools.partial(build_server, config.weights),
+        trainer_id=trainer_id, weight_server=functools.partial(weight_server, config),
         replay=functools.partial(replay_buffer, config) if leader else None,
         audit=(AuditTrail(config.audit_root, trainer_id, config.storage_options)
                if config.audit_root is not None and leader else None),
@@ -106,16 +108,35 @@ def build_trainer(config: TrainWorkerConfig) -> TrainerParts:
         checkpoints=CheckpointWriter(trainer_id, keep=config.checkpoint_keep, keep_every=config.checkpoint_keep_every))
 
 
-def replay_buffer(config: TrainWorkerConfig, start_step: int) -> ReplayBuffer:
-    """The trainer's replay buffer over the run's rollout files, from weight step `start_step`."""
+def weight_server(config: TrainWorkerConfig):
+    """The trainer's weight server: its stream's, or with several adapters one per adapter's stream."""
+    from marinrl.transfer.endpoints import build_server
+
+    if not config.adapters:
+        return build_server(config.weights)
+    from marinrl.train.adapter_streams import AdapterWeightServers
+
+    return AdapterWeightServers([build_server(a.weights) for a in config.adapters])
+
+
+def replay_buffer(config: TrainWorkerConfig, start_step: int) -> ReplayBuffer | AdapterReplays:
+    """The trainer's replay buffer over the run's rollout files, from weight step `start_step`; with several
+    adapters, one per adapter over its own policy model's files (`train/adapter_streams.AdapterReplays`)."""
     from marinrl.storage.rollouts import RolloutReader
     from marinrl.train.replay.buffer import ReplayBuffer
     from marinrl.train.replay.ingest import overlong_reward_fn
 
-    reader = RolloutReader(config.rollout_root, storage_options=config.storage_options)
-    return ReplayBuffer(config.replay.for_loss(config.loss), reader, start_step=start_step,
-                        advantage=config.loss.advantage, reward_fn=overlong_reward_fn(config.loss),
-                        max_tokens=config.batching.max_length, policies=config.policies)
+    def one(rollout_root: str, policies: tuple[str, ...]) -> ReplayBuffer:
+        reader = RolloutReader(rollout_root, storage_options=config.storage_options)
+        return ReplayBuffer(config.replay.for_loss(config.loss), reader, start_step=start_step,
+                            advantage=config.loss.advantage, reward_fn=overlong_reward_fn(config.loss),
+                            max_tokens=config.batching.max_length, policies=policies)
+
+    if not config.adapters:
+        return one(config.rollout_root, config.policies)
+    from marinrl.train.adapter_streams import AdapterReplays
+
+    return AdapterReplays([a.name for a in config.adapters], [one(a.rollout_root, a.policies) for a in config.adapters])
 
 
 def rollout_worker_config(job: RLJobConfig, index: int) -> RolloutWorkerConfig:

@@ -26,7 +26,7 @@ import ray
 
 from marinrl.config.errors import ConfigError  # noqa: F401  (raised by RLJob(config))
 from marinrl.config.job import RayJobConfig, RLJobConfig  # noqa: F401  (RayJobConfig: part of this module's API)
-from marinrl.config.policies import policy_models, resolve_policies
+from marinrl.config.policies import resolve_policies, trainers
 from marinrl.curriculum.actor import CurriculumClient, curriculum_actor
 from marinrl.job.actors import RolloutActor, TrainerActor, actor_env, compilation_cache_dir
 from marinrl.job.outcomes import (
@@ -94,8 +94,8 @@ class RLJob:
         if ray.is_initialized():
             return ray.get_runtime_context().namespace
         if cfg.address is None:
-            trainers = sum(cpus(m.placement) for m in policy_models(self.config))
-            asked = trainers + self.config.n_rollout_workers * cpus(cfg.rollout)
+            trainer_cpus = sum(cpus(m.placement) for m in trainers(self.config))
+            asked = trainer_cpus + self.config.n_rollout_workers * cpus(cfg.rollout)
             num_cpus = cfg.num_cpus or (math.ceil(asked) + 1)
             self._start_local_ray(num_cpus)
         else:
@@ -168,7 +168,7 @@ class RLJob:
             group = None
             if cfg.ray.trainer.hosts() > 1:
                 group = TrainerGroup(cfg.ray.trainer, cfg.trainer_group, on_cluster=on_cluster, log_dir=self._log_dir)
-            models = policy_models(cfg)
+            models = trainers(cfg)  # what each trainer trains: a model, or several adapters on one base
             placements = [m.placement for m in models]
             for placement in [p for i, p in enumerate(placements) if p not in placements[:i]]:  # each model's trainer
                 check_cluster(placement, cfg.ray.rollout, cfg.n_rollout_workers,
@@ -178,10 +178,10 @@ class RLJob:
             curriculum_name = self._start_curriculum(namespace)
             curriculum_log = ray.get_actor(curriculum_name, namespace=namespace).__ray_call__.remote(
                 log_actor_to_file, self._log_dir, "curriculum")  # awaited once the other actors are started
-            trainers, train_refs = self._start_trainers(group, models, curriculum_name, namespace)
-            self._n_trainers = len(trainers)  # the rollout workers' slots follow the trainers'
-            trainer = trainers[0]
-            waited = dict(zip(train_refs, range(len(trainers))))  # a trainer's result ref -> its index
+            actors, train_refs = self._start_trainers(group, models, curriculum_name, namespace)
+            self._n_trainers = len(actors)  # the rollout workers' slots follow the trainers'
+            trainer = actors[0]
+            waited = dict(zip(train_refs, range(len(actors))))  # a trainer's result ref -> its index
             results: dict[int, dict] = {}
             rollouts, refs = [], []
             for i in range(cfg.n_rollout_workers):
@@ -210,7 +210,7 @@ class RLJob:
                         for ref in ready:
                             if ref in waited:
                                 results[waited[ref]] = self._train_result(ref, models[waited[ref]].run_dir)
-                    if len(results) == len(trainers):
+                    if len(results) == len(actors):
                         break
                     for ref in (r for r in ready if r in pending):
                         i = pending.pop(ref)
@@ -235,7 +235,7 @@ class RLJob:
                             pending[rollouts[i].run.remote()] = i
             except KeyboardInterrupt:
                 bar.close()
-                stop_trainers([(trainers[k], ref, k == 0 and bar.answered) for ref, k in waited.items()
+                stop_trainers([(actors[k], ref, k == 0 and bar.answered) for ref, k in waited.items()
                                if k not in results], cfg.ray.stop_timeout_s)
                 raise
             for ref, i in list(pending.items()):  # workers stop on their own once the final weights arrive
@@ -245,30 +245,32 @@ class RLJob:
                     logger.warning("rollout worker %d did not finish cleanly: %s", i, e)
             bar.close()
             curriculum_step = CurriculumClient(ray.get_actor(curriculum_name, namespace=namespace)).step()
-            per_model = {m.name: results[k] for k, m in enumerate(models)} if len(models) > 1 else {}
+            # each policy model's trainer result (the adapters of one base: their one trainer's)
+            per_model = ({p.name: results[k] for k, m in enumerate(models) for p in m.models}
+                         if len(models) > 1 or models[0].adapters else {})
             return JobResult(results[0], summaries, restarts, time.time() - started, curriculum_step, per_model)
         finally:
             self.shutdown()
 
     def _start_trainers(self, group: Optional[TrainerGroup], models, curriculum_name: str,
                         namespace: Optional[str]) -> tuple[list, list]:
-        """(trainer actors, their `run` refs): one trainer per policy model, the first keeping the curriculum's
-        clock; or a multi-host trainer's group (its leader, each process's ref). Each derives its config and
-        builds its parts in its own process (job/plan.py)."""
+        """(trainer actors, their `run` refs): one per entry of `policies.trainers` (a policy model, or the
+        adapters of one base), the first keeping the curriculum's clock; or a multi-host trainer's group (its
+        leader, each process's ref). Each derives its config and builds its parts in its own process (job/plan.py)."""
         cfg = self.config
         if group is not None:
             self._group = group
             group.start(functools.partial(train_worker_config, cfg), curriculum_name, namespace,
                         placement_timeout_s=cfg.ray.placement_timeout_s)
             return [group.leader], group.refs
-        trainers = []
+        started = []
         for k, m in enumerate(models):
-            trainers.append(TrainerActor.options(**actor_options(m.placement, k)).remote(
+            started.append(TrainerActor.options(**actor_options(m.placement, k)).remote(
                 functools.partial(train_worker_config, cfg, m),
                 curriculum_name if k == 0 else None, namespace, self._log_dir,
                 self._started, "trainer" if len(models) == 1 else f"trainer-{m.name}", m.placement))
-        self._actors.extend(trainers)
-        return trainers, [t.run.remote() for t in trainers]
+        self._actors.extend(started)
+        return started, [t.run.remote() for t in started]
 
     def _start_curriculum(self, namespace: Optional[str]) -> str:
         """The curriculum actor, saving its state at every trainer step: one that dies (Ray restarts

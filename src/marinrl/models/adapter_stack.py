@@ -17,19 +17,22 @@ share the stack's `LoraRLConfig` (its targets and rank: the arrays' shapes); a s
   (`inference/sampler.py`, `adapter_index`) and applies each row's adapter unmerged in every adapted layer:
   `x·W + s_i·((x·A_i)·B_i)` (`inference/decoder.py`, `PackedAdapters`), so one batch mixes rows of every
   adapter on one copy of the base.
+- **The trainer's layout** (`stacked_adapters`): the base with Levanter's LoraLinear modules whose A and B
+  carry the same leading `adapter` axis, trained by one trainer (`train/adapter_slots.py`); `slot_adapters`
+  takes slot k out of it, as its weight stream and a PEFT export carry it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 from haliax.util import is_named_array
-from levanter.lora import LORA_R, LoraLinear
+from levanter.lora import LORA_R, LoraLinear, is_lora_param
 
 from marinrl.config.lora import LoraRLConfig
 from marinrl.models.lora import adapter_only, add_adapters
@@ -38,7 +41,7 @@ from marinrl.transfer.base import floating_dtypes
 ADAPTER = "adapter"
 """The name of the stacked adapters' leading axis: one entry per slot."""
 
-__all__ = ["ADAPTER", "AdapterStack", "StackedAdapters"]
+__all__ = ["ADAPTER", "AdapterStack", "StackedAdapters", "stacked_adapters", "slot_adapters"]
 
 
 def _weights(tree) -> list[hax.NamedArray]:
@@ -153,3 +156,27 @@ class AdapterStack(eqx.Module):
 def _rescaled(node: LoraLinear, scale: float) -> LoraLinear:
     return eqx.tree_at(lambda n: n.lora, node, type(node.lora)(node.lora.lora_A, node.lora.lora_B,
                                                                node.lora.dropout, scale))
+
+
+# ------------------------------------------------------------------------------- the trainer's layout
+
+
+def _stack_leaf(*xs):
+    return hax.stack(ADAPTER, xs) if is_named_array(xs[0]) else xs[0]
+
+
+def stacked_adapters(base, configs: Sequence[LoraRLConfig]):
+    """`base` with K adapters stacked on the `adapter` axis, slot k as `add_adapters(base, configs[k])` makes it
+    (its own seed's A, B zero): weight step 0 of every slot is the base. The configs differ in `seed` only."""
+    shapes = {(c.rank, c.alpha, c.target_modules) for c in configs}
+    if len(shapes) != 1:
+        raise ValueError(f"the adapters of one base must share rank, alpha and target_modules, got {sorted(shapes)}")
+    adapted = [add_adapters(base, c) for c in configs]
+    lora = jax.tree.map(_stack_leaf, *[adapter_only(m) for m in adapted], is_leaf=is_named_array)
+    return eqx.combine(lora, adapted[0], is_leaf=is_lora_param)
+
+
+def slot_adapters(adapters, k: int):
+    """Slot k's adapter tree (`lora.adapter_only`'s structure without the `adapter` axis) of a stacked one."""
+    return jax.tree.map(lambda x: x[ADAPTER, k] if is_named_array(x) and x.array is not None else x, adapters,
+                        is_leaf=is_named_array)

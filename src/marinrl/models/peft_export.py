@@ -43,6 +43,7 @@ from levanter.models.lm_model import LmConfig
 
 from marinrl.config.lora import LoraRLConfig
 from marinrl.config.model import ModelConfig
+from marinrl.models.adapter_stack import ADAPTER, slot_adapters
 from marinrl.models.lora import adapter_only, add_adapters
 from marinrl.models.policy_model import model_architecture
 
@@ -109,21 +110,32 @@ def abstract_adapted(model: ModelConfig, lora: LoraRLConfig):
         shaped)
 
 
-def read_adapters(step_dir: str, model: ModelConfig, lora: LoraRLConfig):
+def read_adapters(step_dir: str, model: ModelConfig, lora: LoraRLConfig, slot: Optional[tuple[int, int]] = None):
     """The adapter arrays of a LoRA policy's trainer checkpoint (`step_dir`: one `step-N` folder), as the
     adapted model's tree with every base array None (`adapter_only`'s form). Only adapter files are read.
+    `slot` (k, K): the checkpoint is of a trainer of K adapters on one base, the policy's is slot k.
     AdapterLoadError when the checkpoint holds other adapters, or none."""
     from levanter.checkpoint import load_checkpoint
 
     from marinrl.models.hf_checkpoints import default_mesh
 
     template = adapter_only(abstract_adapted(model, lora))
+    if slot is not None:
+        Slots = hax.Axis(ADAPTER, slot[1])
+        template = jax.tree.map(lambda x: hax.NamedArray(jax.ShapeDtypeStruct((Slots.size, *x.array.shape),
+                                                                              x.array.dtype), (Slots, *x.axes))
+                                if isinstance(x, hax.NamedArray) else x, template, is_leaf=_is_named)
     _check_stored_shapes(step_dir, template, lora)
     with default_mesh():
         try:
-            return load_checkpoint(template, step_dir, subpath="model", discover_latest=False)
+            adapters = load_checkpoint(template, step_dir, subpath="model", discover_latest=False)
         except FileNotFoundError as e:  # checked above; a file removed since
             raise AdapterLoadError(f"{step_dir}: {e}") from e
+    return adapters if slot is None else slot_adapters(adapters, slot[0])
+
+
+def _is_named(x) -> bool:
+    return isinstance(x, hax.NamedArray)
 
 
 def _array_paths(template) -> list[tuple[str, tuple[int, ...]]]:
@@ -235,11 +247,11 @@ def write_peft(adapters, lora: LoraRLConfig, out: str, *, num_layers: Optional[i
 
 
 def export_peft(step_dir: str, model: ModelConfig, lora: LoraRLConfig, out: str, *,
-                base_model_name_or_path: Optional[str] = None) -> PeftExport:
+                base_model_name_or_path: Optional[str] = None, slot: Optional[tuple[int, int]] = None) -> PeftExport:
     """A LoRA policy's trainer checkpoint (`step_dir`, one `step-N` folder) → PEFT's layout in `out`. The base
     is named by `base_model_name_or_path`, else the model's `hf_checkpoint` (None for a model built from a seed
-    or a Levanter checkpoint: PEFT then needs the base given when it loads)."""
-    adapters = read_adapters(step_dir, model, lora)
+    or a Levanter checkpoint: PEFT then needs the base given when it loads). `slot`: as `read_adapters`."""
+    adapters = read_adapters(step_dir, model, lora, slot)
     lm_config, _ = model_architecture(model)
     return write_peft(adapters, lora, out, num_layers=getattr(lm_config, "num_layers", None),
                       base_model_name_or_path=base_model_name_or_path or model.hf_checkpoint)

@@ -122,7 +122,7 @@ class TrainingBatch(eqx.Module):
 
 def pack_rollouts(
     rollouts: Sequence[Rollout], advantages, *, batch_size: int, config: BatchingConfig, trainable=None,
-    row_multiple: int = 1, microbatch_rows: int | None = None,
+    row_multiple: int = 1, microbatch_rows: int | None = None, min_shape: tuple[int, int] = (0, 0),
 ) -> dict[str, np.ndarray]:
     """The NumPy arrays of a `TrainingBatch` (same names), following the module's layout and alignment.
 
@@ -134,7 +134,8 @@ def pack_rollouts(
     is a multiple of `row_multiple` (each data-parallel device gets whole rows) and, when there are more than
     `microbatch_rows` (gradient accumulation), of that too (Levanter splits the batch into equal
     microbatches). Rollouts sharing a `group_id` and an identical prompt share a block under the `shared`
-    layout.
+    layout. `min_shape`: at least this many (rows, positions), the shape of another batch packed with the same
+    arguments, so that batches of several adapters stack (`train/adapter_streams.py`).
     """
     n = len(rollouts)
     if len(advantages) != n:
@@ -176,7 +177,7 @@ def pack_rollouts(
     prompts, members = _blocks(rollouts, config.layout)
     prompt_lengths = [p.size for p in prompts]
     if config.layout == "padded":
-        length = config.bucket_for(longest)
+        length = max(config.bucket_for(longest), min_shape[1])
         rows = [[(i, [i])] for i in range(n)]
         num_rows = _round_up(batch_size, microbatch_rows or row_multiple)
     else:
@@ -184,9 +185,10 @@ def pack_rollouts(
         # `shared` tries every bucket from the longest rollout's up: a split block repeats its prompt per
         # piece, and rows x L x (L + break-even) prices the prompt savings against attention's L^2
         longest_block = max(p + sum(response_lengths[i] for i in m) for p, m in zip(prompt_lengths, members))
-        top = config.bucket_for(min(config.max_length, longest_block))
+        top = max(config.bucket_for(min(config.max_length, longest_block)), min_shape[1])
         shared = config.layout == "shared"
-        lengths = [L for L in config.bucket_lengths() if config.bucket_for(longest) <= L <= top] if shared else [top]
+        lengths = ([L for L in config.bucket_lengths() if max(config.bucket_for(longest), min_shape[1]) <= L <= top]
+                   if shared else [top])
         break_even = config.attention_break_even or DEFAULT_ATTENTION_BREAK_EVEN
         plans = [(plan_rows(prompt_lengths, members, response_lengths, length=L, split=shared), L) for L in lengths]
         # ties: fewer rows
@@ -195,6 +197,7 @@ def pack_rollouts(
         if microbatch_rows is not None and num_rows > microbatch_rows:
             num_rows = _round_up(num_rows, microbatch_rows)
         num_rows = min(num_rows, _round_up(batch_size, microbatch_rows or row_multiple))
+    num_rows = max(num_rows, min_shape[0])
 
     shape = (num_rows, length)
     input_ids = np.full(shape, config.pad_token_id, dtype=np.int32)

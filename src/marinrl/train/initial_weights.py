@@ -22,7 +22,7 @@ holds a seed, not weights. docs/models.md, "Loading".
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Sequence, Union
 
 import equinox as eqx
 import haliax as hax
@@ -33,6 +33,7 @@ from levanter.trainer import Trainer
 from marinrl.config.model import ModelConfig
 from marinrl.models import lora as lora_rl
 from marinrl.models.policy_model import build_model, init_model, model_architecture
+from marinrl.train.adapter_slots import stacked_adapters
 
 
 class CheckpointWeights:
@@ -67,20 +68,30 @@ def _identity(model):
     return model
 
 
-def fresh_model_init(source: CheckpointWeights, lora: Optional[lora_rl.LoraRLConfig]) -> Callable:
+Adapters = Union[lora_rl.LoraRLConfig, Sequence[lora_rl.LoraRLConfig], None]
+"""What the model is adapted with: nothing, one adapter, or several stacked on one base (one config each)."""
+
+
+def _adapted(model, lora: Adapters):
+    if isinstance(lora, lora_rl.LoraRLConfig):
+        return lora_rl.add_adapters(model, lora)
+    return stacked_adapters(model, lora)
+
+
+def fresh_model_init(source: CheckpointWeights, lora: Adapters) -> Callable:
     """Levanter's `model_init` for a start from `source.config`: the loaded weights as an argument of the
     init program (a `Partial` is a pytree: its arrays are traced as inputs, never as constants), or the
     seeded initializer when there is no checkpoint."""
     if not source.from_checkpoint:
         init = functools.partial(build_model, source.config)
-        return init if lora is None else (lambda: lora_rl.add_adapters(init(), lora))
+        return init if lora is None else (lambda: _adapted(init(), lora))
     base = source.get()
     if lora is None:
         return jax.tree_util.Partial(_identity, base)
-    return jax.tree_util.Partial(lambda m: lora_rl.add_adapters(m, lora), base)
+    return jax.tree_util.Partial(lambda m: _adapted(m, lora), base)
 
 
-def resume_model_init(source: CheckpointWeights, lora: Optional[lora_rl.LoraRLConfig]) -> Callable:
+def resume_model_init(source: CheckpointWeights, lora: Adapters) -> Callable:
     """Levanter's `model_init` when the state comes from the trainer's own checkpoint. Without LoRA that
     checkpoint holds every weight: the init is a seeded one of the same architecture and dtype (its shapes
     are what Levanter reads; its values are dropped), so nothing reads the source checkpoint. With LoRA

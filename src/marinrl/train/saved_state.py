@@ -60,7 +60,7 @@ def initial_state(config: TrainWorkerConfig, trainer: Trainer, source: Checkpoin
 
     def load(folder: StepFolder):
         sidecar = read_sidecar(folder.path)
-        model_init = resume_model_init(source, config.lora)
+        model_init = resume_model_init(source, config.trained_adapters)
         state = _load_state(trainer, folder.path, key, model_init, _trainable(config, model_init))
         if int(sidecar["step"]) != int(state.step):
             raise ValueError(f"{SIDECAR} is for step {sidecar['step']}, the saved state for step {int(state.step)}")
@@ -79,7 +79,7 @@ def initial_state(config: TrainWorkerConfig, trainer: Trainer, source: Checkpoin
             print(f"[marinrl] resumed from the previous checkpoint {resumed.folder.path}", flush=True)
         state, buffer, parent = resumed.loaded
         return Start(state, buffer, resumed.skipped, resumed.folder, parent)
-    model_init = fresh_model_init(source, config.lora)
+    model_init = fresh_model_init(source, config.trained_adapters)
     # Levanter's rules: initialize_from, load_checkpoint
     state = trainer.initial_state(key, model_init=model_init, is_trainable=_trainable(config, model_init))
     source.release()  # the state's model took the loaded buffers over (donated)

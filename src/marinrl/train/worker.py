@@ -35,6 +35,7 @@ from marinrl.config.train_worker import TrainWorkerConfig
 from marinrl.levanter_configs import cpu_trainer_config, name_the_trainer_log_once, to_levanter
 from marinrl.models import lora as lora_rl
 from marinrl.startup import StartupClock
+from marinrl.train.adapter_slots import per_adapter, per_adapter_loss, per_slot
 from marinrl.train.batching import TrainingBatch, row_alignment
 from marinrl.train.checkpoints import SIDECAR, StepFolder, bound_restore_memory, release_host_memory
 from marinrl.train.cohort_batch import next_batch
@@ -71,6 +72,11 @@ _HISTORY_KEYS = ("batch/reward_mean", "batch/staleness_mean", "batch/staleness_m
                  "train/update_s", "train/batch_s", "train/publish_s")
 
 
+def _in_history(key: str) -> bool:
+    """A step's metric kept in `TrainResult.history`: the step's own, and each adapter's reward (several)."""
+    return key in _HISTORY_KEYS or (key.startswith("policy_model/") and key.endswith("/batch/reward_mean"))
+
+
 class StepInput(eqx.Module):
     """What one Levanter train step consumes: the batch, plus the frozen reference's logprobs when
     the loss has a KL term (computed outside the differentiated function, once per step)."""
@@ -79,9 +85,19 @@ class StepInput(eqx.Module):
     reference_logprobs: Optional[hax.NamedArray] = None
 
 
-def _step_loss(model, inp: StepInput, *, config: LossConfig, lm_head_float32: bool = False, key=None):
-    loss, metrics = rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key,
-                            lm_head_float32=lm_head_float32)
+def _input_loss(model, inp: StepInput, *, config: LossConfig, lm_head_float32: bool = False, key=None):
+    return rl_loss(model, inp.batch, config=config, reference_logprobs=inp.reference_logprobs, key=key,
+                   lm_head_float32=lm_head_float32)
+
+
+def _step_loss(model, inp: StepInput, *, config: LossConfig, lm_head_float32: bool = False,
+               adapters: tuple[str, ...] = (), key=None):
+    """The loss of one model, or with `adapters` (their names) the sum of each adapter's own loss on its own rows
+    (`adapter_slots.per_adapter_loss`)."""
+    loss_fn = functools.partial(_input_loss, config=config, lm_head_float32=lm_head_float32)
+    if adapters:
+        loss_fn = per_adapter_loss(loss_fn, adapters)
+    loss, metrics = loss_fn(model, inp, key=key)
     return loss, {k: Metric.from_value(v, _reduction(k)) for k, v in metrics.items()}
 
 
@@ -186,6 +202,9 @@ class TrainWorker:
         bound_restore_memory()  # a restore holds the state, not twice the state
         self._startup.mark("init")
         optimizer = to_levanter(cfg.optimizer).build(trainer_cfg.num_train_steps)
+        names = tuple(a.name for a in cfg.adapters)
+        if names:  # each adapter its own optimizer state (adapter_slots.per_slot)
+            optimizer = per_slot(optimizer, len(names))
         header = describe(cfg.loss)
         logger.info("loss: %s", header)
         print(f"[marinrl] {header}", flush=True)
@@ -193,7 +212,8 @@ class TrainWorker:
         cohort = multihost.current_cohort()  # several processes: only process 0 reads, clocks, writes the sidecar
         if not cohort.is_leader:
             self._curriculum = None
-        step_loss = functools.partial(_step_loss, config=cfg.loss, lm_head_float32=cfg.model.lm_head_float32)
+        step_loss = functools.partial(_step_loss, config=cfg.loss, lm_head_float32=cfg.model.lm_head_float32,
+                                      adapters=names)
         checkpoints = self.parts.checkpoints
         with Trainer(trainer_cfg, optimizer, step_loss, add_default_hooks=False) as trainer:
             cohort.set_resume_hint(functools.partial(_resume_hint, trainer.checkpoint_path))
@@ -242,11 +262,16 @@ class TrainWorker:
                      if parts.reference is not None else None)
         source.release()
         clock.mark("reference")
-        ref_fn = hax.named_jit(functools.partial(token_logprobs, lm_head_float32=cfg.model.lm_head_float32),
-                               axis_resources=trainer.compute_axis_mapping)
+        logprobs = functools.partial(token_logprobs, lm_head_float32=cfg.model.lm_head_float32)
+        if cfg.adapters:  # the frozen base on each adapter's rows
+            logprobs = per_adapter(logprobs, len(cfg.adapters))
+        ref_fn = hax.named_jit(logprobs, axis_resources=trainer.compute_axis_mapping)
         server = parts.weight_server()
         if cfg.lora is not None:
-            print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}", flush=True)
+            print(f"[marinrl] {lora_rl.describe(state.model, cfg.lora)}"
+                  + (f" in {len(cfg.adapters)} adapters on one base ({', '.join(a.name for a in cfg.adapters)})"
+                     if cfg.adapters
+                     else ""), flush=True)
         server.publish(self._published(state.model), first_step)  # the weights rollouts for `first_step` need
         clock.mark("publish")
         parts.checkpoints.open(trainer.config.checkpointer.create(trainer.run_id), resumed_from)
@@ -326,7 +351,7 @@ class TrainWorker:
         if run.cohort.is_leader:
             levanter.tracker.log(metrics, step=info.step)  # Levanter's x-axis: the update just taken
         self.history.append({"step": self.step, "loss": float(info.loss),
-                             **{k: float(v) for k, v in metrics.items() if k in _HISTORY_KEYS}})
+                             **{k: float(v) for k, v in metrics.items() if _in_history(k)}})
         self.trained_groups.append(group_ids)
         if self._on_step is not None and sample is not None:
             self._on_step(self.step, {"loss": info.loss, "groups": trained, **metrics})

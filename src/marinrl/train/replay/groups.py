@@ -9,7 +9,7 @@ import numpy as np
 
 from marinrl.config.batching import BatchingConfig
 from marinrl.train.advantages import token_advantages
-from marinrl.train.batching import TrainingBatch, make_training_batch
+from marinrl.train.batching import TrainingBatch, pack_rollouts
 from marinrl.types import Rollout, RolloutGroup, version_spread_metrics
 
 
@@ -83,9 +83,15 @@ class ReplaySample:
                        microbatch_rows: int | None = None) -> TrainingBatch:
         """This step's `TrainingBatch`: `batch_size` rollout slots (n_groups × n_generations; trimmed groups
         leave empty slots), rollouts in group order, rows aligned as batching.py says."""
-        return make_training_batch(self.rollouts, self.token_advantages(), batch_size=batch_size, config=config,
-                                   trainable=self.trainable, row_multiple=row_multiple,
-                                   microbatch_rows=microbatch_rows)
+        return TrainingBatch.from_numpy(self.packed(batch_size=batch_size, config=config, row_multiple=row_multiple,
+                                                    microbatch_rows=microbatch_rows))
+
+    def packed(self, *, batch_size: int, config: BatchingConfig, row_multiple: int = 1,
+               microbatch_rows: int | None = None, min_shape: tuple[int, int] = (0, 0)) -> dict[str, np.ndarray]:
+        """`training_batch`'s NumPy arrays (`batching.pack_rollouts`), at least `min_shape` (rows, positions)."""
+        return pack_rollouts(self.rollouts, self.token_advantages(), batch_size=batch_size, config=config,
+                             trainable=self.trainable, row_multiple=row_multiple, microbatch_rows=microbatch_rows,
+                             min_shape=min_shape)
 
     def metrics(self) -> dict[str, float]:
         """Per-step numbers for the tracker: staleness, uses, rewards and the env mix of this batch."""
