@@ -25,6 +25,8 @@ from test_job import job_config
 from test_policy_models import ROLES
 
 from marinrl.config.curriculum import CurriculumConfig
+from marinrl.config.env import EnvConfig
+from marinrl.config.lora import LoraRLConfig
 from marinrl.config.policies import PolicyConfig
 from marinrl.job.rl_job import RLJob
 from marinrl.job.run_lock import read_lease
@@ -136,23 +138,31 @@ def test_a_killed_rollout_worker_is_restarted_and_training_finishes(tmp_path, ra
     assert len(groups) == len(set(groups)) == 8 * cfg.groups_per_step
 
 
-@pytest.mark.parametrize("policy_models", [True], ids=["two_policy_models"])
+THREE_ROLES = dataclasses.replace(ROLES, env=EnvConfig("roles", {
+    "targets": {"first": "0", "second": "z", "third": "P"}, "policies": {"second": "other", "third": "third"}}))
+
+
+@pytest.mark.parametrize("policy_models", [True], ids=["full_and_two_adapters_on_one_base"])
 def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(tmp_path, ray_session, policy_models):
-    """With a model per agent (docs/policies.md), the second policy model's trainer is killed: the job
-    names that model's checkpoint, and the rerun resumes every model from its own. (`policy_models`
+    """With a model per agent (docs/policies.md): a `full` policy's trainer, and one trainer of two `lora`
+    adapters on one base (`other+third`), which is killed: the job names its checkpoint, and the rerun resumes
+    every model from its own (both adapters and their replay cursors from the shared trainer's). (`policy_models`
     False is the one-trainer job: left out of the suite for time, as the in-flight SIGKILL job of
     tests/test_inflight_job.py and the two-host job of tests/test_multihost_job.py resume one trainer.)"""
     cfg = job_config(tmp_path, run_id="trainer-fault", num_train_steps=4, checkpoint_every=2, max_staleness=2)
     ckpt_root = f"{cfg.run_dir}/checkpoints"
+    adapters = 1
     if policy_models:
-        cfg = dataclasses.replace(cfg, curriculum=CurriculumConfig(lessons=(ROLES,)), policies={
-            "policy": PolicyConfig(specialization="full"), "other": PolicyConfig(specialization="lora")})
-        ckpt_root = f"{cfg.run_dir}/policies/other/checkpoints"
+        cfg = dataclasses.replace(cfg, curriculum=CurriculumConfig(lessons=(THREE_ROLES,)), policies={
+            "policy": PolicyConfig(specialization="full"), "other": PolicyConfig(specialization="lora"),
+            "third": PolicyConfig(specialization="lora", lora=LoraRLConfig(seed=1))})
+        ckpt_root = f"{cfg.run_dir}/trainers/other+third/checkpoints"
+        adapters = 2
     job = RLJob(cfg)
 
     def kill_trainer_after_first_checkpoint():
         ckpt_step = _poll(lambda: _committed_checkpoint_step(ckpt_root), "the trainer's first checkpoint")
-        trainer = _actors_of(job, "TrainerActor")[-1]  # with two policy models: `other`'s
+        trainer = _actors_of(job, "TrainerActor")[-1]  # with policy models: the adapters' one
         # The checkpoint is written before the step's bookkeeping: wait until that step is reported.
         trained = _poll(lambda: (t := ray.get(trainer.trained_groups.remote(), timeout=10)) and t[-1][0] >= ckpt_step
                         and t, f"the trainer to report step {ckpt_step}")
@@ -173,6 +183,7 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     result = RLJob(cfg).run()
     train = result.policies["other"] if policy_models else result.train
     if policy_models:  # the model that kept running was stopped with the job: it resumes from its own checkpoint
+        assert result.policies["third"] == train  # one trainer of both adapters
         assert result.policies["policy"]["first_step"] == survivor
         assert result.policies["policy"]["final_step"] == cfg.num_train_steps
     first = train["first_step"]
@@ -186,7 +197,10 @@ def test_a_killed_trainer_ends_the_job_and_the_same_config_resumes_exactly_once(
     # Exactly once across the lineage: steps 1..first of the killed run, then the resumed run's steps.
     lineage = [before[s] for s in range(1, first + 1)] + train["trained_groups"]
     assert len(lineage) == cfg.num_train_steps
-    assert all(len(step) == cfg.groups_per_step for step in lineage)
+    assert all(len(step) == adapters * cfg.groups_per_step for step in lineage)  # each adapter's own groups
+    if policy_models:
+        for k, agent in ((0, "second"), (1, "third")):
+            assert all(sum(f":{agent}:" in g for g in step) == cfg.groups_per_step for step in lineage), (k, agent)
     flat = [g for step in lineage for g in step]
     assert len(flat) == len(set(flat)), "a rollout group was trained twice across the resume"
 

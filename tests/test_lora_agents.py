@@ -89,3 +89,62 @@ def test_four_agents_learn_their_own_roles_as_four_adapters_on_one_base(tmp_path
         early, late = np.mean(rewards[:3]), np.mean(rewards[-3:])
         print(f"{agent}: reward {early:.3f} over the first 3 steps, {late:.3f} over the last 3")
         assert late > early + 0.2, (agent, rewards)
+
+
+def test_the_dry_run_counts_one_base_and_k_adapters_with_their_optimizer_states():
+    """The recipe's trainer (four adapters on one base) against the same job with one of its policies: the
+    parameters grow by three adapters, the gradients and AdamW's moments are four adapters' (each slot's
+    moments and step count: `adapter_slots.per_slot`), and each step's activations are four batches'."""
+    import dataclasses
+
+    from marinrl.config.errors import load_job_config
+    from marinrl.config.job import RLJobConfig
+    from marinrl.config.policies import resolve_policies
+    from marinrl.dry_run.memory import predicted_memory
+
+    job = load_job_config(RLJobConfig, str(pathlib.Path(__file__).parents[1] / "experiments" / "lora_agents.yaml"), [])
+    four = predicted_memory(job, "trainer", 1).bytes_per_device
+    one = predicted_memory(resolve_policies(dataclasses.replace(job, policies={"first": job.policies["first"]})),
+                           "trainer", 1).bytes_per_device
+    adapter = one["gradients"]  # the trainable arrays of one adapter
+    assert 0 < adapter < one["parameters"] / 4  # rank 4 on a 64-wide model: a fraction of the base
+    assert four["parameters"] - one["parameters"] == 3 * adapter
+    assert four["gradients"] == 4 * adapter
+    assert 4 * one["optimizer_state"] - 64 <= four["optimizer_state"] <= 4 * one["optimizer_state"]  # + step counts
+    assert four["activations"] == 4 * one["activations"]
+
+
+def test_a_policy_of_a_shared_trainer_exports_its_own_slot(tmp_path):
+    """`export_peft` of policy k reads slot k of the shared trainer's checkpoint: the exported arrays are that
+    slot's (their sum of |values| to float32 rounding), not another slot's."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import safetensors.numpy
+    from levanter.checkpoint import save_checkpoint
+    from test_train_worker import TINY
+
+    from marinrl.config.model import ModelConfig
+    from marinrl.models.adapter_stack import slot_adapters, stacked_adapters
+    from marinrl.models.lora import adapter_only
+    from marinrl.models.peft_export import export_peft
+    from marinrl.models.policy_model import build_model
+
+    configs = [LoraRLConfig(rank=4, alpha=8.0, seed=k) for k in range(3)]
+    model = stacked_adapters(build_model(TINY), configs)
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    adapters = jax.tree.map(lambda x: x + hax.random.normal(next(keys), x.axes) if isinstance(x, hax.NamedArray)
+                            else x, adapter_only(model), is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    step_dir = str(tmp_path / "step-3")
+    save_checkpoint({"model": adapters}, 3, step_dir)
+
+    def total(tree) -> float:
+        return float(sum(np.abs(np.asarray(x, np.float64)).sum()
+                         for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))))
+
+    assert isinstance(TINY, ModelConfig)
+    export_peft(step_dir, TINY, configs[2], str(tmp_path / "third"), slot=(2, 3))
+    exported = safetensors.numpy.load_file(str(tmp_path / "third" / "adapter_model.safetensors"))
+    got = sum(np.abs(v.astype(np.float64)).sum() for v in exported.values())
+    want, other = total(slot_adapters(adapters, 2)), total(slot_adapters(adapters, 0))
+    assert abs(got - want) <= 1e-6 * want and abs(got - other) > 1e-3 * want, (got, want, other)

@@ -77,7 +77,8 @@ def test_roles_pays_each_agent_for_its_own_character():
     with pytest.raises(ValueError, match="policies names unknown agents"):
         RolesEnv(policies={"third": "x"})
     four = RolesEnv(targets={"a": "0", "b": "@", "c": "P", "d": "z"}, policies={"c": "cee"})
-    assert [(x.name, x.policy) for x in four.agents] == [("a", "policy"), ("b", "policy"), ("c", "cee"), ("d", "policy")]
+    assert [(x.name, x.policy) for x in four.agents] == [("a", "policy"), ("b", "policy"), ("c", "cee"),
+                                                         ("d", "policy")]
     assert not four.judge(problem, four.agents[2], [Move("c", (80,), "P")]).done  # the episode ends with `d`
     assert four.judge(problem, four.agents[3], [Move("d", (122,), "z")]).reward == 1.0
 

@@ -284,10 +284,21 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     mesh = trainer_mesh(job, n_devices)
     trainer_cfg = trainer_config(job)
     mapping = trainer_cfg.parameter_axis_mapping
-    optimizer = to_levanter(job.optimizer).build(job.num_train_steps)
-    model = abstract_model(to_levanter(job.model.model), job.model.vocab_size, jnp.dtype(job.model.dtype))
+    from marinrl.config.policies import trainers
+    from marinrl.models.adapter_stack import adapted_model
+    from marinrl.models.lora import trainable_filter
+    from marinrl.train.adapter_slots import per_slot
+
+    first = trainers(job)[0]  # the first trainer's (with several adapters on one base: the base once, K adapters)
+    adapters = tuple(m.lora for m in first.adapters) if first.adapters else first.lora
+    optimizer = to_levanter(first.optimizer).build(job.num_train_steps)
+    if first.adapters:
+        optimizer = per_slot(optimizer, len(first.adapters))
+    model = abstract_model(to_levanter(first.model.model), first.model.vocab_size, jnp.dtype(first.model.dtype))
+    model = eqx.filter_eval_shape(adapted_model, model, adapters)
     state = eqx.filter_eval_shape(
-        lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=to_levanter(job.trainer).mp), model)
+        lambda m: TrainerState.init(optimizer, m, key=jax.random.PRNGKey(0), mp=to_levanter(job.trainer).mp,
+                                    is_trainable=True if adapters is None else trainable_filter(m)), model)
     params = shard_bytes(state.model, mapping, mesh)
     grads = shard_bytes(state.trainable_model, mapping, mesh)
     rows = job.groups_per_step * job.n_generations
@@ -295,11 +306,12 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     accumulating = mbs is not None and mbs < rows
     length = train_row_length(job, prompt_tokens, response_tokens)
     per_host = job.ray.trainer.devices()
-    head = train_logits_bytes(job, mesh, length)
+    slots = len(first.adapters) or 1  # a step of K adapters runs K batches of `rows` at once
+    head = {k: slots * v for k, v in train_logits_bytes(job, mesh, length).items()}
     components = {"parameters": params, "gradients": grads,
                   "gradient_accumulator": grads if accumulating else 0.0,
                   "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
-                  "activations": train_activation_bytes(job, mesh, length), **head}
+                  "activations": slots * train_activation_bytes(job, mesh, length), **head}
     estimated = ("activations", *head)
     compute = jnp.dtype(parse_mp(job.trainer.mp)["compute"])
     gathered = cpu and mesh["data"] * mesh["replica"] > 1

@@ -41,7 +41,7 @@ from marinrl.transfer.base import floating_dtypes
 ADAPTER = "adapter"
 """The name of the stacked adapters' leading axis: one entry per slot."""
 
-__all__ = ["ADAPTER", "AdapterStack", "StackedAdapters", "stacked_adapters", "slot_adapters"]
+__all__ = ["ADAPTER", "AdapterStack", "StackedAdapters", "stacked_adapters", "slot_adapters", "adapted_model"]
 
 
 def _weights(tree) -> list[hax.NamedArray]:
@@ -180,3 +180,13 @@ def slot_adapters(adapters, k: int):
     """Slot k's adapter tree (`lora.adapter_only`'s structure without the `adapter` axis) of a stacked one."""
     return jax.tree.map(lambda x: x[ADAPTER, k] if is_named_array(x) and x.array is not None else x, adapters,
                         is_leaf=is_named_array)
+
+
+def adapted_model(model, adapters: LoraRLConfig | Sequence[LoraRLConfig] | None):
+    """`model` as a trainer trains it: unchanged (None: every weight), with one adapter (`lora.add_adapters`), or
+    with several stacked on one base (`stacked_adapters`, one config each)."""
+    if adapters is None:
+        return model
+    if isinstance(adapters, LoraRLConfig):
+        return add_adapters(model, adapters)
+    return stacked_adapters(model, adapters)

@@ -32,8 +32,8 @@ from levanter.trainer import Trainer
 
 from marinrl.config.model import ModelConfig
 from marinrl.models import lora as lora_rl
+from marinrl.models.adapter_stack import adapted_model
 from marinrl.models.policy_model import build_model, init_model, model_architecture
-from marinrl.train.adapter_slots import stacked_adapters
 
 
 class CheckpointWeights:
@@ -72,23 +72,17 @@ Adapters = Union[lora_rl.LoraRLConfig, Sequence[lora_rl.LoraRLConfig], None]
 """What the model is adapted with: nothing, one adapter, or several stacked on one base (one config each)."""
 
 
-def _adapted(model, lora: Adapters):
-    if isinstance(lora, lora_rl.LoraRLConfig):
-        return lora_rl.add_adapters(model, lora)
-    return stacked_adapters(model, lora)
-
-
 def fresh_model_init(source: CheckpointWeights, lora: Adapters) -> Callable:
     """Levanter's `model_init` for a start from `source.config`: the loaded weights as an argument of the
     init program (a `Partial` is a pytree: its arrays are traced as inputs, never as constants), or the
     seeded initializer when there is no checkpoint."""
     if not source.from_checkpoint:
         init = functools.partial(build_model, source.config)
-        return init if lora is None else (lambda: _adapted(init(), lora))
+        return init if lora is None else (lambda: adapted_model(init(), lora))
     base = source.get()
     if lora is None:
         return jax.tree_util.Partial(_identity, base)
-    return jax.tree_util.Partial(lambda m: _adapted(m, lora), base)
+    return jax.tree_util.Partial(lambda m: adapted_model(m, lora), base)
 
 
 def resume_model_init(source: CheckpointWeights, lora: Adapters) -> Callable:
