@@ -18,7 +18,9 @@ from marinrl.config.lora import LoraRLConfig
 from marinrl.config.policies import PolicyConfig, trainers
 from marinrl.config.trainer import RLAdamConfig
 from marinrl.job.rl_job import RLJob
+from marinrl.models.policy_model import build_model
 from marinrl.storage.rollouts import RolloutReader
+from marinrl.transfer.base import ModelSkeleton
 
 pytestmark = pytest.mark.timeout(1200)  # a whole job: twice the suite's default (pyproject.toml), for a loaded machine
 
@@ -53,11 +55,6 @@ def test_lora_policies_of_one_base_share_one_trainer_unless_one_asks_for_its_own
     assert [t.name for t in other_lr] == ["first+third+fourth", "second"]  # one optimizer per trainer
 
 
-def _logged(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line.split("json_logger: ", 1)[1]) for line in path.read_text().splitlines()
-            if "json_logger: {" in line]
-
-
 def test_four_agents_learn_their_own_roles_as_four_adapters_on_one_base(tmp_path, ray_session):
     """One trainer (one copy of the base, four adapters) and the rollout workers' one base: each adapter trains
     only its agent's groups, each stream carries its adapter alone, and each agent's reward rises."""
@@ -74,8 +71,15 @@ def test_four_agents_learn_their_own_roles_as_four_adapters_on_one_base(tmp_path
         written = [r for b in RolloutReader(f"{cfg.run_dir}/policies/{agent}/rollouts").read_new() for r in b.rollouts]
         assert {r.policy_name for r in written} == {agent} and {r.agent_name for r in written} == {agent}
         assert sum(f":t{k}:{agent}:" in g for g in trained) == steps * 4  # its own groups, every step
-        assert (pathlib.Path(cfg.run_dir) / "policies" / agent / "weights" / "latest.json").exists()
 
+    # each stream carries its adapter alone: a fraction of the model's bytes
+    full = ModelSkeleton(build_model(cfg.model)).nbytes
+    for agent in TARGETS:
+        pointer = json.loads((pathlib.Path(cfg.run_dir) / "policies" / agent / "weights" / "latest.json").read_text())
+        assert pointer["weight_step"] == steps and pointer["bytes"] < full / 4, (agent, pointer, full)
+    (rollouts,) = result.rollouts
+    evals = [e["metrics"] for e in rollouts["evals"] if e["kind"] == "eval"]
+    assert {f"eval/roles/policy/{a}/reward_mean" for a in TARGETS} <= set(evals[-1])  # evaluated per policy
     # the one trainer's checkpoint: the four adapters stacked, no base (it is rebuilt from `model` on resume)
     assert train["checkpoint"].startswith(f"{cfg.run_dir}/trainers/first+second+third+fourth/checkpoints/")
     saved = {k: v for k, v in checkpoint_arrays(train["checkpoint"]).items() if k.startswith("model/")}
