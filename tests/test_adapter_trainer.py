@@ -13,7 +13,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from test_train_worker import GROUPS, TINY, make_rollout_batch, model_arrays, worker_config
+from test_train_worker import (
+    GROUPS,
+    TINY,
+    assert_same_state,
+    checkpoint_arrays,
+    make_rollout_batch,
+    model_arrays,
+    worker_config,
+)
 
 from marinrl.config.lora import LoraRLConfig
 from marinrl.config.loss import LossConfig
@@ -50,11 +58,11 @@ def _solo(tmp: pathlib.Path, k: int, steps: int) -> TrainWorkerConfig:
     return dataclasses.replace(cfg, rollout_root=str(tmp / f"rollouts-{k}"), lora=_lora(k))
 
 
-def _shared(tmp: pathlib.Path, steps: int, checkpoint_every: int = 0) -> TrainWorkerConfig:
-    cfg = worker_config(tmp / "shared", steps=steps, sampling=OffPolicyConfig(staleness=2), run_id="shared",
+def _shared(tmp: pathlib.Path, steps: int, checkpoint_every: int = 0, run: str = "shared") -> TrainWorkerConfig:
+    cfg = worker_config(tmp / run, steps=steps, sampling=OffPolicyConfig(staleness=2), run_id=run,
                         loss=LOSS, checkpoint_every=checkpoint_every)
     slots = tuple(AdapterSlotConfig(name, str(tmp / f"rollouts-{k}"),
-                                    FilesystemTransferConfig(root=str(tmp / "shared" / f"weights-{name}")),
+                                    FilesystemTransferConfig(root=str(tmp / run / f"weights-{name}")),
                                     ("policy",), _lora(k)) for k, name in enumerate(NAMES))
     return dataclasses.replace(cfg, lora=_lora(0), adapters=slots)
 
@@ -94,6 +102,7 @@ def test_each_adapter_trains_as_its_own_trainer_would_and_resumes_exactly(tmp_pa
         _write_rollouts(tmp_path / f"rollouts-{k}", seed=10 + k)
     solos = [_run(_solo(tmp_path, k, steps=2))[0].model for k in range(len(NAMES))]
 
+    straight = _run(_shared(tmp_path, steps=2, run="straight"))[1]
     first, r1 = _run(_shared(tmp_path, steps=1, checkpoint_every=1))
     assert (r1.first_step, r1.final_step) == (0, 1)
     resumed, r2 = _run(_shared(tmp_path, steps=2))
@@ -102,6 +111,8 @@ def test_each_adapter_trains_as_its_own_trainer_would_and_resumes_exactly(tmp_pa
     trained = [g for step in r1.trained_groups + r2.trained_groups for g in step]
     assert len(trained) == 2 * GROUPS * len(NAMES) == len(set(trained))
 
+    # the resumed run's state (both adapters, both optimizer states) is the uninterrupted run's
+    assert_same_state(checkpoint_arrays(r2.checkpoint), checkpoint_arrays(straight.checkpoint), "resumed vs straight")
     model = resumed.model
     base = build_model(TINY)
     for got, want in zip(model_arrays(without_adapters(model)), model_arrays(base), strict=True):
