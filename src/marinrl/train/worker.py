@@ -7,7 +7,8 @@ resumed run needs (model, optimizer, step, the replay buffer's reader cursor and
 curriculum's state) so that no rollout file is trained twice or skipped. Resume takes the newest
 checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/saved_state.py`,
 `checkpoints.py`). With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published
-(`marinrl/models/lora.py`). What it trains with besides Levanter's Trainer (the weight server, the replay
+(`marinrl/models/lora.py`); with `adapters`, K of them stacked on one base, each with its own loss, optimizer state,
+replay buffer and weight stream (`marinrl/train/adapter_slots.py`, `adapter_streams.py`): the same loop. What it trains with besides Levanter's Trainer (the weight server, the replay
 buffer, the checkpoint writer, the audit trail, the reference) comes built by the plan as `TrainerParts`
 (`marinrl/train/parts.py`, `marinrl/job/plan.build_trainer`): this class is the loop, not the wiring.
 """
