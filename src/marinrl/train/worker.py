@@ -8,9 +8,10 @@ curriculum's state) so that no rollout file is trained twice or skipped. Resume 
 checkpoint that loads; old checkpoints are deleted per `checkpoint_keep` (`marinrl/train/saved_state.py`,
 `checkpoints.py`). With `lora`, only LoRA adapters on the frozen model are trained, checkpointed and published
 (`marinrl/models/lora.py`); with `adapters`, K of them stacked on one base, each with its own loss, optimizer state,
-replay buffer and weight stream (`marinrl/train/adapter_slots.py`, `adapter_streams.py`): the same loop. What it trains with besides Levanter's Trainer (the weight server, the replay
-buffer, the checkpoint writer, the audit trail, the reference) comes built by the plan as `TrainerParts`
-(`marinrl/train/parts.py`, `marinrl/job/plan.build_trainer`): this class is the loop, not the wiring.
+replay buffer and weight stream (`marinrl/train/adapter_slots.py`, `adapter_streams.py`): the same loop. What it
+trains with besides Levanter's Trainer (the weight server, the replay buffer, the checkpoint writer, the audit trail,
+the reference) comes built by the plan as `TrainerParts` (`marinrl/train/parts.py`, `marinrl/job/plan.build_trainer`):
+this class is the loop, not the wiring.
 """
 
 from __future__ import annotations
