@@ -29,10 +29,11 @@ from marinrl.config.replay import OffPolicyConfig
 from marinrl.config.train_worker import AdapterSlotConfig, TrainWorkerConfig
 from marinrl.config.transfer import FilesystemTransferConfig
 from marinrl.job.plan import build_trainer
+from marinrl.models.adapter_stack import slot_adapters, stacked_adapters
 from marinrl.models.lora import adapter_only, add_adapters, trainable_filter, without_adapters
 from marinrl.models.policy_model import build_model
 from marinrl.storage.rollouts import RolloutWriter
-from marinrl.train.adapter_slots import per_slot, slot_adapters, stacked_adapters
+from marinrl.train.adapter_slots import per_slot
 from marinrl.train.worker import TrainWorker
 from marinrl.transfer.packed import read_packed
 

@@ -382,7 +382,7 @@ def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):
 def test_train_activation_bytes_by_hand():
     """The trainer's activations per device for a tiny Qwen3 (hidden 64, MLP 160, 3 layers, vocabulary 300),
     4 rows of 128 tokens in bfloat16, counted by hand: each term, so that one left out is seen."""
-    from marinrl.dry_run.memory import train_activation_bytes
+    from marinrl.dry_run.working_set import train_activation_bytes
 
     job = _recipe()
     fields = {f.name for f in dataclasses.fields(job.model.model)}
@@ -398,7 +398,7 @@ def test_train_activation_bytes_by_hand():
     assert train_activation_bytes(job, mesh, 128) == kept + working
     # the LM head's share, apart: float32 logits blocks live at once (one block: the vocabulary of 300), the
     # bfloat16 copy of a block, the head's gradient in bfloat16
-    from marinrl.dry_run.memory import LOGITS_BLOCKS_LIVE, train_logits_bytes
+    from marinrl.dry_run.working_set import LOGITS_BLOCKS_LIVE, train_logits_bytes
 
     assert train_logits_bytes(job, mesh, 128) == {"logits": LOGITS_BLOCKS_LIVE * 4 * 128 * 300 * 4,
                                                   "logits_compute_copy": 4 * 128 * 300 * 2,

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from marinrl.dry_run import predicted_memory
-from marinrl.dry_run.memory import LOGITS_BLOCKS_LIVE
+from marinrl.dry_run.working_set import LOGITS_BLOCKS_LIVE
 from marinrl.train.policy_forward import VOCAB_BLOCK
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

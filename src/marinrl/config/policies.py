@@ -192,18 +192,17 @@ def trainers(job: RLJobConfig) -> tuple[PolicyModel, ...]:
     target_modules, and no `placement` of their own) are one trainer of several adapters on one copy of that
     base (`PolicyModel.adapters`, docs/policies.md); every other model is a trainer of its own."""
     models = policy_models(job)
-    groups: dict[tuple, list[PolicyModel]] = {}
+    groups: list[tuple[Optional[tuple], list[PolicyModel]]] = []
     for m in models:
         own = job.policies.get(m.name)
         shares = m.lora is not None and len(models) > 1 and (own is None or own.placement is None)
-        key = ((m.model, m.optimizer, m.loss, m.lora.rank, m.lora.alpha, m.lora.target_modules) if shares
-               else ("alone", m.name))
-        groups.setdefault(_hashable(key), []).append(m)
-    return tuple(g[0] if len(g) == 1 else _shared_base(job, tuple(g)) for g in groups.values())
-
-
-def _hashable(key: tuple) -> tuple:
-    return tuple(repr(k) for k in key)
+        base = (m.model, m.optimizer, m.loss, m.lora.rank, m.lora.alpha, m.lora.target_modules) if shares else None
+        group = next((g for key, g in groups if base is not None and key == base), None)
+        if group is None:
+            groups.append((base, [m]))
+        else:
+            group.append(m)
+    return tuple(g[0] if len(g) == 1 else _shared_base(job, tuple(g)) for _, g in groups)
 
 
 def _shared_base(job: RLJobConfig, models: tuple[PolicyModel, ...]) -> PolicyModel:

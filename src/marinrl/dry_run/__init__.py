@@ -10,6 +10,8 @@ that does not divide the mesh, a program that does not compile, or a state that 
   rollout worker's meshes.
 - `memory.py`: `predicted_memory(job, role, n_devices) -> MemoryPlan`, per device by component (exact from
   shapes and shardings, except activations and the rollout working set, estimates), and its peak.
+- `working_set.py`: the estimated parts of that memory, from shapes: a trainer microbatch's activations and LM-head
+  buffers, a rollout step's working set.
 - `engine_cache.py`: the engine's KV cache as a rollout worker's engine sizes it (its pages on the role's
   device kind), from shapes.
 - `shapes.py`: the model as abstract arrays, and the bytes of a pytree's shard on a mesh.

@@ -10,7 +10,7 @@ Components (per device), and how exact each is:
   leaves and shardings: gradients of float32 parameters are float32), `gradient_accumulator` (Levanter's
   microbatch loop keeps a running sum beside each microbatch's gradients; 0 without microbatches) and
   `optimizer_state`: exact from shapes and shardings. Estimates from shapes for one microbatch:
-  `activations` (the layers', `train_activation_bytes`) and the LM head's (`train_logits_bytes`): `logits`
+  `activations` (the layers', `working_set.train_activation_bytes`) and the LM head's (`train_logits_bytes`): `logits`
   (three float32 [tokens, vocabulary block] arrays live in the loss's backward, plus the remainder block's
   where the vocabulary is not a multiple of the block), `logits_compute_copy` (with a compute dtype
   narrower than float32: the head's matmul output before its float32 cast), `lm_head_gradient` (the
@@ -78,9 +78,9 @@ from marinrl.dry_run.engine_cache import (
 )
 from marinrl.dry_run.flops import ModelDims
 from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
+from marinrl.dry_run.working_set import rollout_working_set_bytes, train_activation_bytes, train_logits_bytes
 from marinrl.inference import scan_plan
 from marinrl.levanter_configs import to_levanter, trainer_config
-from marinrl.train.policy_forward import lm_head_block
 
 Role = Literal["trainer", "rollout"]
 CPU_PROCESS_RUNTIME_BYTES = int(0.6 * GiB)
@@ -182,91 +182,6 @@ def rollout_mapping(job, model_axis_size: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- estimates
-
-
-def microbatch_rows_per_device(job, mesh: dict) -> int:
-    """Rows one device holds in one microbatch: `per_device_parallelism`, else its share of the batch."""
-    if job.trainer.per_device_parallelism > 0:
-        return job.trainer.per_device_parallelism
-    return max(1, job.groups_per_step * job.n_generations // (mesh["data"] * mesh["replica"]))
-
-
-def train_activation_bytes(job, mesh: dict, length: int) -> float:
-    """One microbatch's layer activations per device, from shapes (an estimate). With gradient checkpointing
-    each layer keeps its input (rows × length × hidden, compute dtype) and one layer's working set is live
-    at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
-    gradients); without, every layer keeps its working set and its attention scores and probabilities
-    (rows × heads × length²). The LM head's share is `train_logits_bytes`."""
-    cfg = to_levanter(job.model.model)
-    rows = microbatch_rows_per_device(job, mesh)
-    compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
-    working = 16 * rows * length * max(cfg.hidden_dim, cfg.intermediate_dim // 2) * compute / mesh["model"]
-    checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
-    if checkpointing:
-        return float(rows * length * cfg.hidden_dim * compute * cfg.num_layers + working)
-    # every layer keeps its attention scores (float32) and probabilities for the backward: Levanter's attention
-    # off a TPU without Transformer Engine materializes them (an H200's measured peak, 74.8 GiB for the 0.6B
-    # recipe's microbatch of 16 rows of 1024, was 1.76x the estimate without this term; 0.89x with it)
-    scores = rows * cfg.num_heads * length * length * (4 + compute) / mesh["model"]
-    return float((working + scores) * cfg.num_layers + working)
-
-
-LOGITS_BLOCKS_LIVE = 3
-"""Float32 `[tokens, block]` arrays the loss's backward holds at once (XLA:CPU's buffer assignment of the
-train step's blockwise cross-entropy, one block or five): the recomputed logits, exp(logits − log Z), and
-the gradient p − onehot (whose transposed copy for the head's gradient dot reuses the logits' buffer)."""
-
-
-def train_logits_bytes(job, mesh: dict, length: int) -> dict:
-    """The LM head's share of one microbatch's step per device, from shapes (an estimate), by component:
-
-    - `logits`: `LOGITS_BLOCKS_LIVE` float32 blocks of rows × length × block (`policy_forward.lm_head_block`:
-      32,768 columns by default, the whole vocabulary with `cross_entropy_block_size` = vocab), plus one
-      float32 array of the remainder block when the vocabulary is not a multiple of the block (XLA places the
-      remainder's buffers beside the loop's rather than in them).
-    - `logits_compute_copy` (compute dtype narrower than float32, `trainer.mp: p=f32,c=bfloat16`): the head's
-      matmul yields a block in the compute dtype before the float32 cast.
-    - `lm_head_gradient`: the blockwise VJP's whole head gradient (vocab × hidden, compute dtype), filled block
-      by block, held beside the parameter gradients until it joins them (and on FSDP before its
-      reduce-scatter).
-
-    Not counted: the entropy metric's pass (forward only, its blocks freed before the backward's; the
-    compiled step's temporaries are the same with and without it)."""
-    cfg = to_levanter(job.model.model)
-    rows = microbatch_rows_per_device(job, mesh)
-    vocab = job.model.vocab_size
-    compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
-    block = lm_head_block(getattr(cfg, "cross_entropy_block_size", None), vocab)
-    full_blocks, rest = divmod(vocab, block)
-    tokens = rows * length / mesh["model"]
-    out = {"logits": tokens * 4 * (LOGITS_BLOCKS_LIVE * block + (rest if full_blocks > 1 and rest else 0))}
-    if compute < 4:
-        out["logits_compute_copy"] = tokens * block * compute
-    out["lm_head_gradient"] = vocab * cfg.hidden_dim * compute / mesh["model"]
-    return {k: float(v) for k, v in out.items()}
-
-
-def rollout_working_set_bytes(job, model_axis_size: int, data_axis_size: int) -> float:
-    """The larger of one engine prefill and one decode step, per device, from shapes (an estimate): the
-    logits of every token in the step (compute dtype), the sampled rows' logits in float32 twice
-    (softmax and log-softmax), and one layer's activations (hidden, q/k/v, the MLP's hidden units).
-    For the scan sampler: one decode step of a call's rows."""
-    dims = ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
-    itemsize = np.dtype(job.inference.engine.compute_dtype or job.rollout_dtype()).itemsize
-    vocab_shards = model_axis_size if dims.vocab % model_axis_size == 0 else 1
-
-    def step(tokens: int, sampled: int) -> float:
-        logits = tokens * dims.vocab * itemsize / vocab_shards
-        sampled_logits = 2 * sampled * dims.vocab * 4 / vocab_shards
-        layer = tokens * (2 * dims.hidden + (dims.q_dim + 2 * dims.kv_dim + 2 * dims.intermediate) / model_axis_size)
-        return logits + sampled_logits + layer * itemsize
-
-    if job.inference.backend == "engine":
-        e = engine_sizing(job)
-        decode = e.imputed_max_tokens_per_round
-        return max(step(e.max_prefill_size, e.max_seqs_in_prefill), step(decode, decode))
-    rows = max(1, job.groups_per_step // job.n_rollout_workers) * job.n_generations // data_axis_size
-    return step(rows, rows)
 
 
 # ------------------------------------------------------------------------------------------- the plan

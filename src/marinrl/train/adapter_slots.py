@@ -27,9 +27,9 @@ import jax
 import optax
 from haliax.util import is_named_array
 
-from marinrl.models.adapter_stack import ADAPTER, slot_adapters, stacked_adapters
+from marinrl.models.adapter_stack import ADAPTER
 
-__all__ = ["ADAPTER", "stacked_adapters", "slot_adapters", "per_adapter", "per_adapter_loss", "per_slot"]
+__all__ = ["per_adapter", "per_adapter_loss", "per_slot"]
 
 
 def _unmapped(_):
