@@ -28,7 +28,7 @@ TARGETS = {"first": "0", "second": "@", "third": "P", "fourth": "z"}
 AGENTS = LessonConfig(lesson_id="roles", env=EnvConfig("roles", {"targets": TARGETS,
                                                                   "policies": {a: a for a in TARGETS}}),
                       max_tokens=1, graduate_at=None)
-LR = RLAdamConfig(learning_rate=5e-2)
+LR = RLAdamConfig(learning_rate=3e-2)
 
 
 def _policies(**own) -> dict[str, PolicyConfig]:
