@@ -77,6 +77,5 @@ def test_the_sampler_counts_what_a_process_burns_after_it_starts():
         child.stdin.close()
         child.wait(timeout=60)
     processes = sampler.stop()
-    (mine,) = [cpu for cmdline, comm, cpu in processes if cmdline.endswith("sys.stdin.read()") or _BURN in cmdline]
+    (mine,) = [cpu for cmdline, comm, cpu in processes if cmdline.endswith("sys.stdin.read()")]  # /proc's, stripped
     assert 0.4 <= mine < 60
-    assert suite_cpu.kind(_BURN, "python") == "other python (processes tests start)"
