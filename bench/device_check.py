@@ -19,6 +19,9 @@ still run:
   and the job's loss, on one device, at the recipe's row length and microbatch: step seconds, trained
   tokens/s, MFU (the dry run's model FLOPs over the chip's peak, `marinrl.dry_run.flops.chip_peak_flops`)
   and the device's measured peak (`memory_stats()`) against the dry run's prediction for the same config.
+  `train_step_no_remat`: the same with gradient checkpointing off; `train_step_auto`: the recipe's
+  `gradient_checkpointing` and `per_device_parallelism` (`auto`) as the trainer resolves them from this device's
+  memory, with its attention (`model.model.attn_backend`), over 32 rows: the choice's lines in the JSON.
 - `generation`: the same model behind the job's inference server (Levanter's engine, the recipe's engine
   sizes) on one device: a batch of prompts × samples, tokens/s, the measured peak and the prediction.
 - `quickstart`: experiments/quickstart.py with both roles on the device (the shared mode above): whether it
@@ -48,9 +51,10 @@ _BENCH = pathlib.Path(__file__).resolve().parent
 _REPO = _BENCH.parent
 sys.path.insert(0, str(_REPO / "src"))  # the repo's code, installed or not (a device image has no venv of ours)
 RESULT_TAG = "DEVICE_CHECK_RESULT "
-SECTIONS = ("env", "two_processes", "train_step", "train_step_no_remat", "generation", "quickstart")
-SECTION_S = {"env": 60, "two_processes": 90, "train_step": 180, "train_step_no_remat": 180, "generation": 200,
-             "quickstart": 300}
+SECTIONS = ("env", "two_processes", "train_step", "train_step_no_remat", "train_step_auto", "generation",
+            "quickstart")
+SECTION_S = {"env": 60, "two_processes": 90, "train_step": 180, "train_step_no_remat": 180, "train_step_auto": 180,
+             "generation": 200, "quickstart": 300}
 """A section's own time limit (seconds), before the budget's."""
 RECIPES = {"gpu": "grpo_math_qwen3_0p6b_one_gpu_node.py", "tpu": "grpo_math_qwen3_0p6b_one_tpu_host.py",
            "cpu": "grpo_math_qwen3_0p6b_one_gpu_node.py"}
@@ -347,11 +351,12 @@ def _job_for_section(args, backend: str, rows: int | None = None, extra: tuple =
         overlay.append(f"--inference.backend={args.inference_backend}")
     job = _recipe_job(backend, overlay)
     per_device = job.trainer.per_device_parallelism
-    if per_device is None or per_device <= 0:
-        per_device = 4
+    auto = per_device == "auto"  # left for the trainer to choose, over twice its usual microbatch of 16
+    if auto or per_device is None or per_device <= 0:
+        per_device = 16 if auto else 4
     rows = rows or args.rows or 2 * per_device
-    job = _recipe_job(backend, overlay + [f"--groups_per_step={max(1, rows // job.n_generations)}",
-                                          f"--trainer.per_device_parallelism={min(per_device, rows)}"])
+    job = _recipe_job(backend, overlay + [f"--groups_per_step={max(1, rows // job.n_generations)}"]
+                      + ([] if auto else [f"--trainer.per_device_parallelism={min(per_device, rows)}"]))
     from marinrl.config.trainer import JsonLoggerTracker
 
     # metrics to the JSON log only: a device image need not have wandb, and the check logs nothing anyway
@@ -359,8 +364,9 @@ def _job_for_section(args, backend: str, rows: int | None = None, extra: tuple =
     return job, scale
 
 
-def section_train_step(args, remat: bool = True) -> dict:
-    """The recipe's train step; `remat=False`: the same with gradient checkpointing off (every activation kept)."""
+def section_train_step(args, remat: bool | None = True) -> dict:
+    """The recipe's train step with gradient checkpointing on (`remat`), off, or None: the recipe's settings as the
+    trainer resolves them on this device (`gradient_checkpointing` and `per_device_parallelism: auto`)."""
     import functools
 
     import haliax as hax
@@ -371,15 +377,18 @@ def section_train_step(args, remat: bool = True) -> dict:
 
     from marinrl.dry_run import predicted_memory
     from marinrl.dry_run.flops import ModelDims, chip_peak_flops, recomputed_forward_passes, train_flops
-    from marinrl.dry_run.memory import default_response_tokens, train_row_length
-    from marinrl.job.plan import train_worker_config
+    from marinrl.dry_run.memory import default_response_tokens, resolve_update_memory, train_row_length
+    from marinrl.dry_run.working_set import trainer_attention
+    from marinrl.job.plan import local_device_bytes, train_worker_config
     from marinrl.levanter_configs import to_levanter
     from marinrl.models.policy_model import build_model
     from marinrl.train.batching import make_training_batch, row_alignment
     from marinrl.train.worker import StepInput, _step_loss
 
     backend = jax.default_backend()
-    job, scale = _job_for_section(args, backend, extra=() if remat else ("--model.model.gradient_checkpointing=false",))
+    setting = () if remat is None else (f"--model.model.gradient_checkpointing={str(remat).lower()}",)
+    job, scale = _job_for_section(args, backend, extra=setting)
+    job, choice = resolve_update_memory(job, local_device_bytes(), cpu=backend == "cpu")  # as the trainer does
     response = args.new_tokens or default_response_tokens(job)
     length = train_row_length(job, args.prompt_tokens, response)
     rows = job.groups_per_step * job.n_generations
@@ -429,6 +438,8 @@ def section_train_step(args, remat: bool = True) -> dict:
     return {"ok": True, "backend": backend, "chip": chip, "scale": scale, "rows": rows, "row_length": length,
             "gradient_checkpointing": str(getattr(arch, "gradient_checkpointing", None)),
             "positions": sorted({b.Pos.size for b in batches}), "microbatch_rows": job.trainer.per_device_parallelism,
+            "attention": trainer_attention(job, cpu=backend == "cpu"),
+            "update_memory_choice": choice.lines() if choice is not None else None,
             "mp": str(job.trainer.mp), "steps": len(times), "first_step_s": times[0], "step_s": step_s,
             "trained_tokens_per_s": trained / step_s, "model_flops": flops.model, "executed_flops": flops.executed,
             "mfu": (ref_flops / step_s / peak_flops) if peak_flops else None,
@@ -628,6 +639,7 @@ def section_quickstart(args) -> dict:
 def run_section(args) -> dict:
     fn = {"env": section_env, "pair_member": section_pair_member, "train_step": section_train_step,
           "train_step_no_remat": lambda a: section_train_step(a, remat=False),
+          "train_step_auto": lambda a: section_train_step(a, remat=None),
           "generation": section_generation, "quickstart": section_quickstart}[args.section]
     try:
         return fn(args)

@@ -11,10 +11,10 @@ hosts): `ray job submit --working-dir . -- python experiments/grpo_math_qwen3_0p
 gs://MY_BUCKET/runs ...` (infra/README.md). On `infra/tpu-v6e.yaml`: `--ray.trainer.tpu v6e-8
 --ray.rollout.tpu v6e-4`. On GPUs (`infra/gpu.yaml`, or one machine with 2+ GPUs and `--ray.address
 null`): `--ray.trainer.tpu null --ray.trainer.num_gpus 1 --ray.rollout.tpu null --ray.rollout.num_gpus 1
---n_rollout_workers 1 --trainer.per_device_parallelism 16` (one H100 holds either role: `--dry_run` with
-those flags and `--ray.trainer.accelerator_type H100` predicts 43 GiB for the trainer with 16-row
-microbatches and no gradient checkpointing, which `auto` therefore turns off (22 GiB with it), and 32 GiB
-for a rollout worker, 28 of them the engine's page cache).
+--n_rollout_workers 1` (one H100 holds either role: `--dry_run` with those flags and
+`--ray.trainer.accelerator_type H100` says `auto` takes 16-row microbatches without gradient checkpointing,
+44 GiB predicted with the flash attention `auto` runs on a GPU, and 32 GiB for a rollout worker, 28 of them the
+engine's page cache).
 
 Why Qwen3-0.6B and not Qwen2.5-0.5B-Instruct: marinrl samples Llama-family models only (the scan
 sampler and Levanter's engine decode both need `LlamaLMHeadModel`, docs/models.md), and Levanter's
@@ -77,7 +77,6 @@ eval_examples: 256
 checkpoint_every: 50
 batching: {max_length: 1024}
 trainer:
-  per_device_parallelism: 4
   tracker: [{type: json_logger}, {type: wandb, project: marinrl, tags: [grpo, gsm8k, qwen3-0.6b]}]
 inference:
   model_axis_size: null           # all 4 chips of a rollout host

@@ -33,8 +33,6 @@ run_id: grpo-math-qwen3-0.6b-one-gpu-node
 n_rollout_workers: 2
 inference:
   backend: scan                   # Levanter's engine has no GPU attention kernel: 50x slower (docs/device_check.md)
-trainer:
-  per_device_parallelism: 16      # rows per GPU per microbatch
 ray:
   address: null                   # the job's own Ray on this node
   trainer: {num_gpus: 4}

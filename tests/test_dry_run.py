@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from marinrl.dry_run import flops, predicted_memory
-from marinrl.dry_run.shapes import abstract_model, count
+from marinrl.dry_run.shapes import GiB, abstract_model, count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -113,12 +113,17 @@ def _one_h100():
 
 def test_auto_checkpointing_is_off_where_the_update_fits_the_device_and_on_where_it_does_not():
     from marinrl.dry_run.engine_cache import DEVICE_MEMORY_GIB, GPU_MEMORY_FRACTION, trainer_device_bytes
-    from marinrl.dry_run.memory import CHECKPOINTING_FIT_SHARE, choose_gradient_checkpointing
+    from marinrl.dry_run.memory import CHECKPOINTING_FIT_SHARE, choose_update_memory
     from marinrl.dry_run.shapes import GiB
 
     job = _one_h100()
-    assert job.model.model.gradient_checkpointing == "auto"
+    assert (job.model.model.gradient_checkpointing, job.model.model.attn_backend) == ("auto", "auto")
     h100 = trainer_device_bytes(job)
+    # `auto` attention on this GPU (no Transformer Engine here) is a flash attention: without recomputation
+    # the layers keep no scores (~44 GiB), so the update fits the H100 without recomputing
+    flash = choose_update_memory(job, h100)
+    assert not flash.on and flash.peak_without_bytes < CHECKPOINTING_FIT_SHARE * h100
+    job = _with_model(job, attn_backend="vanilla")  # the scores of every layer kept, as Levanter's GPU fallback
     assert h100 == DEVICE_MEMORY_GIB["H100"] * GPU_MEMORY_FRACTION * GiB  # the 59.4 GiB JAX has on one H100
     without = predicted_memory(_with_model(job, gradient_checkpointing=False), "trainer", 1,
                                prompt_tokens=job.batching.max_length).peak_bytes_per_device
@@ -126,22 +131,22 @@ def test_auto_checkpointing_is_off_where_the_update_fits_the_device_and_on_where
                                prompt_tokens=job.batching.max_length).peak_bytes_per_device
     # ~22 and ~85 GiB: without it, every layer's float32 attention scores too (an H200 measured a 74.8 GiB peak)
     assert with_it < CHECKPOINTING_FIT_SHARE * h100 < without
-    on = choose_gradient_checkpointing(job, h100)
+    on = choose_update_memory(job, h100)
     assert (on.on, on.peak_without_bytes, on.device_bytes) == (True, without, h100)
     assert on.line() == (f"gradient checkpointing on (auto): predicted peak without it {without / GiB:.2f} GiB "
                          f"exceeds 90% of {h100 / GiB:.2f} GiB")
     h200 = 104.85 * GiB  # the H200's bytes_limit at JAX's default fraction
-    fits = choose_gradient_checkpointing(job, h200)
+    fits = choose_update_memory(job, h200)
     assert (fits.on, fits.peak_without_bytes, fits.device_bytes) == (False, without, h200)
     assert fits.line() == (f"gradient checkpointing off (auto): predicted peak {without / GiB:.2f} GiB of "
                            f"{h200 / GiB:.2f} GiB")
     # the boundary is the share of the device, not the whole device
-    assert not choose_gradient_checkpointing(job, without / CHECKPOINTING_FIT_SHARE).on
-    assert choose_gradient_checkpointing(job, without / CHECKPOINTING_FIT_SHARE * 0.99).on
-    assert choose_gradient_checkpointing(job, without * 1.01).on
+    assert not choose_update_memory(job, without / CHECKPOINTING_FIT_SHARE).on
+    assert choose_update_memory(job, without / CHECKPOINTING_FIT_SHARE * 0.99).on
+    assert choose_update_memory(job, without * 1.01).on
     # memory unknown (a CPU, a GPU the placement does not name): on, nothing predicted
     for unknown in (None, 0):
-        choice = choose_gradient_checkpointing(job, unknown)
+        choice = choose_update_memory(job, unknown)
         assert choice.on and choice.peak_without_bytes is None
         assert choice.line() == "gradient checkpointing on (auto): the trainer device's memory is unknown"
     assert trainer_device_bytes(_with(job, "ray", trainer=dataclasses.replace(job.ray.trainer,
@@ -151,7 +156,7 @@ def test_auto_checkpointing_is_off_where_the_update_fits_the_device_and_on_where
 
 def test_the_dry_runs_counts_see_auto_resolved():
     """Memory, FLOPs and the report take `auto` as the trainer placement's device resolves it, never the string."""
-    from marinrl.dry_run.memory import resolve_gradient_checkpointing
+    from marinrl.dry_run.memory import resolve_update_memory
     from marinrl.dry_run.report import DryRunShapes, step_flops
 
     job = _with(_one_h100(), "ray", trainer=dataclasses.replace(_one_h100().ray.trainer, accelerator_type="H200"))
@@ -163,8 +168,8 @@ def test_the_dry_runs_counts_see_auto_resolved():
     # a setting other than auto is the config's, untouched
     for setting in (True, False, "offload"):
         job_set = _with_model(job, gradient_checkpointing=setting)
-        assert resolve_gradient_checkpointing(job_set, 1e15) == (job_set, None)
-    resolved, choice = resolve_gradient_checkpointing(job, 1e6)
+        assert resolve_update_memory(job_set, 1e15) == (job_set, None)
+    resolved, choice = resolve_update_memory(job, 1e6)
     assert resolved.model.model.gradient_checkpointing is True and choice.on
 
 
@@ -343,6 +348,7 @@ def test_the_cpu_plan_adds_what_xla_cpu_holds_on_fake_devices():
     from marinrl.dry_run.memory import CPU_PROCESS_RUNTIME_BYTES
 
     job = _with_model(_recipe(), gradient_checkpointing=True)  # as `auto` resolves on a CPU, whose memory is unknown
+    job = _with(job, "trainer", per_device_parallelism=4)  # `auto` resolves by what each plan knows of the memory
     n = count(abstract_model(job.model.model, job.model.vocab_size, jnp.float32))
     plain = predicted_memory(job, "trainer", 2).bytes_per_device
     cpu_plan = predicted_memory(job, "trainer", 2, cpu=True)
@@ -382,7 +388,7 @@ def test_a_local_checkpoints_architecture_is_the_one_planned(tmp_path):
 def test_train_activation_bytes_by_hand():
     """The trainer's activations per device for a tiny Qwen3 (hidden 64, MLP 160, 3 layers, vocabulary 300),
     4 rows of 128 tokens in bfloat16, counted by hand: each term, so that one left out is seen."""
-    from marinrl.dry_run.working_set import train_activation_bytes
+    from marinrl.dry_run.working_set import train_activation_bytes, trainer_attention
 
     job = _recipe()
     fields = {f.name for f in dataclasses.fields(job.model.model)}
@@ -403,7 +409,72 @@ def test_train_activation_bytes_by_hand():
     assert train_logits_bytes(job, mesh, 128) == {"logits": LOGITS_BLOCKS_LIVE * 4 * 128 * 300 * 4,
                                                   "logits_compute_copy": 4 * 128 * 300 * 2,
                                                   "lm_head_gradient": 300 * 64 * 2}
-    job = _with_model(job, gradient_checkpointing=False)  # every layer keeps its working set and its attention
+    job = _with_model(job, gradient_checkpointing=False)  # every layer keeps its working set; a flash attention
     scores = 4 * 4 * 128 * 128 * (4 + 2)  # rows × heads × length² of float32 scores and bfloat16 probabilities
-    assert train_activation_bytes(job, mesh, 128) == 3 * (working + scores) + working
-    assert train_activation_bytes(job, {**mesh, "model": 2}, 128) == (3 * (working + scores) + working) / 2
+    # (`auto`: Splash on this recipe's TPU, Levanter's JAX flash on a CPU) holds one layer's scores, in blocks
+    # of 1,024 keys: all 128 here
+    assert (trainer_attention(job), trainer_attention(job, cpu=True)) == ("splash", "jax_flash")
+    assert train_activation_bytes(job, mesh, 128) == 3 * working + working + scores
+    # on a CPU a row shorter than 1,024 keeps Levanter's vanilla fallback, and every layer its scores
+    assert train_activation_bytes(job, mesh, 128, cpu=True) == 3 * (working + scores) + working
+    vanilla = _with_model(job, attn_backend="vanilla")  # every layer keeps its scores too
+    assert train_activation_bytes(vanilla, mesh, 128) == 3 * (working + scores) + working
+    assert train_activation_bytes(vanilla, {**mesh, "model": 2}, 128) == (3 * (working + scores) + working) / 2
+
+
+def test_auto_microbatch_is_the_largest_that_fits_preferring_no_recompute():
+    """`trainer.per_device_parallelism: auto` on the recipe's H100 (the batch: 512 rows a device): the chosen
+    microbatch's predicted peak fits 90% of the device and the next larger one's does not; with checkpointing
+    `auto` too, recomputation is dropped by a smaller microbatch while it keeps `MIN_MICROBATCH_TOKENS`; memory
+    unknown: the whole batch, checkpointing on."""
+    from marinrl.dry_run.engine_cache import trainer_device_bytes
+    from marinrl.dry_run.memory import (
+        CHECKPOINTING_FIT_SHARE,
+        MIN_MICROBATCH_TOKENS,
+        choose_update_memory,
+        resolve_update_memory,
+        with_gradient_checkpointing,
+        with_microbatch,
+    )
+
+    job = _with(_one_h100(), "trainer", per_device_parallelism="auto")
+    h100 = trainer_device_bytes(job)
+    limit, longest = CHECKPOINTING_FIT_SHARE * h100, job.batching.max_length
+
+    def peak(j, policy, rows):
+        j = with_microbatch(with_gradient_checkpointing(j, policy), rows)
+        return predicted_memory(j, "trainer", 1, prompt_tokens=longest, response_tokens=longest).peak_bytes_per_device
+
+    for attention in ("auto", "vanilla"):
+        for policy in (True, False):
+            j = _with_model(job, attn_backend=attention, gradient_checkpointing=policy)
+            c = choose_update_memory(j, h100)
+            assert c.on is None and peak(j, policy, c.microbatch_rows) == c.peak_bytes <= limit
+            assert peak(j, policy, 2 * c.microbatch_rows) > limit, (attention, policy)
+        both = _with_model(job, attn_backend=attention, gradient_checkpointing="auto")
+        c = choose_update_memory(both, h100)
+        off_rows = choose_update_memory(_with_model(both, gradient_checkpointing=False), h100).microbatch_rows
+        if off_rows * longest >= MIN_MICROBATCH_TOKENS:
+            assert (c.on, c.microbatch_rows) == (False, off_rows)
+        else:
+            assert c.on and c.microbatch_rows == choose_update_memory(
+                _with_model(both, gradient_checkpointing=True), h100).microbatch_rows
+        resolved, again = resolve_update_memory(both, h100)
+        assert again == c and resolved.trainer.per_device_parallelism == c.microbatch_rows
+        assert resolved.model.model.gradient_checkpointing is c.on
+    # the flash attention keeps no scores: its microbatch without recomputation is larger than the vanilla one's
+    flash, vanilla = (choose_update_memory(_with_model(job, attn_backend=a, gradient_checkpointing=False), h100)
+                      for a in ("auto", "vanilla"))
+    assert flash.microbatch_rows > vanilla.microbatch_rows
+    assert flash.line() == (f"microbatch {flash.microbatch_rows} rows per device (auto): predicted peak "
+                            f"{flash.peak_bytes / GiB:.2f} GiB of {h100 / GiB:.2f} GiB")
+    # nothing fits a tiny device: the smallest microbatch, said so
+    tiny = choose_update_memory(_with_model(job, gradient_checkpointing=True), 2 * GiB)
+    assert tiny.microbatch_rows == 1 and tiny.line().endswith("over 90%: no smaller microbatch exists")
+    # memory unknown on this GPU placement (the trainer reads its device's; a dry run may not know it): 4 rows of
+    # 1,024 tokens; on a CPU the whole batch (tests/test_auto_checkpointing.py)
+    unknown = choose_update_memory(_with_model(job, gradient_checkpointing="auto"), None)
+    assert (unknown.on, unknown.microbatch_rows) == (True, MIN_MICROBATCH_TOKENS // longest)
+    assert unknown.lines() == ["gradient checkpointing on (auto): the trainer device's memory is unknown",
+                               "microbatch 4 rows per device (auto): the trainer device's memory is unknown, so at "
+                               "most 4,096 tokens a device"]

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from levanter.layers.attention import AttentionMask
+from levanter.layers.attention import AttentionBackend, AttentionMask
 from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
 
 torch = pytest.importorskip("torch",
@@ -173,11 +173,14 @@ def _next_token_loss(model, ids):
 
 
 def test_train_step_export_and_reload(family, tmp_path):
-    """One SGD step (gradient checkpointing on) changes the model; its export loads back bit for bit in
-    marinrl and gives the trained model's logits in PyTorch."""
+    """One SGD step (gradient checkpointing on, the vanilla attention: both set over the family's defaults)
+    changes the model; its export loads back bit for bit in marinrl and gives the trained model's logits in
+    PyTorch."""
     name, path, _, _ = family
-    model = load_hf_checkpoint(path, gradient_checkpointing=True)
+    model = load_hf_checkpoint(path, overrides={"gradient_checkpointing": True,
+                                                "attn_backend": AttentionBackend.VANILLA})
     assert model.config.gradient_checkpointing is True
+    assert model.config.attn_backend == AttentionBackend.VANILLA
     ids = jnp.asarray(IDS)
     opt = optax.sgd(1.0)
     params = eqx.filter(model, eqx.is_inexact_array)

@@ -163,8 +163,8 @@ def _levanter_defaults(cls) -> dict:
 
 
 MIRRORS = [  # (mirror, fields whose default is marinrl's)
-    (LlamaArchitecture, ()),
-    (Qwen3Architecture, ()),
+    (LlamaArchitecture, ("attn_backend",)),  # `auto`: a backend per device (config/model.attention_backend_on)
+    (Qwen3Architecture, ("attn_backend",)),
     (DefaultRope, ()),
     (Llama3Rope, ()),
     (YarnRope, ()),

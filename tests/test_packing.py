@@ -374,3 +374,86 @@ def test_the_break_even_comes_from_the_model_unless_set():
     assert BatchingConfig().for_model(None).attention_break_even is None
     with pytest.raises(ValueError, match="attention_break_even must be >= 1"):
         BatchingConfig(attention_break_even=0)
+
+
+@pytest.mark.parametrize("block", [24, 8])
+def test_the_flash_attention_gives_the_vanilla_attentions_logprobs_and_gradient(block):
+    """`attn_backend: auto` runs Levanter's JAX flash attention where Levanter's default would keep every layer's
+    scores (a GPU without Transformer Engine, config/model.attention_backend_on): under the shared layout's mask
+    (causal, inside a block, a response sees its prompt and itself) it gives the vanilla attention's logprobs
+    and loss gradient, in one block of keys (`block` 24: the whole row, as `with_flash_blocks` takes it on a GPU)
+    and in several (8 keys)."""
+    from levanter.layers.attention import AttentionBackend
+
+    flash, vanilla = _llama_with(AttentionBackend.JAX_FLASH, block), _llama_with(AttentionBackend.VANILLA)
+    arrays = arrays_for(make_rollouts(2), "shared")
+    assert arrays["input_ids"].shape[1] == 24
+    batch = TrainingBatch.from_numpy(arrays)
+    got, want = logprobs_of(flash, arrays), logprobs_of(vanilla, arrays)
+    scale = float(np.abs(want).max())
+    assert scale > 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound(scale, 64))
+    config = LossConfig.preset("grpo")
+    tokens = int(arrays["loss_mask"].sum())
+    (loss_f, _), grads_f = _loss_and_grad(flash, batch, None, config)
+    (loss_v, _), grads_v = _loss_and_grad(vanilla, batch, None, config)
+    assert abs(float(loss_f) - float(loss_v)) <= bound(8.0, tokens)
+    leaves = [jax.tree_util.tree_leaves(eqx.filter(g, eqx.is_inexact_array)) for g in (grads_f, grads_v)]
+    for g, w in zip(*leaves):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0,
+                                   atol=bound(float(np.abs(np.asarray(w)).max()), 4 * tokens))
+
+
+def _llama_with(backend, block=None, seq_len=64):
+    from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
+
+    config = LlamaConfig(seq_len=seq_len, hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, initializer_range=0.3, attn_backend=backend, flash_attention_block_size=block)
+    return eqx.filter_jit(LlamaLMHeadModel.init)(hax.Axis("vocab", VOCAB), config, key=jax.random.PRNGKey(0))
+
+
+def _blocks(model) -> set:
+    from levanter.layers.attention import Attention
+
+    layers = jax.tree_util.tree_leaves(model, is_leaf=lambda x: isinstance(x, Attention))
+    return {x.config.flash_attention_block_size for x in layers if isinstance(x, Attention)}
+
+
+def test_flash_blocks_divide_the_row_and_leave_other_backends_alone():
+    """The block is the largest divisor of the row up to 1,024; on a CPU rows shorter than that keep Levanter's
+    vanilla fallback (no block set); a vanilla model and a model with a block of its own are left as they are."""
+    from levanter.layers.attention import AttentionBackend
+
+    from marinrl.train.policy_forward import flash_block, with_flash_blocks
+
+    assert [flash_block(n) for n in (24, 768, 1024, 1536, 2048, 3072, 1100, 1031)] == \
+        [24, 768, 1024, 768, 1024, 1024, 550, 1]
+    flash = _llama_with(AttentionBackend.JAX_FLASH)
+    assert _blocks(flash) == {None}
+    assert _blocks(with_flash_blocks(flash, 48, "cpu")) == {None}
+    assert _blocks(with_flash_blocks(flash, 48, "gpu")) == {48}
+    assert _blocks(with_flash_blocks(flash, 1536, "cpu")) == {768}
+    assert _blocks(with_flash_blocks(_llama_with(AttentionBackend.VANILLA), 1536, "gpu")) == {None}
+    assert _blocks(with_flash_blocks(_llama_with(AttentionBackend.JAX_FLASH, 8), 48, "gpu")) == {8}
+
+
+def test_a_row_longer_than_one_block_and_not_a_multiple_of_it_trains():
+    """A 1,536-token row (the geometric ladder's bucket after 1,024): Levanter's flash attention at its own block
+    of 1,024 raises on it; with the row's block (768) it gives the vanilla attention's logprobs."""
+    from levanter.layers.attention import AttentionBackend
+
+    rng = np.random.default_rng(3)
+    rollouts = [Rollout(prompt_tokens=rng.integers(0, VOCAB, 700), response_tokens=rng.integers(0, VOCAB, 700),
+                        response_logprobs=np.full(700, -1.0, np.float32), temperature=1.0,
+                        loss_mask=np.ones(700, bool), token_rewards=np.zeros(700), episode_reward=0.0,
+                        finish_reason="stop", env_name="e", lesson_id="l", group_id="g",
+                        metadata=RolloutMetadata("w", 0, 0.0))]
+    arrays = arrays_for(rollouts, "padded", row_multiple=1, max_length=2048, min_bucket=16)
+    assert arrays["input_ids"].shape[1] == 1536
+    with pytest.raises(ValueError, match="not a multiple of 1024"):  # Levanter's own block (set: left alone)
+        logprobs_of(_llama_with(AttentionBackend.JAX_FLASH, 1024, seq_len=2048), arrays)
+    flash = _llama_with(AttentionBackend.JAX_FLASH, seq_len=2048)
+    vanilla = _llama_with(AttentionBackend.VANILLA, seq_len=2048)
+    want = logprobs_of(vanilla, arrays)
+    np.testing.assert_allclose(logprobs_of(flash, arrays), want, rtol=0,
+                               atol=bound(float(np.abs(want).max()), 1536))

@@ -141,6 +141,9 @@ def test_dry_run(name):
     # the backend the recipe runs is the one compiled: Levanter's engine (prefill, decode loop) or the scan sampler
     backend = "scan" if name in SCAN else "engine"
     assert report["backend"] == backend and f"rollout backend: {backend}" in text
+    # the trainer's attention: `auto`, a flash attention on the placement's device kind
+    kind = config.ray.trainer.device[0]
+    assert f"; attention {'splash' if kind == 'tpu' else 'jax_flash'} (auto)" in report["gradient_checkpointing"]
     programs = {p["name"]: p for p in report["programs"]}
     rollout_programs = ["scan sampler"] if backend == "scan" else ["engine prefill", "engine decode loop"]
     assert list(programs) == ["train step", *rollout_programs]

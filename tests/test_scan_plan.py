@@ -162,7 +162,7 @@ def test_the_dry_run_chooses_the_same_axis():
     import runpy
 
     from marinrl.dry_run.engine_cache import RolloutDevice
-    from marinrl.dry_run.memory import rollout_model_axis_size
+    from marinrl.dry_run.meshes import rollout_model_axis_size
     from marinrl.recipe import parse_recipe
 
     recipe = runpy.run_path("experiments/grpo_math_qwen3_0p6b_one_gpu_node.py", run_name="recipe")["RECIPE"]

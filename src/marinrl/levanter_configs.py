@@ -29,9 +29,32 @@ def gradient_checkpointing_policy(value: Any) -> Any:
     return True if isinstance(value, str) and value == "auto" else value
 
 
+def attention_backend(value: Any) -> Any:
+    """`model.attn_backend` as Levanter takes it (an `AttentionBackend`) for a model built in this process:
+    `auto` resolved for this process's device (`config.model.attention_backend_on`); None and Levanter's own
+    enum pass through."""
+    if not isinstance(value, str):
+        return value
+    import importlib.util
+
+    import jax
+    from levanter.layers.attention import AttentionBackend
+
+    from marinrl.config.model import attention_backend_on
+
+    if value == "default":
+        return AttentionBackend.DEFAULT
+    te = importlib.util.find_spec("transformer_engine") is not None
+    return AttentionBackend(attention_backend_on(value, jax.devices()[0].platform, te))
+
+
 def _converted(field: str, value: Any) -> Any:
     if field == "gradient_checkpointing":
         return gradient_checkpointing_policy(value)
+    if field == "attn_backend":
+        return attention_backend(value)
+    if field == "per_device_parallelism" and value == "auto":
+        return -1  # resolved by the trainer (`job.plan.train_worker_config`); unresolved: the whole batch
     if field == "mp" and isinstance(value, str):
         import jmp
 

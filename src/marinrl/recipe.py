@@ -38,6 +38,7 @@ batching: {min_bucket: 256}
 trainer:
   mp: p=f32,c=bfloat16
   model_axis_size: 1              # FSDP over all of the trainer's chips (Levanter's default mesh)
+  per_device_parallelism: auto    # the largest microbatch whose update fits the trainer's device
 inference:
   backend: engine
   dtype: bfloat16                 # rollout weights, KV cache and every published version (half the f32 bytes)
@@ -46,7 +47,8 @@ ray:
 """
 """What the GRPO recipes under experiments/ share: bf16 compute over f32 parameters and AdamW state,
 bf16 rollouts (and weight versions) with the sampler/trainer mismatch corrected by TIS, gradient
-checkpointing where the update does not fit the trainer's device without it (`auto`), FSDP, no KL term, the
+checkpointing where the update does not fit the trainer's device without it and the largest microbatch that
+fits (`auto`, docs/training.md, "Memory of the update"), FSDP, no KL term, the
 engine backend, an existing Ray cluster. A recipe writes the rest (`recipe_yaml(GRPO_AT_SCALE, ...)`);
 docs/models.md, "Dtypes"."""
 

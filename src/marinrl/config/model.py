@@ -16,6 +16,36 @@ import draccus
 FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
 CHECKPOINT_POLICIES = ("offload", "recompute", "full", "nested", "save_all")
 """Levanter's gradient-checkpointing policies by name (haliax `ScanCheckpointPolicy.from_bool_or_str`)."""
+ATTENTION_BACKENDS = ("auto", "default", "vanilla", "jax_flash", "nvte", "splash")
+"""`attn_backend` values: `auto` (marinrl's choice per device, `attention_backend_on`) and Levanter's
+`AttentionBackend` names."""
+FLASH_MAX_BLOCK = 1024
+"""The longest key block of Levanter's JAX flash attention (its default block, `flash_attention.BLOCK_SIZE`)."""
+
+
+def attention_backend_on(value: str, platform: str, transformer_engine: bool) -> str:
+    """The attention backend `attn_backend: value` runs on a `platform` device ("cpu", "gpu", "tpu"), by name.
+
+    `auto` is Levanter's own default (Splash on a TPU, its JAX flash attention on a CPU, Transformer Engine on
+    a GPU) except on a GPU without Transformer Engine installed, where Levanter's default falls back to the
+    vanilla attention that keeps every layer's scores: an H200 measured the 0.6B recipe's update at a 74.8 GiB
+    peak that way (docs/training.md, "Attention in the update"). There `auto` runs `jax_flash`, Levanter's
+    flash attention in pure JAX, whose backward recomputes each block's scores instead of keeping them."""
+    if value == "auto":
+        if platform == "gpu":
+            return "nvte" if transformer_engine else "jax_flash"
+        return {"tpu": "splash"}.get(platform, "jax_flash")
+    if value == "default":
+        return {"gpu": "nvte" if transformer_engine else "vanilla", "tpu": "splash"}.get(platform, "jax_flash")
+    return value
+
+
+def keeps_attention_scores(backend: str, platform: str, length: int) -> bool:
+    """Whether the update under `backend` (`attention_backend_on`'s name) keeps every layer's
+    [rows, heads, length, length] scores for the backward at rows of `length`: the vanilla attention does, and so
+    does the JAX flash attention on a CPU for a row shorter than one block (`train.policy_forward.with_flash_blocks`
+    keeps Levanter's vanilla fallback there); the flash attentions keep each layer's output and log-sum-exp."""
+    return backend == "vanilla" or (backend == "jax_flash" and platform == "cpu" and length < FLASH_MAX_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +132,17 @@ class LlamaArchitecture(ArchitectureConfig):
     gradient_checkpointing: Union[bool, str] = True
     """Recompute each block's activations in the backward pass: true, false, a Levanter policy
     (`CHECKPOINT_POLICIES`), or `auto`: off where the trainer's predicted peak without it fits its device,
-    else on (docs/training.md, "Gradient checkpointing")."""
+    else on (docs/training.md, "Gradient checkpointing and the microbatch")."""
     scan_layers: bool = True
     """One stacked block scanned over layers (faster compiles) instead of unrolled blocks (on CPU the update
     at the reference size is 1.35-1.4x faster unrolled, docs/performance.md)."""
     rope: RopeConfig = dataclasses.field(default_factory=DefaultRope)
     """Rotary positions: `{type: default, theta: …}`, `llama3` or `yarn` scaling."""
+    attn_backend: str = "auto"
+    """The attention of the model's full forward passes (the update, π_old, the reference; the sampler has its
+    own, `inference.attention`): `auto`, or one of Levanter's backends (`ATTENTION_BACKENDS`). `auto` is a flash
+    attention on every device kind (`attention_backend_on`); like `gradient_checkpointing` it applies to a
+    checkpoint's model too."""
 
     def errors(self, field: str) -> Optional[tuple[str, str]]:
         """(field, problem) of the first bad value, or None."""
@@ -118,6 +153,9 @@ class LlamaArchitecture(ArchitectureConfig):
         if not isinstance(gc, bool) and gc not in ("auto", *CHECKPOINT_POLICIES):
             return (f"{field}.gradient_checkpointing",
                     f"must be true, false, auto or one of {', '.join(CHECKPOINT_POLICIES)}, got {gc!r}")
+        if self.attn_backend not in ATTENTION_BACKENDS:
+            return (f"{field}.attn_backend",
+                    f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attn_backend!r}")
         if self.num_heads % self.num_kv_heads:
             return f"{field}.num_kv_heads", f"{self.num_kv_heads} does not divide num_heads={self.num_heads}"
         if self.head_dim is None and self.hidden_dim % self.num_heads:
@@ -148,8 +186,8 @@ class ModelConfig:
 
     model: ArchitectureConfig = dataclasses.field(default_factory=reference_llama)
     """The architecture of a model built from scratch (`type: llama`, its fields). For an HF checkpoint its
-    config.json rules instead, except `gradient_checkpointing`, which is taken from here (a Levanter-only
-    knob); for a Levanter checkpoint written by `save_levanter_checkpoint` its `model_config.json` does.
+    config.json rules instead, except `gradient_checkpointing` and `attn_backend`, which are taken from here
+    (Levanter-only knobs); for a Levanter checkpoint written by `save_levanter_checkpoint` its `model_config.json` does.
     Python may pass a Levanter `LmConfig` of any family."""
     vocab_size: int = 512
     """Size of the vocabulary axis of a model built from scratch (and of the byte-level tokenizer)."""

@@ -157,8 +157,10 @@ class JobTrainerConfig:
     replica_ici_axis_size: int = 1
     model_axis_size: int = 1
     replica_dcn_axis_size: int = 1
-    per_device_parallelism: int = -1
-    """Rows per device per microbatch; -1: the whole batch at once (no gradient accumulation)."""
+    per_device_parallelism: Union[int, str] = -1
+    """Rows per device per microbatch; -1: the whole batch at once (no gradient accumulation); `auto`: the largest
+    microbatch whose update fits the trainer's device, chosen with `model.model.gradient_checkpointing`
+    (docs/training.md, "Memory of the update")."""
     per_device_eval_parallelism: int = -1
     allow_nondivisible_batch_size: bool = False
     jax_config: dict[str, Union[str, int, float, bool, None]] = dataclasses.field(
@@ -243,9 +245,12 @@ def check_trainer_ranges(trainer: JobTrainerConfig, batch_rows: int, batch_sourc
             raise ConfigError(f"trainer.{name}", f"must be >= 1, got {getattr(trainer, name)}")
     for name in ("per_device_parallelism", "per_device_eval_parallelism"):
         value = getattr(trainer, name)
-        if value != -1 and value < 1:
-            raise ConfigError(f"trainer.{name}", f"must be -1 (the whole batch at once) or >= 1, got {value}")
-    pdp = trainer.per_device_parallelism
+        if name == "per_device_parallelism" and value == "auto":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or (value != -1 and value < 1):
+            auto = ", auto" if name == "per_device_parallelism" else ""
+            raise ConfigError(f"trainer.{name}", f"must be -1 (the whole batch at once){auto} or >= 1, got {value!r}")
+    pdp = trainer.per_device_parallelism if trainer.per_device_parallelism != "auto" else -1
     if pdp > 0 and batch_rows % pdp:
         raise ConfigError("trainer.per_device_parallelism", f"{pdp} rows per device do not divide the batch of "
                                                             f"{batch_source}")

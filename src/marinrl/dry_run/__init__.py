@@ -9,7 +9,10 @@ that does not divide the mesh, a program that does not compile, or a state that 
   KV cache; for `scan`, the scan sampler. With `DryRunShapes.layers` layers, on the trainer's and a
   rollout worker's meshes.
 - `memory.py`: `predicted_memory(job, role, n_devices) -> MemoryPlan`, per device by component (exact from
-  shapes and shardings, except activations and the rollout working set, estimates), and its peak.
+  shapes and shardings, except activations and the rollout working set, estimates), and its peak; the update's
+  `auto` gradient checkpointing and microbatch, chosen from it (`choose_update_memory`).
+- `meshes.py`: the roles' meshes from the job's placements and mesh settings (device counts, the trainer's FSDP
+  mesh, the rollout's tensor-parallel axis).
 - `working_set.py`: the estimated parts of that memory, from shapes: a trainer microbatch's activations and LM-head
   buffers, a rollout step's working set.
 - `engine_cache.py`: the engine's KV cache as a rollout worker's engine sizes it (its pages on the role's
@@ -31,7 +34,8 @@ importing `marinrl.dry_run.fleet` loads neither.
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from marinrl.dry_run.memory import MemoryPlan, predicted_memory, rollout_devices, trainer_devices
+    from marinrl.dry_run.memory import MemoryPlan, predicted_memory
+    from marinrl.dry_run.meshes import rollout_devices, trainer_devices
     from marinrl.dry_run.report import DryRunReport, DryRunShapes, dry_run
 
 __all__ = ["DryRunReport", "DryRunShapes", "MemoryPlan", "dry_run", "predicted_memory", "rollout_devices",
@@ -39,10 +43,14 @@ __all__ = ["DryRunReport", "DryRunShapes", "MemoryPlan", "dry_run", "predicted_m
 
 
 def __getattr__(name: str):
-    if name in ("MemoryPlan", "predicted_memory", "rollout_devices", "trainer_devices"):
+    if name in ("MemoryPlan", "predicted_memory"):
         from marinrl.dry_run import memory
 
         return getattr(memory, name)
+    if name in ("rollout_devices", "trainer_devices"):
+        from marinrl.dry_run import meshes
+
+        return getattr(meshes, name)
     if name in ("DryRunReport", "DryRunShapes", "dry_run"):
         from marinrl.dry_run import report
 

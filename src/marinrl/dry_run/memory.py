@@ -45,11 +45,11 @@ the trainer process's runtime (`CPU_PROCESS_RUNTIME_BYTES`) are counted with `cp
 
 The engine's cache is sized as the engine sizes its pages on the role's device kind: `engine_cache.py`.
 
-`model.model.gradient_checkpointing: auto` is chosen here, from this plan (`choose_gradient_checkpointing`): off
-where the trainer's peak with checkpointing off fits `CHECKPOINTING_FIT_SHARE` of a device's memory, else on. The
-trainer resolves it with its own device's limit (`job.plan.train_worker_config`), the dry run and
-`predicted_memory` with the trainer placement's (`engine_cache.trainer_device_bytes`), so no count here ever sees
-the string.
+`model.model.gradient_checkpointing: auto` and `trainer.per_device_parallelism: auto` are chosen here, from this
+plan (`choose_update_memory`): checkpointing off where the trainer's peak without it fits `CHECKPOINTING_FIT_SHARE`
+of a device's memory, the largest microbatch that fits. The trainer resolves them with its own device's limit
+(`job.plan.train_worker_config`), the dry run and `predicted_memory` with the trainer placement's
+(`engine_cache.trainer_device_bytes`), so no count here ever sees the string.
 
 The rollout mesh is the accelerator's: `inference.model_axis_size`, else the largest divisor of the
 device count that splits the model's heads and MLP (on a CPU a server with `model_axis_size: null`
@@ -77,8 +77,20 @@ from marinrl.dry_run.engine_cache import (
     trainer_device_bytes,
 )
 from marinrl.dry_run.flops import ModelDims
+from marinrl.dry_run.meshes import (
+    rollout_devices,
+    rollout_mapping,
+    rollout_model_axis_size,
+    trainer_devices,
+    trainer_mesh,
+)
 from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
-from marinrl.dry_run.working_set import rollout_working_set_bytes, train_activation_bytes, train_logits_bytes
+from marinrl.dry_run.working_set import (
+    rollout_working_set_bytes,
+    train_activation_bytes,
+    train_logits_bytes,
+    trainer_platform,
+)
 from marinrl.inference import scan_plan
 from marinrl.levanter_configs import to_levanter, trainer_config
 
@@ -126,64 +138,6 @@ class MemoryPlan:
                 "peak_bytes_per_process": self.peak_bytes_per_process}
 
 
-# ------------------------------------------------------------------------------------------- devices
-
-
-def trainer_devices(job) -> int:
-    """The trainer mesh's devices: its placement's per host × hosts (`v5p-64`: 4 × 8), else 8."""
-    per_host = job.ray.trainer.devices()
-    return per_host * job.ray.trainer.hosts() if per_host else 8
-
-
-def rollout_devices(job) -> int:
-    """The devices one rollout worker sees: its placement's, else all of this process's."""
-    n = job.ray.rollout.devices()
-    return n if n is not None else len(jax.devices())
-
-
-def trainer_mesh(job, n_devices: int) -> dict:
-    """Levanter's FSDP mesh over `n_devices` (`create_fsdp_mesh`): replica × data × model."""
-    t = job.trainer
-    replica = t.replica_ici_axis_size * t.replica_dcn_axis_size
-    model = t.model_axis_size
-    if n_devices % (replica * model):
-        raise ValueError(f"trainer.model_axis_size ({model}) × replica axes ({replica}) does not divide the "
-                         f"trainer's {n_devices} devices")
-    return {"replica": replica, "data": n_devices // (replica * model), "model": model}
-
-
-def rollout_model_axis_size(job, n_devices: int, device: Optional[RolloutDevice] = None) -> int:
-    """`inference.model_axis_size`, else the accelerator's default (`sharding.choose_model_axis_size`): 1 (data
-    parallel) where one `device` (else the placement's) holds the weights with room to spare, else the largest
-    divisor of `n_devices` that splits the model's heads, KV heads and MLP."""
-    from marinrl.inference import sharding
-
-    cfg = to_levanter(job.model.model)
-    size = job.inference.model_axis_size
-    if size is None:
-        device = device or rollout_device(job)
-        weights = total_bytes(abstract_model(cfg, job.model.vocab_size, jnp.dtype(job.rollout_dtype())))
-        size = sharding.choose_model_axis_size(n_devices, cfg.num_kv_heads, cfg.num_heads, cfg.intermediate_dim,
-                                               weights, device.memory_bytes)
-    for what, n in (("the rollout devices", n_devices), ("num_kv_heads", cfg.num_kv_heads),
-                    ("num_heads", cfg.num_heads), ("intermediate_dim", cfg.intermediate_dim)):
-        if n % size:
-            raise ValueError(f"inference.model_axis_size is {size}, which does not divide {what} ({n})")
-    return size
-
-
-def rollout_mapping(job, model_axis_size: int) -> dict:
-    from marinrl.inference import sharding
-
-    mapping = {axis: sharding.MODEL for axis in sharding.TENSOR_PARALLEL_AXES}
-    if job.model.vocab_size % model_axis_size == 0:
-        mapping["vocab"] = sharding.MODEL
-    return mapping
-
-
-# ------------------------------------------------------------------------------------------- estimates
-
-
 # ------------------------------------------------------------------------------------------- the plan
 
 
@@ -226,7 +180,7 @@ def _trainer_plan(job, n_devices: int, prompt_tokens: int, response_tokens: int,
     components = {"parameters": params, "gradients": grads,
                   "gradient_accumulator": grads if accumulating else 0.0,
                   "optimizer_state": shard_bytes(state.opt_state, mapping, mesh),
-                  "activations": slots * train_activation_bytes(job, mesh, length), **head}
+                  "activations": slots * train_activation_bytes(job, mesh, length, cpu), **head}
     estimated = ("activations", *head)
     compute = jnp.dtype(parse_mp(job.trainer.mp)["compute"])
     gathered = cpu and mesh["data"] * mesh["replica"] > 1
@@ -312,33 +266,67 @@ def scan_call_plan(job, prompt_tokens: int, response_tokens: int, mesh: Optional
                                 data=mesh["data"], model=mesh["model"])
 
 
-# ------------------------------------------------------------------------------- gradient checkpointing
+# ---------------------------------------------------------------------- gradient checkpointing, microbatch
 
 CHECKPOINTING_FIT_SHARE = 0.9
-"""`gradient_checkpointing: auto` turns recomputation off where the trainer's predicted peak without it fills at
-most this share of the device's memory; the rest is room for what the plan does not count (the compiled programs,
-the allocator's fragmentation). The plan errs high on a GPU, where XLA fuses more (docs/performance.md)."""
+"""`auto` takes a plan of the update only where its predicted peak fills at most this share of the device's
+memory; the rest is room for what the plan does not count (the compiled programs, the allocator's
+fragmentation). The plan errs high on a GPU, where XLA fuses more (docs/performance.md)."""
+MIN_MICROBATCH_TOKENS = 4096
+"""`per_device_parallelism: auto` with `gradient_checkpointing: auto` drops the recomputation by shrinking the
+microbatch only down to this many tokens per device (rows × the longest row); below, it keeps the larger
+microbatch and recomputes (one more forward: a third more FLOPs), since matmuls over fewer tokens than this
+leave an accelerator's compute units idle (an estimate, docs/training.md, "Memory of the update")."""
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckpointingChoice:
-    """What `gradient_checkpointing: auto` resolved to, and the numbers it was chosen from."""
+class UpdateMemoryChoice:
+    """What `gradient_checkpointing: auto` and `per_device_parallelism: auto` resolved to, and the numbers they
+    were chosen from."""
 
-    on: bool
+    on: Optional[bool]
+    """Gradient checkpointing as chosen; None: the config sets it (not `auto`)."""
     device_bytes: Optional[float]
     """The allocator's limit of one trainer device; None where unknown (a CPU)."""
     peak_without_bytes: Optional[float] = None
-    """The trainer's predicted peak per device with checkpointing off (None: not predicted, memory unknown)."""
+    """The predicted peak per device with checkpointing off at the chosen microbatch (at the smallest tried where
+    `auto` kept it on; None: not predicted)."""
+    microbatch_rows: Optional[int] = None
+    """Rows per device per microbatch as chosen (-1: the whole batch); None: the config sets it (not `auto`)."""
+    peak_bytes: Optional[float] = None
+    """The predicted peak per device of the chosen plan (None: memory unknown)."""
+
+    def lines(self) -> list[str]:
+        """One line per `auto` setting, for the run's log and the dry run's report."""
+        out = []
+        if self.device_bytes is None:
+            if self.on is not None:
+                out.append("gradient checkpointing on (auto): the trainer device's memory is unknown")
+            if self.microbatch_rows == -1:
+                out.append("microbatch: the whole batch (auto): the trainer device's memory is unknown")
+            elif self.microbatch_rows is not None:
+                out.append(f"microbatch {self.microbatch_rows} rows per device (auto): the trainer device's memory "
+                           f"is unknown, so at most {MIN_MICROBATCH_TOKENS:,} tokens a device")
+            return out
+        limit = self.device_bytes / GiB
+        if self.on is not None:
+            if self.on:
+                out.append(f"gradient checkpointing on (auto): predicted peak without it "
+                           f"{self.peak_without_bytes / GiB:.2f} GiB exceeds {CHECKPOINTING_FIT_SHARE:.0%} of "
+                           f"{limit:.2f} GiB")
+            else:
+                out.append(f"gradient checkpointing off (auto): predicted peak {self.peak_without_bytes / GiB:.2f} "
+                           f"GiB of {limit:.2f} GiB")
+        if self.microbatch_rows is not None:
+            fits = self.peak_bytes <= CHECKPOINTING_FIT_SHARE * self.device_bytes
+            peak = "" if self.on is False else (f": predicted peak {self.peak_bytes / GiB:.2f} GiB of {limit:.2f} GiB"
+                                               + ("" if fits else f", over {CHECKPOINTING_FIT_SHARE:.0%}: no "
+                                                                  f"smaller microbatch exists"))
+            out.append(f"microbatch {self.microbatch_rows} rows per device (auto){peak}")
+        return out
 
     def line(self) -> str:
-        """One line for the run's log and the dry run's report."""
-        if self.device_bytes is None:
-            return "gradient checkpointing on (auto): the trainer device's memory is unknown"
-        peak, limit = self.peak_without_bytes / GiB, self.device_bytes / GiB
-        if self.on:
-            return (f"gradient checkpointing on (auto): predicted peak without it {peak:.2f} GiB exceeds "
-                    f"{CHECKPOINTING_FIT_SHARE:.0%} of {limit:.2f} GiB")
-        return f"gradient checkpointing off (auto): predicted peak {peak:.2f} GiB of {limit:.2f} GiB"
+        return "; ".join(self.lines())
 
 
 def with_gradient_checkpointing(job, policy):
@@ -347,29 +335,77 @@ def with_gradient_checkpointing(job, policy):
     return dataclasses.replace(job, model=dataclasses.replace(job.model, model=model))
 
 
-def choose_gradient_checkpointing(job, device_bytes: Optional[float],
-                                  n_devices: Optional[int] = None) -> CheckpointingChoice:
-    """`auto`'s choice for `job`'s trainer on devices of `device_bytes` each (`n_devices`: the trainer's
-    placement): off where the predicted peak with checkpointing off fits `CHECKPOINTING_FIT_SHARE` of
-    `device_bytes`, else on; on where the memory is unknown. Predicted at the longest row the trainer's batches
-    hold (`batching.max_length`) and its microbatch (`trainer.per_device_parallelism`)."""
-    if not device_bytes:
-        return CheckpointingChoice(on=True, device_bytes=None)
+def with_microbatch(job, rows: int):
+    """`job` with `trainer.per_device_parallelism` set to `rows`."""
+    return dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, per_device_parallelism=rows))
+
+
+def _microbatch_candidates(job, n_devices: int) -> list[int]:
+    """Rows per device per microbatch `auto` may take, largest first: the divisors of a device's share of the
+    batch (the whole share first, as -1)."""
+    mesh = trainer_mesh(job, n_devices)
+    share = max(1, job.groups_per_step * job.n_generations // (mesh["data"] * mesh["replica"]))
+    return [-1] + [r for r in range(share // 2, 0, -1) if share % r == 0]
+
+
+def choose_update_memory(job, device_bytes: Optional[float], n_devices: Optional[int] = None,
+                         cpu: bool = False) -> UpdateMemoryChoice:
+    """`auto`'s choice for `job`'s trainer on devices of `device_bytes` each (`n_devices`: the trainer's placement),
+    predicted at the longest row its batches hold (`batching.max_length`). Gradient checkpointing `auto`: off where
+    the peak without it fits `CHECKPOINTING_FIT_SHARE` of the device, else on. `per_device_parallelism: auto`: the
+    largest microbatch that fits, preferring no recomputation (when that is `auto` too) down to
+    `MIN_MICROBATCH_TOKENS` a device; the smallest where nothing fits. Memory unknown: checkpointing on, and the
+    whole batch at once on a CPU (its memory is the host's), else the most rows per device holding at most
+    `MIN_MICROBATCH_TOKENS` (a dry run whose placement names no known device: the trainer itself reads its
+    device's limit). `cpu`: the trainer runs on CPU devices whatever its placement says."""
+    gc_auto = getattr(job.model.model, "gradient_checkpointing", None) == "auto"
+    mb_auto = job.trainer.per_device_parallelism == "auto"
+    n_devices = n_devices or trainer_devices(job)
     longest = job.batching.max_length  # prompt + response capped at max_length: the longest bucket
-    plan = predicted_memory(with_gradient_checkpointing(job, False), "trainer", n_devices, prompt_tokens=longest,
-                            response_tokens=longest)
-    peak = plan.peak_bytes_per_device
-    return CheckpointingChoice(on=peak > CHECKPOINTING_FIT_SHARE * device_bytes, device_bytes=float(device_bytes),
-                               peak_without_bytes=peak)
+    sizes = _microbatch_candidates(job, n_devices) if mb_auto else [job.trainer.per_device_parallelism]
+    if not device_bytes:
+        busy = next((r for r in sizes[1:] if r * longest <= MIN_MICROBATCH_TOKENS), sizes[-1])
+        rows = -1 if trainer_platform(job, cpu) == "cpu" else busy
+        return UpdateMemoryChoice(on=True if gc_auto else None, device_bytes=None,
+                                  microbatch_rows=rows if mb_auto else None)
+    limit = CHECKPOINTING_FIT_SHARE * device_bytes
+    policies = [False, True] if gc_auto else [job.model.model.gradient_checkpointing]
+
+    def peak(policy, rows) -> float:
+        seen = with_microbatch(with_gradient_checkpointing(job, policy), rows)
+        return predicted_memory(seen, "trainer", n_devices, prompt_tokens=longest,
+                                response_tokens=longest).peak_bytes_per_device
+
+    without = None
+    for policy in policies:
+        for rows in sizes:
+            if policy is False and gc_auto and mb_auto and rows != sizes[0] and \
+                    rows * longest < MIN_MICROBATCH_TOKENS:
+                break  # fewer tokens than pay for the recompute saved
+            p = peak(policy, rows)
+            if policy is False:
+                without = p
+            if p <= limit or (not mb_auto and policy is policies[-1]):
+                return UpdateMemoryChoice(on=bool(policy) if gc_auto else None, device_bytes=float(device_bytes),
+                                          peak_without_bytes=without, microbatch_rows=rows if mb_auto else None,
+                                          peak_bytes=p)
+    return UpdateMemoryChoice(on=bool(policies[-1]) if gc_auto else None, device_bytes=float(device_bytes),
+                              peak_without_bytes=without, microbatch_rows=sizes[-1], peak_bytes=p)
 
 
-def resolve_gradient_checkpointing(job, device_bytes: Optional[float], n_devices: Optional[int] = None):
-    """(`job` with `gradient_checkpointing: auto` replaced by `choose_gradient_checkpointing`'s bool, the
-    choice); a job that sets true, false or a policy comes back as it is, with None."""
-    if getattr(job.model.model, "gradient_checkpointing", None) != "auto":
+def resolve_update_memory(job, device_bytes: Optional[float], n_devices: Optional[int] = None, cpu: bool = False):
+    """(`job` with `gradient_checkpointing: auto` and `per_device_parallelism: auto` replaced by
+    `choose_update_memory`'s choice, the choice); a job that sets both comes back as it is, with None."""
+    gc_auto = getattr(job.model.model, "gradient_checkpointing", None) == "auto"
+    mb_auto = job.trainer.per_device_parallelism == "auto"
+    if not gc_auto and not mb_auto:
         return job, None
-    choice = choose_gradient_checkpointing(job, device_bytes, n_devices)
-    return with_gradient_checkpointing(job, choice.on), choice
+    choice = choose_update_memory(job, device_bytes, n_devices, cpu)
+    if gc_auto:
+        job = with_gradient_checkpointing(job, choice.on)
+    if mb_auto:
+        job = with_microbatch(job, choice.microbatch_rows)
+    return job, choice
 
 
 def default_response_tokens(job) -> int:
@@ -414,7 +450,7 @@ def predicted_memory(job, role: Role, n_devices: Optional[int] = None, *, prompt
         raise ValueError(f"predicted_memory: n_devices must be >= 1 or None, got {n_devices}")
     response = response_tokens or default_response_tokens(job)
     if role == "trainer":  # before the checkpoint's architecture takes the setting
-        job = resolve_gradient_checkpointing(job, trainer_device_bytes(job, cpu), n_devices)[0]
+        job = resolve_update_memory(job, trainer_device_bytes(job, cpu), n_devices, cpu)[0]
     job = _with_local_checkpoint_architecture(job)
     if role == "trainer":
         return _trainer_plan(job, n_devices or trainer_devices(job), prompt_tokens, response, cpu)

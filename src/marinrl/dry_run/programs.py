@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from marinrl.dry_run.engine_cache import abstract_engine_state, engine_sizing
-from marinrl.dry_run.memory import rollout_mapping
+from marinrl.dry_run.meshes import rollout_mapping
 from marinrl.dry_run.shapes import abstract_model
 from marinrl.job.plan import trainer_config
 from marinrl.levanter_configs import to_levanter

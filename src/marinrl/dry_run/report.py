@@ -12,10 +12,12 @@ import jax.numpy as jnp
 
 import marinrl.dry_run.flops as flops
 import marinrl.dry_run.memory as memory
+import marinrl.dry_run.meshes as meshes
 import marinrl.dry_run.programs as programs
 from marinrl.config.checks import require_at_least
 from marinrl.dry_run.engine_cache import trainer_device_bytes
 from marinrl.dry_run.shapes import GiB, abstract_model, count
+from marinrl.dry_run.working_set import trainer_attention
 from marinrl.levanter_configs import to_levanter
 
 
@@ -56,8 +58,8 @@ class DryRunReport:
     rows: int
     seconds: float
     gradient_checkpointing: str = ""
-    """The trainer's gradient checkpointing: `auto`'s choice with its numbers (`memory.CheckpointingChoice.line`),
-    else the policy the config sets."""
+    """The trainer's gradient checkpointing (and microbatch where `auto`): `auto`'s choice with its numbers
+    (`memory.UpdateMemoryChoice.line`), else the policy the config sets; and the attention its device runs."""
 
     def lines(self) -> list[str]:
         t, g = self.train_flops, self.generation_flops
@@ -103,8 +105,9 @@ class DryRunReport:
 
 def step_flops(job, shapes: DryRunShapes) -> tuple[flops.TrainFlops, flops.GenerationFlops]:
     """One train step's FLOPs and the generation FLOPs of its rollouts (every worker's), at `shapes`
-    (`gradient_checkpointing: auto` as the trainer placement's device resolves it)."""
-    job = memory.resolve_gradient_checkpointing(job, trainer_device_bytes(job))[0]
+    (`gradient_checkpointing: auto` and `per_device_parallelism: auto` as the trainer placement's device resolves
+    them)."""
+    job = memory.resolve_update_memory(job, trainer_device_bytes(job))[0]
     response = shapes.response_tokens or memory.default_response_tokens(job)
     dims = flops.ModelDims.of(to_levanter(job.model.model), job.model.vocab_size)
     rows = job.groups_per_step * job.n_generations
@@ -123,21 +126,23 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
     """Check `job`'s train step and its rollout backend's programs at its shapes, and predict memory and
     FLOPs (see the package doc). `job` is validated by the caller (`marinrl.recipe`). The process must have
     the trainer's device count (`ray.trainer.devices()`, 8 when it fixes none)."""
-    want = memory.trainer_devices(job)
+    want = meshes.trainer_devices(job)
     if len(jax.devices()) != want:
         raise RuntimeError(f"the dry run of this config needs {want} devices (ray.trainer: {job.ray.trainer}), this "
                            f"process has {len(jax.devices())}: run it through marinrl.recipe (it sets XLA_FLAGS="
                            f"--xla_force_host_platform_device_count={want} before JAX loads)")
     started = time.perf_counter()
     # `auto` resolved once, as the trainer will on the placement's device: every count below sees the choice
-    job, choice = memory.resolve_gradient_checkpointing(job, trainer_device_bytes(job), want)
-    checkpointing = choice.line() if choice is not None else _checkpointing_as_set(job)
+    job, choice = memory.resolve_update_memory(job, trainer_device_bytes(job), want)
+    checkpointing = _checkpointing_as_set(job) if choice is None or choice.on is None else ""
+    attention = f"attention {trainer_attention(job)} ({getattr(job.model.model, 'attn_backend', 'default')})"
+    checkpointing = "; ".join(x for x in (checkpointing, choice.line() if choice else "", attention) if x)
     response = shapes.response_tokens or memory.default_response_tokens(job)
     full = to_levanter(job.model.model)
     layers = min(shapes.layers, full.num_layers)
     trainer = memory.predicted_memory(job, "trainer", want, prompt_tokens=shapes.prompt_tokens,
                                       response_tokens=response)
-    n_rollout = memory.rollout_devices(job)
+    n_rollout = meshes.rollout_devices(job)
     if n_rollout > want:
         raise RuntimeError(f"ray.rollout gives a rollout worker {n_rollout} devices, more than this process's {want}")
     rollout = memory.predicted_memory(job, "rollout", n_rollout, prompt_tokens=shapes.prompt_tokens,

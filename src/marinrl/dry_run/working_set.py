@@ -12,22 +12,46 @@ from marinrl.config.trainer import parse_mp
 from marinrl.dry_run.engine_cache import engine_sizing
 from marinrl.dry_run.flops import ModelDims
 from marinrl.levanter_configs import to_levanter
-from marinrl.train.policy_forward import lm_head_block
+from marinrl.train.policy_forward import flash_block, lm_head_block
 
 
 def microbatch_rows_per_device(job, mesh: dict) -> int:
-    """Rows one device holds in one microbatch: `per_device_parallelism`, else its share of the batch."""
-    if job.trainer.per_device_parallelism > 0:
+    """Rows one device holds in one microbatch: `per_device_parallelism`, else (-1, an unresolved `auto`) its share
+    of the batch."""
+    if job.trainer.per_device_parallelism != "auto" and job.trainer.per_device_parallelism > 0:
         return job.trainer.per_device_parallelism
     return max(1, job.groups_per_step * job.n_generations // (mesh["data"] * mesh["replica"]))
 
 
-def train_activation_bytes(job, mesh: dict, length: int) -> float:
+def trainer_platform(job, cpu: bool = False) -> str:
+    """The trainer placement's device kind ("cpu", "gpu", "tpu"; `cpu`: fake CPU devices)."""
+    return "cpu" if cpu else job.ray.trainer.device[0]
+
+
+def trainer_attention(job, cpu: bool = False) -> str:
+    """The attention backend the trainer's model runs, by name (`config.model.attention_backend_on` for the
+    trainer placement's device kind), Transformer Engine taken as installed where it is installed here. A Levanter
+    `LmConfig` handed in by Python: its own `attn_backend` (None: Levanter's default)."""
+    import importlib.util
+
+    from marinrl.config.model import attention_backend_on
+
+    value = getattr(job.model.model, "attn_backend", None)
+    value = value if isinstance(value, str) else getattr(value, "value", "default")
+    return attention_backend_on(value, trainer_platform(job, cpu),
+                                importlib.util.find_spec("transformer_engine") is not None)
+
+
+def train_activation_bytes(job, mesh: dict, length: int, cpu: bool = False) -> float:
     """One microbatch's layer activations per device, from shapes (an estimate). With gradient checkpointing
     each layer keeps its input (rows × length × hidden, compute dtype) and one layer's working set is live
     at a time (~16 × rows × length × max(hidden, intermediate/2): q/k/v, the MLP's hidden units and their
-    gradients); without, every layer keeps its working set and its attention scores and probabilities
-    (rows × heads × length²). The LM head's share is `train_logits_bytes`."""
+    gradients); without, every layer keeps its working set, and under an attention that materializes them
+    (`config.model.keeps_attention_scores`) its scores and probabilities (rows × heads × length²);
+    a flash attention holds one block of one layer's at a time instead (rows × heads × block², the block of
+    `policy_forward.flash_block`). The LM head's share is `train_logits_bytes`."""
+    from marinrl.config.model import keeps_attention_scores
+
     cfg = to_levanter(job.model.model)
     rows = microbatch_rows_per_device(job, mesh)
     compute = np.dtype(parse_mp(job.trainer.mp)["compute"]).itemsize
@@ -35,11 +59,14 @@ def train_activation_bytes(job, mesh: dict, length: int) -> float:
     checkpointing = bool(getattr(cfg, "gradient_checkpointing", False))
     if checkpointing:
         return float(rows * length * cfg.hidden_dim * compute * cfg.num_layers + working)
-    # every layer keeps its attention scores (float32) and probabilities for the backward: Levanter's attention
-    # off a TPU without Transformer Engine materializes them (an H200's measured peak, 74.8 GiB for the 0.6B
-    # recipe's microbatch of 16 rows of 1024, was 1.76x the estimate without this term; 0.89x with it)
-    scores = rows * cfg.num_heads * length * length * (4 + compute) / mesh["model"]
-    return float((working + scores) * cfg.num_layers + working)
+    if keeps_attention_scores(trainer_attention(job, cpu), trainer_platform(job, cpu), length):
+        # every layer keeps its float32 scores and probabilities for the backward (an H200's measured peak,
+        # 74.8 GiB for the 0.6B recipe's microbatch of 16 rows of 1024 under the vanilla attention, was 1.76x
+        # the estimate without this term; 0.89x with it)
+        scores = rows * cfg.num_heads * length * length * (4 + compute) / mesh["model"]
+        return float((working + scores) * cfg.num_layers + working)
+    blocks = rows * cfg.num_heads * flash_block(length) ** 2 * (4 + compute) / mesh["model"]
+    return float(working * cfg.num_layers + working + blocks)
 
 
 LOGITS_BLOCKS_LIVE = 3

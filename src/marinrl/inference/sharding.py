@@ -84,7 +84,7 @@ def choose_model_axis_size(n_devices: int, kv_heads: int, heads: int, mlp: int, 
     """The default model axis on an accelerator: 1 (all devices data-parallel) when one device holds the model
     with room to spare (`DATA_PARALLEL_WEIGHT_SHARE` of `device_bytes`); else, or where the device's memory is
     unknown, the largest divisor of `n_devices` that splits the heads, KV heads and MLP evenly. The dry run
-    (`dry_run.memory.rollout_model_axis_size`) chooses with the same function."""
+    (`dry_run.meshes.rollout_model_axis_size`) chooses with the same function."""
     if device_bytes and weights_bytes <= DATA_PARALLEL_WEIGHT_SHARE * device_bytes:
         return 1
     return max(d for d in range(1, n_devices + 1)

@@ -49,22 +49,33 @@ def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = 
     """The trainer's config of `policy_model` (one of `policies.trainers(job)`; default: the job's first, its only
     one without several): the model's own parts from its view (a trainer of several adapters on one base: each
     adapter's rollout files and weight stream), the rest from the job. Built in the trainer's process:
-    `model.model.gradient_checkpointing: auto` is resolved here, once, from the memory of `device_bytes`
-    (default: this process's device, `local_device_bytes`), and the choice logged."""
+    `model.model.gradient_checkpointing: auto` and `trainer.per_device_parallelism: auto` are resolved here, once,
+    from the memory of `device_bytes` (default: this process's device, `local_device_bytes`), and the choice
+    logged."""
     from marinrl.config.train_worker import AdapterSlotConfig, TrainWorkerConfig
 
     m = policy_model if policy_model is not None else trainers(job)[0]
     model = m.model
-    if getattr(model.model, "gradient_checkpointing", None) == "auto":
-        from marinrl.dry_run.memory import resolve_gradient_checkpointing
+    if getattr(model.model, "gradient_checkpointing", None) == "auto" or job.trainer.per_device_parallelism == "auto":
+        from marinrl.dry_run.memory import resolve_update_memory
 
         # the estimate reads the job as this model's trainer runs it
         seen = dataclasses.replace(job, model=model, optimizer=m.optimizer, loss=m.loss, lora=m.lora, policies={})
-        seen, choice = resolve_gradient_checkpointing(
-            seen, device_bytes if device_bytes is not None else local_device_bytes())
-        model = seen.model
-        logger.info("%s", choice.line())
-        print(f"[marinrl] {choice.line()}", flush=True)
+        if device_bytes is None:
+            import jax
+
+            device_bytes, on_cpu = local_device_bytes(), jax.default_backend() == "cpu"
+        else:
+            on_cpu = False
+        seen, choice = resolve_update_memory(seen, device_bytes, cpu=on_cpu)
+        model, job = seen.model, dataclasses.replace(job, trainer=seen.trainer)
+        for line in choice.lines():
+            logger.info("%s", line)
+            print(f"[marinrl] {line}", flush=True)
+    if getattr(model.model, "attn_backend", None) == "auto":
+        line = attention_line(model.model.attn_backend)
+        logger.info("%s", line)
+        print(f"[marinrl] {line}", flush=True)
     adapters = tuple(AdapterSlotConfig(a.name, a.rollout_root, a.weights, a.policies, a.lora) for a in m.adapters)
     return TrainWorkerConfig(
         rollout_root=m.rollout_root, weights=m.weights, model=model, adapters=adapters,
@@ -74,6 +85,20 @@ def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = 
         checkpoint_every=job.checkpoint_every, checkpoint_keep=job.checkpoint_keep,
         checkpoint_keep_every=job.checkpoint_keep_every, lora=m.lora, policies=m.policies,
         publish_dtype=job.rollout_dtype(), audit_root=f"{m.run_dir}/trained")
+
+
+def attention_line(setting: str) -> str:
+    """The attention `model.model.attn_backend: setting` runs in this process, in one line for the run's log."""
+    import importlib.util
+
+    import jax
+
+    from marinrl.config.model import attention_backend_on
+
+    platform = jax.default_backend()
+    te = importlib.util.find_spec("transformer_engine") is not None
+    where = platform if platform != "gpu" else f"gpu, Transformer Engine {'installed' if te else 'not installed'}"
+    return f"attention {attention_backend_on(setting, platform, te)} ({setting} on {where})"
 
 
 def local_device_bytes() -> Optional[float]:

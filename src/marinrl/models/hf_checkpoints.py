@@ -136,19 +136,19 @@ def load_hf_checkpoint(
     dtype=jnp.float32,
     axis_mapping=None,
     mesh: Optional[jax.sharding.Mesh] = None,
-    gradient_checkpointing: Optional[bool] = None,
+    overrides: Optional[dict] = None,
 ) -> LmHeadModel:
     """Load a Hugging Face checkpoint directory (local or fsspec URL): each process reads the rows of each
     safetensors tensor its devices hold (`_read_state_dict`), Levanter's converter maps them onto the model.
 
     The architecture comes from its config.json; the vocabulary keeps the checkpoint's size. Weights are
     read in `dtype` onto `mesh` (default: the mesh in context, else one device) and sharded by
-    `axis_mapping` (default: the mapping in context, else replicated). `gradient_checkpointing`, a
-    Levanter-only knob, overrides the family's default when not None."""
+    `axis_mapping` (default: the mapping in context, else replicated). `overrides`: fields of the
+    Levanter config set over the family's defaults (Levanter-only knobs: `gradient_checkpointing`,
+    `attn_backend`); one the family's config lacks is skipped."""
     hf_config = read_hf_config(path)
     config = levanter_config(hf_config, path)
-    if gradient_checkpointing is not None and hasattr(config, "gradient_checkpointing"):
-        config = dataclasses.replace(config, gradient_checkpointing=gradient_checkpointing)
+    config = dataclasses.replace(config, **{k: v for k, v in (overrides or {}).items() if hasattr(config, k)})
     # The converter wants a tokenizer to size the vocabulary; we keep the checkpoint's size instead.
     converter = HFCheckpointConverter(
         type(config), reference_checkpoint=path, HfConfigClass=type(hf_config), tokenizer=byte_tokenizer(512)

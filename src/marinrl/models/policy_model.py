@@ -28,7 +28,7 @@ from levanter.models.lm_model import LmConfig, LmHeadModel
 from transformers import PreTrainedTokenizerBase
 
 from marinrl.config.model import ModelConfig
-from marinrl.levanter_configs import gradient_checkpointing_policy, to_levanter
+from marinrl.levanter_configs import attention_backend, gradient_checkpointing_policy, to_levanter
 from marinrl.models.hf_checkpoints import default_mesh as _default_mesh
 from marinrl.models.hf_checkpoints import has_tokenizer as _has_tokenizer
 from marinrl.models.hf_checkpoints import load_hf_checkpoint
@@ -57,7 +57,7 @@ def build_model(config: ModelConfig, *, axis_mapping=None, mesh=None, dtype=None
     dtype = jnp.dtype(dtype or config.dtype)
     if config.hf_checkpoint:
         return load_hf_checkpoint(config.hf_checkpoint, dtype=dtype, axis_mapping=axis_mapping, mesh=mesh,
-                                  gradient_checkpointing=_checkpointing(config))
+                                  overrides=_levanter_knobs(config))
     if config.levanter_checkpoint:
         return load_levanter_checkpoint(
             config.levanter_checkpoint, model_config=None, vocab_size=None, dtype=dtype, fallback=config,
@@ -81,10 +81,8 @@ def model_architecture(config: ModelConfig) -> tuple[LmConfig, int]:
 
         hf_config = read_hf_config(config.hf_checkpoint)
         lev = levanter_config(hf_config, config.hf_checkpoint)
-        gc = _checkpointing(config)
-        if gc is not None and hasattr(lev, "gradient_checkpointing"):
-            lev = dataclasses.replace(lev, gradient_checkpointing=gc)
-        return lev, int(hf_config.vocab_size)
+        knobs = {k: v for k, v in _levanter_knobs(config).items() if hasattr(lev, k)}
+        return dataclasses.replace(lev, **knobs), int(hf_config.vocab_size)
     if config.levanter_checkpoint:
         step_dir = discover_latest_checkpoint(config.levanter_checkpoint)
         saved = _read_model_config(step_dir) if step_dir else None
@@ -93,9 +91,15 @@ def model_architecture(config: ModelConfig) -> tuple[LmConfig, int]:
     return to_levanter(config.model), config.vocab_size
 
 
-def _checkpointing(config: ModelConfig):
-    """The checkpointing policy an HF checkpoint's model takes from `config.model` (None: the checkpoint's own)."""
-    return gradient_checkpointing_policy(getattr(config.model, "gradient_checkpointing", None))
+def _levanter_knobs(config: ModelConfig) -> dict:
+    """The Levanter-only knobs an HF checkpoint's model takes from `config.model` (its gradient checkpointing and
+    attention backend, as Levanter takes them); a knob `config.model` lacks keeps the checkpoint family's own."""
+    knobs = {}
+    if getattr(config.model, "gradient_checkpointing", None) is not None:
+        knobs["gradient_checkpointing"] = gradient_checkpointing_policy(config.model.gradient_checkpointing)
+    if isinstance(getattr(config.model, "attn_backend", None), str):
+        knobs["attn_backend"] = attention_backend(config.model.attn_backend)
+    return knobs
 
 
 def abstract_model(config: ModelConfig, dtype=None) -> LmHeadModel:

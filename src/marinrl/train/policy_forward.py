@@ -10,6 +10,7 @@ prompt's last position, computed once and gathered for each response.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import haliax as hax
 import jax
@@ -19,6 +20,7 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
 
+from marinrl.config.model import FLASH_MAX_BLOCK
 from marinrl.train.batching import BATCH, POSITION, TrainingBatch
 from marinrl.train.flat_dots import flat_token_dots
 
@@ -42,6 +44,45 @@ def lm_head_block(cross_entropy_block_size: int | None, vocab_size: int) -> int:
     if vocab_size // block == 1 and vocab_size % block:
         block = vocab_size // 2
     return block
+
+
+def flash_block(length: int) -> int:
+    """The key block of the JAX flash attention for rows of `length` positions: the largest divisor of `length`
+    up to `FLASH_MAX_BLOCK`. Levanter's flash attention needs a row that is a multiple of its block (a 1,536-token
+    row under its default block of 1,024 raises) and runs the vanilla attention, which keeps every layer's
+    scores, for a row shorter than one block: one block of the whole row keeps only its output and log-sum-exp."""
+    return next(b for b in range(min(length, FLASH_MAX_BLOCK), 0, -1) if length % b == 0)
+
+
+def with_flash_blocks(model: LmHeadModel, length: int, platform: str | None = None) -> LmHeadModel:
+    """`model` whose attention layers that run Levanter's JAX flash attention with no block of their own take
+    `flash_block(length)` (inside the traced loss only, as `flat_token_dots`: the model the trainer holds keeps
+    its config). On a CPU (`platform`, default JAX's backend) a row shorter than `FLASH_MAX_BLOCK` keeps
+    Levanter's vanilla attention: there the one-block flash attention took 1.2x the update's time at the reference
+    shape (docs/training.md, "Attention in the update"); a longer row takes the block, where Levanter's own would
+    raise unless the row is a multiple of 1,024. Other backends are unchanged."""
+    from levanter.layers.attention import Attention, AttentionBackend
+
+    if (platform or jax.default_backend()) == "cpu" and length < FLASH_MAX_BLOCK:
+        return model
+    flash = (AttentionBackend.JAX_FLASH,) + ((None, AttentionBackend.DEFAULT) if default_is_jax_flash() else ())
+
+    def blocked(x):
+        config = getattr(x, "config", None)
+        if not isinstance(x, Attention) or config.attn_backend not in flash or \
+                config.flash_attention_block_size is not None:
+            return x
+        block = flash_block(length)
+        return dataclasses.replace(x, config=dataclasses.replace(config, flash_attention_block_size=block))
+
+    return jax.tree_util.tree_map(blocked, model, is_leaf=lambda x: isinstance(x, Attention))
+
+
+def default_is_jax_flash() -> bool:
+    """Whether Levanter's default attention here is its JAX flash attention (on a CPU)."""
+    from levanter.layers.attention import AttentionBackend, default_attention_type
+
+    return default_attention_type() == AttentionBackend.JAX_FLASH
 
 
 KEY_POSITION = "key_position"
@@ -119,6 +160,7 @@ def policy_forward(
     backward of Levanter's blockwise loss is traced outside this precision scope and runs at the default:
     the gradients' rounding is the compute dtype's either way."""
     model = flat_token_dots(model)  # 2-D projections on the CPU: docs/performance.md, "The update"
+    model = with_flash_blocks(model, batch.input_ids.resolve_axis(POSITION).size)
     out = model.activations(batch.input_ids, attention_mask(batch), key=key, pos_ids=batch.position_ids)
     aux: jax.Array | float = 0.0
     if isinstance(out, tuple):  # mixture-of-experts models return (activations, load-balancing loss)
