@@ -143,7 +143,7 @@ def test_dry_run(name):
     assert report["backend"] == backend and f"rollout backend: {backend}" in text
     # the trainer's attention: `auto`, a flash attention on the placement's device kind
     kind = config.ray.trainer.device[0]
-    assert f"; attention {'splash' if kind == 'tpu' else 'jax_flash'} (auto)" in report["gradient_checkpointing"]
+    assert f"; attention {'splash' if kind == 'tpu' else 'jax_flash'} (auto)" in report["trainer_settings"]
     programs = {p["name"]: p for p in report["programs"]}
     rollout_programs = ["scan sampler"] if backend == "scan" else ["engine prefill", "engine decode loop"]
     assert list(programs) == ["train step", *rollout_programs]
@@ -166,7 +166,7 @@ def test_dry_run(name):
 
     # FLOPs: the MFU convention within its attention share of 6·N·T, the recompute on top where `auto` keeps
     # gradient checkpointing on the placement's device (the report says which, and why)
-    choice = report["gradient_checkpointing"]
+    choice = report["trainer_settings"]
     assert choice.startswith(("gradient checkpointing on (auto)", "gradient checkpointing off (auto)"))
     assert f"[dry run] trainer {choice}" in text
     tf, gf = report["train_flops"], report["generation_flops"]

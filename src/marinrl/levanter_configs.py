@@ -31,21 +31,18 @@ def gradient_checkpointing_policy(value: Any) -> Any:
 
 def attention_backend(value: Any) -> Any:
     """`model.attn_backend` as Levanter takes it (an `AttentionBackend`) for a model built in this process:
-    `auto` resolved for this process's device (`config.model.attention_backend_on`); None and Levanter's own
+    `auto` resolved for this process's device (`config.model.attention_backend_here`); None and Levanter's own
     enum pass through."""
     if not isinstance(value, str):
         return value
-    import importlib.util
-
     import jax
     from levanter.layers.attention import AttentionBackend
 
-    from marinrl.config.model import attention_backend_on
+    from marinrl.config.model import attention_backend_here
 
     if value == "default":
         return AttentionBackend.DEFAULT
-    te = importlib.util.find_spec("transformer_engine") is not None
-    return AttentionBackend(attention_backend_on(value, jax.devices()[0].platform, te))
+    return AttentionBackend(attention_backend_here(value, jax.default_backend()))
 
 
 def _converted(field: str, value: Any) -> Any:

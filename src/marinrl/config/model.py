@@ -40,6 +40,14 @@ def attention_backend_on(value: str, platform: str, transformer_engine: bool) ->
     return value
 
 
+def attention_backend_here(value: str, platform: str) -> str:
+    """`attention_backend_on` for a `platform` device of this Python environment (Transformer Engine installed or
+    not here: found without importing it)."""
+    import importlib.util
+
+    return attention_backend_on(value, platform, importlib.util.find_spec("transformer_engine") is not None)
+
+
 def keeps_attention_scores(backend: str, platform: str, length: int) -> bool:
     """Whether the update under `backend` (`attention_backend_on`'s name) keeps every layer's
     [rows, heads, length, length] scores for the backward at rows of `length`: the vanilla attention does, and so

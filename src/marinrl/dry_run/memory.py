@@ -86,6 +86,7 @@ from marinrl.dry_run.meshes import (
 )
 from marinrl.dry_run.shapes import GiB, abstract_model, cast_floats, shard_bytes, total_bytes
 from marinrl.dry_run.working_set import (
+    microbatch_rows_per_device,
     rollout_working_set_bytes,
     train_activation_bytes,
     train_logits_bytes,
@@ -343,8 +344,7 @@ def with_microbatch(job, rows: int):
 def _microbatch_candidates(job, n_devices: int) -> list[int]:
     """Rows per device per microbatch `auto` may take, largest first: the divisors of a device's share of the
     batch (the whole share first, as -1)."""
-    mesh = trainer_mesh(job, n_devices)
-    share = max(1, job.groups_per_step * job.n_generations // (mesh["data"] * mesh["replica"]))
+    share = microbatch_rows_per_device(with_microbatch(job, -1), trainer_mesh(job, n_devices))
     return [-1] + [r for r in range(share // 2, 0, -1) if share % r == 0]
 
 

@@ -17,7 +17,7 @@ import marinrl.dry_run.programs as programs
 from marinrl.config.checks import require_at_least
 from marinrl.dry_run.engine_cache import trainer_device_bytes
 from marinrl.dry_run.shapes import GiB, abstract_model, count
-from marinrl.dry_run.working_set import trainer_attention
+from marinrl.dry_run.working_set import attention_setting, trainer_attention
 from marinrl.levanter_configs import to_levanter
 
 
@@ -57,7 +57,7 @@ class DryRunReport:
     row_length: int
     rows: int
     seconds: float
-    gradient_checkpointing: str = ""
+    trainer_settings: str = ""
     """The trainer's gradient checkpointing (and microbatch where `auto`): `auto`'s choice with its numbers
     (`memory.UpdateMemoryChoice.line`), else the policy the config sets; and the attention its device runs."""
 
@@ -71,8 +71,8 @@ class DryRunReport:
                     if p.compiled else "")
             out.append(f"[dry run] {p.name}: {what} with {p.layers} of the model's layers on {p.devices} devices, "
                        f"mesh {p.mesh} ({p.lower_seconds:.1f} s + {p.compile_seconds:.1f} s){temp}")
-        if self.gradient_checkpointing:
-            out.append(f"[dry run] trainer {self.gradient_checkpointing}")
+        if self.trainer_settings:
+            out.append(f"[dry run] trainer {self.trainer_settings}")
         for plan in (self.trainer, self.rollout):
             parts = ", ".join(f"{name} {b / GiB:.3f}{' (estimate)' if name in plan.estimated else ''}"
                               for name, b in plan.bytes_per_device.items())
@@ -99,7 +99,7 @@ class DryRunReport:
             "rollout_workers": self.rollout_workers, "total_params": self.total_params,
             "prompt_tokens": self.prompt_tokens, "response_tokens": self.response_tokens,
             "row_length": self.row_length, "rows": self.rows, "seconds": self.seconds,
-            "gradient_checkpointing": self.gradient_checkpointing,
+            "trainer_settings": self.trainer_settings,
         }
 
 
@@ -134,9 +134,9 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
     started = time.perf_counter()
     # `auto` resolved once, as the trainer will on the placement's device: every count below sees the choice
     job, choice = memory.resolve_update_memory(job, trainer_device_bytes(job), want)
-    checkpointing = _checkpointing_as_set(job) if choice is None or choice.on is None else ""
-    attention = f"attention {trainer_attention(job)} ({getattr(job.model.model, 'attn_backend', 'default')})"
-    checkpointing = "; ".join(x for x in (checkpointing, choice.line() if choice else "", attention) if x)
+    settings = _checkpointing_as_set(job) if choice is None or choice.on is None else ""
+    attention = f"attention {trainer_attention(job)} ({attention_setting(job.model.model)})"
+    settings = "; ".join(x for x in (settings, choice.line() if choice else "", attention) if x)
     response = shapes.response_tokens or memory.default_response_tokens(job)
     full = to_levanter(job.model.model)
     layers = min(shapes.layers, full.num_layers)
@@ -168,5 +168,5 @@ def dry_run(job, shapes: DryRunShapes = DryRunShapes()) -> DryRunReport:
         train_flops=train, generation_flops=generation,
         rollout_workers=job.n_rollout_workers, total_params=count(abstract), prompt_tokens=shapes.prompt_tokens,
         response_tokens=response, row_length=length, rows=rows, seconds=time.perf_counter() - started,
-        gradient_checkpointing=checkpointing)
+        trainer_settings=settings)
 

@@ -30,16 +30,19 @@ def trainer_platform(job, cpu: bool = False) -> str:
 
 def trainer_attention(job, cpu: bool = False) -> str:
     """The attention backend the trainer's model runs, by name (`config.model.attention_backend_on` for the
-    trainer placement's device kind), Transformer Engine taken as installed where it is installed here. A Levanter
-    `LmConfig` handed in by Python: its own `attn_backend` (None: Levanter's default)."""
-    import importlib.util
+    trainer placement's device kind), Transformer Engine taken as installed where it is installed here
+    (`attention_backend_here`). A Levanter `LmConfig` handed in by Python: its own `attn_backend` (None:
+    Levanter's default)."""
+    from marinrl.config.model import attention_backend_here
 
-    from marinrl.config.model import attention_backend_on
+    return attention_backend_here(attention_setting(job.model.model), trainer_platform(job, cpu))
 
-    value = getattr(job.model.model, "attn_backend", None)
-    value = value if isinstance(value, str) else getattr(value, "value", "default")
-    return attention_backend_on(value, trainer_platform(job, cpu),
-                                importlib.util.find_spec("transformer_engine") is not None)
+
+def attention_setting(architecture) -> str:
+    """`attn_backend` of a marinrl architecture (`auto`, a backend's name) or of a Levanter `LmConfig` (its enum's
+    name; None: `default`)."""
+    value = getattr(architecture, "attn_backend", None)
+    return value if isinstance(value, str) else getattr(value, "value", "default")
 
 
 def train_activation_bytes(job, mesh: dict, length: int, cpu: bool = False) -> float:

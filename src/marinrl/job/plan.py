@@ -89,16 +89,12 @@ def train_worker_config(job: RLJobConfig, policy_model: Optional[PolicyModel] = 
 
 def attention_line(setting: str) -> str:
     """The attention `model.model.attn_backend: setting` runs in this process, in one line for the run's log."""
-    import importlib.util
-
     import jax
 
-    from marinrl.config.model import attention_backend_on
+    from marinrl.config.model import attention_backend_here
 
     platform = jax.default_backend()
-    te = importlib.util.find_spec("transformer_engine") is not None
-    where = platform if platform != "gpu" else f"gpu, Transformer Engine {'installed' if te else 'not installed'}"
-    return f"attention {attention_backend_on(setting, platform, te)} ({setting} on {where})"
+    return f"attention {attention_backend_here(setting, platform)} ({setting} on {platform})"
 
 
 def local_device_bytes() -> Optional[float]:

@@ -20,7 +20,7 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 from levanter.models.loss import fused_cross_entropy_loss_and_logsumexp_penalty
 
-from marinrl.config.model import FLASH_MAX_BLOCK
+from marinrl.config.model import FLASH_MAX_BLOCK, keeps_attention_scores
 from marinrl.train.batching import BATCH, POSITION, TrainingBatch
 from marinrl.train.flat_dots import flat_token_dots
 
@@ -63,8 +63,8 @@ def with_flash_blocks(model: LmHeadModel, length: int, platform: str | None = No
     raise unless the row is a multiple of 1,024. Other backends are unchanged."""
     from levanter.layers.attention import Attention, AttentionBackend
 
-    if (platform or jax.default_backend()) == "cpu" and length < FLASH_MAX_BLOCK:
-        return model
+    if keeps_attention_scores("jax_flash", platform or jax.default_backend(), length):
+        return model  # Levanter's vanilla fallback, as the dry run's estimate counts it
     flash = (AttentionBackend.JAX_FLASH,) + ((None, AttentionBackend.DEFAULT) if default_is_jax_flash() else ())
 
     def blocked(x):
